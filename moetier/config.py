@@ -1,0 +1,51 @@
+"""Engine-wide settings shared by the offline API, the CLI and the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moetier.errors import ConfigError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(value: str | torch.dtype | None, default: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """Turn a user-facing dtype name ('bf16', 'float32', ...) into a torch dtype."""
+    if value is None or value == "auto":
+        return default
+    if isinstance(value, torch.dtype):
+        if value not in DTYPES.values():
+            raise ConfigError(f"unsupported dtype {value}; use one of bf16, fp16, fp32")
+        return value
+    try:
+        return DTYPES[value.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {value!r}; use one of bf16, fp16, fp32") from None
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class ModelLoadConfig:
+    """How to load a checkpoint: compute dtype, device and the longest sequence the caches must hold."""
+
+    dtype: torch.dtype = torch.bfloat16
+    device: torch.device | str = "cpu"
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        self.dtype = parse_dtype(self.dtype)
+        self.device = torch.device(self.device)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -1,0 +1,45 @@
+"""Contiguous per-sequence KV caches for the simple generation loop (the paged engine replaces them)."""
+
+from __future__ import annotations
+
+import torch
+
+from moetier.errors import ConfigError
+from moetier.models.base import SequenceCache
+
+
+class ContiguousKVCache(SequenceCache):
+    """Preallocated ``[heads, max_tokens, dim]`` key and value tensors for every layer.
+
+    Layers write at ``self.length`` during a forward; the model advances ``length`` once per
+    forward via :meth:`advance`, after all layers have written.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        max_tokens: int,
+        key_dim: int,
+        value_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.length = 0
+        self.max_tokens = max_tokens
+        self.keys = [torch.empty(kv_heads, max_tokens, key_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [
+            torch.empty(kv_heads, max_tokens, value_dim, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``key``/``value`` (``[heads, T, dim]``) after the cached tokens; return all keys/values so far."""
+        end = self.length + key.shape[1]
+        if end > self.max_tokens:
+            raise ConfigError(f"sequence of {end} tokens exceeds the cache size {self.max_tokens}")
+        self.keys[layer][:, self.length : end] = key
+        self.values[layer][:, self.length : end] = value
+        return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens

@@ -1,0 +1,64 @@
+"""The one door between a model's MoE layers and wherever the routed experts live."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from moetier.tiers.experts import ExpertStore, swiglu_expert
+
+
+class ExpertDispatcher(ABC):
+    """Computes the routed-expert part of one MoE layer.
+
+    Contract: ``dispatch(layer, hidden, topk_ids, topk_weights)`` with ``hidden`` ``[T, H]``,
+    ``topk_ids`` ``[T, K]`` (int64 expert indices of that layer) and ``topk_weights`` ``[T, K]``
+    returns ``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t])`` as ``[T, H]`` in
+    ``hidden.dtype`` on ``hidden.device``. Implementations may place and run experts anywhere
+    (VRAM, CPU, streamed) but must agree with :func:`swiglu_expert` to the tolerance their tests
+    state. Models call only this; they never learn where an expert lives.
+    """
+
+    def __init__(self, store: ExpertStore) -> None:
+        self.store = store
+
+    @abstractmethod
+    def dispatch(
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class ResidentDispatcher(ExpertDispatcher):
+    """All experts live on the compute device; each active expert runs once over its tokens."""
+
+    def dispatch(
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        limit = self.store.layout.swiglu_limit
+        flat_ids = topk_ids.reshape(-1)
+        # Sorting the (token, slot) pairs by expert gives each expert one contiguous run of tokens.
+        order = torch.argsort(flat_ids, stable=True)
+        experts, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
+        token_of_pair = order // topk_ids.shape[1]
+        weight_of_pair = topk_weights.reshape(-1)[order]
+        start = 0
+        for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
+            tokens = token_of_pair[start : start + count]
+            weights = weight_of_pair[start : start + count, None]
+            y = swiglu_expert(hidden[tokens], self.store.expert(layer, expert), limit) * weights
+            out.index_add_(0, tokens, y.to(out.dtype))
+            start += count
+        return out
+
+
+DISPATCHERS: dict[str, Callable[[ExpertStore], ExpertDispatcher]] = {"resident": ResidentDispatcher}
+
+
+def make_dispatcher(name: str, store: ExpertStore) -> ExpertDispatcher:
+    try:
+        return DISPATCHERS[name](store)
+    except KeyError:
+        raise ValueError(f"unknown dispatcher {name!r}; known: {sorted(DISPATCHERS)}") from None

@@ -1,0 +1,180 @@
+"""Build a model from a checkpoint folder, streaming tensors one by one into their final place.
+
+Peak host memory stays near the model size: parameters are allocated once (from a meta-device
+skeleton) and each stored tensor is read, decoded and copied into its destination before the
+next one is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from moetier.config import ModelLoadConfig
+from moetier.errors import CheckpointError
+from moetier.models import CausalLM, model_class_for
+from moetier.models.base import ExpertTarget, IgnoreTarget, ParamTarget
+from moetier.tiers.dispatcher import make_dispatcher
+from moetier.tiers.experts import BlockAllocator, ExpertStore, device_allocator
+from moetier.weights.checkpoint import Checkpoint
+from moetier.weights.formats import format_for
+
+
+@dataclass
+class LoadedModel:
+    """A ready model plus what it was built from."""
+
+    model: CausalLM
+    store: ExpertStore
+    checkpoint: Checkpoint
+    hf_config: dict[str, Any]
+
+
+def load_model(
+    path: str | Path,
+    load_config: ModelLoadConfig | None = None,
+    dispatcher: str = "resident",
+    expert_allocator: BlockAllocator | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load ``path`` (a Hugging Face folder) into a model whose experts sit behind ``dispatcher``."""
+    cfg = load_config or ModelLoadConfig()
+    ckpt = Checkpoint(path)
+    cls = model_class_for(ckpt.architectures)
+    try:
+        family_config = cls.config_from_hf(ckpt.config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{ckpt.path / 'config.json'}: invalid {cls.__name__} config ({exc})") from None
+    store = ExpertStore(cls.expert_layout(family_config), cfg.dtype, expert_allocator or device_allocator(cfg.device))
+    with torch.device("meta"):
+        model = cls(family_config, make_dispatcher(dispatcher, store))
+    _materialize(model, cfg.dtype, cfg.device)
+    _StreamingLoader(model, store, ckpt, cfg.dtype).run(progress)
+    model.eval()
+    model.post_load()
+    return LoadedModel(model=model, store=store, checkpoint=ckpt, hf_config=ckpt.config)
+
+
+def _materialize(model: CausalLM, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace meta tensors with real (uninitialised) ones of the load dtype, fp32 where the model asks."""
+    for module_name, module in model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is None:
+                    continue
+                full_name = f"{module_name}.{name}" if module_name else name
+                target = tensor.dtype
+                if tensor.is_floating_point():
+                    keep = any(pattern in full_name for pattern in model.keep_fp32)
+                    target = torch.float32 if keep else dtype
+                real = torch.empty(tensor.shape, dtype=target, device=device)
+                table[name] = nn.Parameter(real, requires_grad=False) if table is module._parameters else real
+
+
+class _StreamingLoader:
+    """Copies each checkpoint tensor into its model parameter or expert block, checking shapes."""
+
+    def __init__(self, model: CausalLM, store: ExpertStore, ckpt: Checkpoint, dtype: torch.dtype) -> None:
+        self.model, self.store, self.ckpt, self.dtype = model, store, ckpt, dtype
+        self.params = dict(model.named_parameters()) | dict(model.named_buffers())
+        self.loaded_params: set[str] = set()
+        self.expert_parts: dict[tuple[int, int], set[str]] = {}
+
+    def run(self, progress: bool) -> None:
+        formats = {name: format_for(name, self.ckpt) for name in self.ckpt.names()}
+        companions = {c for name, fmt in formats.items() for c in fmt.companions(name)}
+        names = [n for n in self.ckpt.names() if n not in companions]
+        total = sum(self.ckpt.tensors[n].nbytes for n in names)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress) as bar:
+            for name in names:
+                self._load_one(name, formats[name])
+                bar.update(self.ckpt.tensors[name].nbytes)
+        self._apply_ties()
+        self._check_complete()
+
+    def _load_one(self, name: str, fmt) -> None:
+        try:
+            target = self.model.map_checkpoint_name(name)
+        except KeyError:
+            raise CheckpointError(
+                f"{self.ckpt.path}: tensor {name} is not part of {type(self.model).__name__}; "
+                "does config.json describe these weights?"
+            ) from None
+        if isinstance(target, IgnoreTarget):
+            return
+        missing = [c for c in fmt.companions(name) if not self.ckpt.has(c)]
+        if missing:
+            raise CheckpointError(f"{self.ckpt.path}: {name} is {fmt.name}-quantised but {missing[0]} is missing")
+        stored = self.ckpt.get(name)
+        extra = [self.ckpt.get(c) for c in fmt.companions(name)]
+        if isinstance(target, ParamTarget):
+            self._copy_param(name, target.name, stored, extra, fmt)
+        else:
+            dense = fmt.dequantize(stored, extra, self.store.dtype)
+            self._copy_expert(name, target, dense)
+
+    def _copy_param(self, name: str, param_name: str, stored, extra, fmt) -> None:
+        dest = self.params.get(param_name)
+        if dest is None:
+            raise CheckpointError(f"{self.ckpt.path}: tensor {name} maps to unknown parameter {param_name}")
+        dense = fmt.dequantize(stored, extra, dest.dtype)
+        _check_shape(self.ckpt, name, tuple(dense.shape), tuple(dest.shape))
+        with torch.no_grad():
+            dest.copy_(dense)
+        self.loaded_params.add(param_name)
+
+    def _copy_expert(self, name: str, target: ExpertTarget, dense: torch.Tensor) -> None:
+        layout = self.store.layout
+        experts = range(layout.num_experts) if target.expert is None else [target.expert]
+        for index, expert in enumerate(experts):
+            piece = dense[index] if target.expert is None else dense
+            try:
+                weights = self.store.block_for_loading(target.layer, expert)
+            except KeyError as exc:
+                raise CheckpointError(f"{self.ckpt.path}: tensor {name}: {exc.args[0]}") from None
+            inter = layout.intermediate_size
+            dest = {
+                "gate": weights.gate_up[:inter],
+                "up": weights.gate_up[inter:],
+                "gate_up": weights.gate_up,
+                "down": weights.down,
+            }[target.part]
+            expected = (len(experts), *dest.shape) if target.expert is None else tuple(dest.shape)
+            _check_shape(self.ckpt, name, tuple(dense.shape), expected)
+            dest.copy_(piece)
+            parts = self.expert_parts.setdefault((target.layer, expert), set())
+            parts.update(("gate", "up") if target.part == "gate_up" else (target.part,))
+
+    def _apply_ties(self) -> None:
+        for target, source in self.model.tied_parameters().items():
+            if target not in self.loaded_params and source in self.loaded_params:
+                with torch.no_grad():
+                    self.params[target].copy_(self.params[source])
+                self.loaded_params.add(target)
+
+    def _check_complete(self) -> None:
+        missing = sorted(set(self.params) - self.loaded_params)
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(f"{self.ckpt.path}: checkpoint has no tensor for {missing[0]}{more}")
+        incomplete = [key for key in self.store.missing()] + [
+            key for key, parts in self.expert_parts.items() if parts != {"gate", "up", "down"}
+        ]
+        if incomplete:
+            layer, expert = incomplete[0]
+            raise CheckpointError(
+                f"{self.ckpt.path}: routed expert {expert} of layer {layer} is missing or incomplete "
+                f"({len(incomplete)} experts affected)"
+            )
+
+
+def _check_shape(ckpt: Checkpoint, name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if got != expected:
+        raise CheckpointError(
+            f"{ckpt.path}: tensor {name} has shape {list(got)} but the config implies {list(expected)}"
+        )

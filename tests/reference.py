@@ -1,0 +1,100 @@
+"""Shared test helpers: build tiny random checkpoints with transformers and compare against them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moetier.config import ModelLoadConfig
+from moetier.weights.loader import LoadedModel, load_model
+
+
+def save_tiny(hf_config, path: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+    """Instantiate ``hf_config`` with random weights and save it in ``dtype`` with ``save_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    _randomize_buffers(model)
+    model.to(dtype).save_pretrained(path)
+
+
+def load_reference(path: Path, dtype: torch.dtype = torch.float32):
+    """The saved checkpoint as transformers loads it, computing in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def _randomize_buffers(model) -> None:
+    """Give zero-initialised router biases values, so a test cannot pass by ignoring them."""
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.copy_(torch.randn_like(buf) * 0.1)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+@dataclass
+class Comparison:
+    prefill_error: float
+    last_error: float
+    step_errors: list[float]
+    ours_tokens: list[int]
+    reference_tokens: list[int]
+
+
+@torch.no_grad()
+def reference_run(hf_model, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+    """transformers' prefill logits, then its own cached greedy decoding for ``steps`` tokens."""
+    out = hf_model(prompt[None], use_cache=True)
+    prefill = out.logits[0].float()
+    past, token = out.past_key_values, int(prefill[-1].argmax())
+    step_logits, tokens = [], []
+    for _ in range(steps):
+        tokens.append(token)
+        out = hf_model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        step_logits.append(out.logits[0, -1].float())
+        token = int(step_logits[-1].argmax())
+    return prefill, step_logits, tokens
+
+
+@torch.no_grad()
+def moetier_run(
+    loaded: LoadedModel, prompt: torch.Tensor, steps: int
+) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+    """Our prefill logits and greedy cached decoding, the same protocol as :func:`reference_run`."""
+    model = loaded.model
+    cache = model.new_cache(prompt.shape[0] + steps + 1)
+    prefill = model.compute_logits(model(prompt, cache))
+    token = int(prefill[-1].argmax())
+    step_logits, tokens = [], []
+    for _ in range(steps):
+        tokens.append(token)
+        logits = model.compute_logits(model(torch.tensor([token]), cache))[-1]
+        step_logits.append(logits)
+        token = int(logits.argmax())
+    return prefill, step_logits, tokens
+
+
+def compare_with_transformers(hf_model, path: Path, dtype=torch.float32, prompt_len=48, steps=32, seed=1) -> Comparison:
+    """Load ``path`` with moetier and run both implementations over the same random prompt."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, hf_model.config.vocab_size, (prompt_len,), generator=generator)
+    ref_prefill, ref_steps, ref_tokens = reference_run(hf_model, prompt, steps)
+    loaded = load_model(path, ModelLoadConfig(dtype=dtype, device="cpu"), progress=False)
+    prefill, ours_steps, ours_tokens = moetier_run(loaded, prompt, steps)
+    return Comparison(
+        prefill_error=relative_error(prefill, ref_prefill),
+        last_error=relative_error(prefill[-1], ref_prefill[-1]),
+        step_errors=[relative_error(a, b) for a, b in zip(ours_steps, ref_steps, strict=True)],
+        ours_tokens=ours_tokens,
+        reference_tokens=ref_tokens,
+    )
