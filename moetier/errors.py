@@ -11,3 +11,7 @@ class CheckpointError(MoetierError):
 
 class ConfigError(MoetierError):
     """A configuration value is out of range or inconsistent."""
+
+
+class ChatTemplateError(MoetierError):
+    """Chat messages are malformed, or the chat template rejected them or failed to render."""
