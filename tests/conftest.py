@@ -6,6 +6,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Tiny models are dominated by per-op overhead; extra intra-op threads only contend on small CI machines.
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -1,0 +1,120 @@
+"""The ``moetier`` command line: ``moetier generate`` now; ``serve``, ``plan`` and ``bench`` plug into SUBCOMMANDS.
+
+A user mistake (any :class:`MoetierError`, a missing file) prints one line ``moetier: error: ...``
+to stderr and exits with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from moetier import __version__
+from moetier.errors import MoetierError
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+# A subcommand's setup adds its arguments to its parser and sets ``handler``: a function taking
+# the parsed arguments and returning the exit status. Later subcommands register here.
+Setup = Callable[[argparse.ArgumentParser], None]
+SUBCOMMANDS: dict[str, tuple[str, Setup]] = {}
+
+
+def subcommand(name: str, help_text: str) -> Callable[[Setup], Setup]:
+    """Register ``setup`` as the parser builder of ``moetier NAME``."""
+
+    def register(setup: Setup) -> Setup:
+        SUBCOMMANDS[name] = (help_text, setup)
+        return setup
+
+    return register
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model/--dtype/--device/--max-model-len, shared by every subcommand that loads a model."""
+    parser.add_argument("--model", required=True, help="Hugging Face model folder (config.json + *.safetensors)")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]
+    )
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+
+
+@subcommand("generate", "generate a completion for one prompt and print it")
+def _setup_generate(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message through the chat template"
+    )
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.set_defaults(handler=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from moetier.engine.sampling import SamplingParams
+    from moetier.llm import LLM
+
+    options = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    chosen = {k: v for k, v in options.items() if v is not None}
+    SamplingParams(**chosen)  # reject bad values before spending minutes loading weights
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    # Options left out keep the checkpoint's generation_config defaults.
+    params = replace(llm.get_default_sampling_params(), **chosen)
+    if args.chat:
+        output = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        output = llm.generate(args.prompt, params)[0]
+    print(output.outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moetier", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"moetier {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, setup) in SUBCOMMANDS.items():
+        setup(commands.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        text = f"{exc.filename}: {exc.strerror}"
+    return " ".join(text.split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 2 user error)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (MoetierError, OSError) as exc:
+        print(f"moetier: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("moetier: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
