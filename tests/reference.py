@@ -21,11 +21,11 @@ def save_tiny(hf_config, path: Path, dtype: torch.dtype = torch.float32, seed: i
     model.to(dtype).save_pretrained(path)
 
 
-def load_reference(path: Path, dtype: torch.dtype = torch.float32):
-    """The saved checkpoint as transformers loads it, computing in ``dtype``."""
+def load_reference(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """The saved checkpoint as transformers loads it, computing in ``dtype`` on ``device``."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def _randomize_buffers(model) -> None:
@@ -53,15 +53,16 @@ class Comparison:
 @torch.no_grad()
 def reference_run(hf_model, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
     """transformers' prefill logits, then its own cached greedy decoding for ``steps`` tokens."""
-    out = hf_model(prompt[None], use_cache=True)
-    prefill = out.logits[0].float()
+    device = next(hf_model.parameters()).device
+    out = hf_model(prompt[None].to(device), use_cache=True)
+    prefill = out.logits[0].float().cpu()
     past, token = out.past_key_values, int(prefill[-1].argmax())
     step_logits, tokens = [], []
     for _ in range(steps):
         tokens.append(token)
-        out = hf_model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        out = hf_model(torch.tensor([[token]], device=device), past_key_values=past, use_cache=True)
         past = out.past_key_values
-        step_logits.append(out.logits[0, -1].float())
+        step_logits.append(out.logits[0, -1].float().cpu())
         token = int(step_logits[-1].argmax())
     return prefill, step_logits, tokens
 
@@ -73,23 +74,25 @@ def moetier_run(
     """Our prefill logits and greedy cached decoding, the same protocol as :func:`reference_run`."""
     model = loaded.model
     cache = model.new_cache(prompt.shape[0] + steps + 1)
-    prefill = model.compute_logits(model(prompt, cache))
+    prefill = model.compute_logits(model(prompt.to(model.device), cache)).cpu()
     token = int(prefill[-1].argmax())
     step_logits, tokens = [], []
     for _ in range(steps):
         tokens.append(token)
-        logits = model.compute_logits(model(torch.tensor([token]), cache))[-1]
+        logits = model.compute_logits(model(torch.tensor([token], device=model.device), cache))[-1].cpu()
         step_logits.append(logits)
         token = int(logits.argmax())
     return prefill, step_logits, tokens
 
 
-def compare_with_transformers(hf_model, path: Path, dtype=torch.float32, prompt_len=48, steps=32, seed=1) -> Comparison:
+def compare_with_transformers(
+    hf_model, path: Path, dtype=torch.float32, prompt_len=48, steps=32, seed=1, device="cpu"
+) -> Comparison:
     """Load ``path`` with moetier and run both implementations over the same random prompt."""
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, hf_model.config.vocab_size, (prompt_len,), generator=generator)
     ref_prefill, ref_steps, ref_tokens = reference_run(hf_model, prompt, steps)
-    loaded = load_model(path, ModelLoadConfig(dtype=dtype, device="cpu"), progress=False)
+    loaded = load_model(path, ModelLoadConfig(dtype=dtype, device=device), progress=False)
     prefill, ours_steps, ours_tokens = moetier_run(loaded, prompt, steps)
     return Comparison(
         prefill_error=relative_error(prefill, ref_prefill),

@@ -24,6 +24,9 @@ class ExpertDispatcher(ABC):
     def __init__(self, store: ExpertStore) -> None:
         self.store = store
 
+    def prepare(self, device: torch.device | str) -> None:
+        """Called once the store is loaded, with the compute device: allocate caches, measure. Default: nothing."""
+
     @abstractmethod
     def dispatch(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -54,11 +57,20 @@ class ResidentDispatcher(ExpertDispatcher):
         return out
 
 
-DISPATCHERS: dict[str, Callable[[ExpertStore], ExpertDispatcher]] = {"resident": ResidentDispatcher}
+def _tiered(store: ExpertStore, **options) -> ExpertDispatcher:
+    # Imported here: the tiered dispatcher builds on this module.
+    from moetier.tiers.tiered_dispatcher import TieredDispatcher
+
+    return TieredDispatcher(store, **options)
 
 
-def make_dispatcher(name: str, store: ExpertStore) -> ExpertDispatcher:
+DISPATCHERS: dict[str, Callable[..., ExpertDispatcher]] = {"resident": ResidentDispatcher, "tiered": _tiered}
+
+
+def make_dispatcher(name: str, store: ExpertStore, **options) -> ExpertDispatcher:
+    """Build the dispatcher registered as ``name``; ``options`` go to its constructor (none for resident)."""
     try:
-        return DISPATCHERS[name](store)
+        factory = DISPATCHERS[name]
     except KeyError:
         raise ValueError(f"unknown dispatcher {name!r}; known: {sorted(DISPATCHERS)}") from None
+    return factory(store, **options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 
 import torch
@@ -29,6 +30,13 @@ class WeightFormat(ABC):
     @abstractmethod
     def dequantize(self, stored: torch.Tensor, companions: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor: ...
 
+    def bind(self, ckpt: Checkpoint) -> WeightFormat:
+        """This format specialised to ``ckpt`` (e.g. a block size from its ``quantization_config``).
+
+        :func:`format_for` returns the bound format. Default: the format itself.
+        """
+        return self
+
 
 class PlainFormat(WeightFormat):
     """bf16 / fp16 / fp32 (and integer buffers): copied as stored, cast to the target dtype."""
@@ -44,6 +52,8 @@ class PlainFormat(WeightFormat):
 
 # Quantised formats register themselves ahead of the plain fallback.
 WEIGHT_FORMATS: list[WeightFormat] = []
+# Modules whose import registers a format; imported on first use because they import this module.
+FORMAT_MODULES: list[str] = ["moetier.weights.fp8", "moetier.weights.fp4"]
 
 
 def register_format(fmt: WeightFormat) -> WeightFormat:
@@ -52,9 +62,11 @@ def register_format(fmt: WeightFormat) -> WeightFormat:
 
 
 def format_for(name: str, ckpt: Checkpoint) -> WeightFormat:
+    for module in FORMAT_MODULES:
+        importlib.import_module(module)
     for fmt in WEIGHT_FORMATS:
         if fmt.claims(name, ckpt):
-            return fmt
+            return fmt.bind(ckpt)
     return _PLAIN
 
 

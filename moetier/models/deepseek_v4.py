@@ -1,0 +1,349 @@
+"""DeepSeek-V4: sliding/CSA/HCA attention, mHC residual streams, hash-routed and sqrtsoftplus-routed MoE.
+
+The residual is ``hc_mult`` parallel streams (``[T, hc, H]``). Around each sublayer a hyper-connection
+collapses them into the sublayer's input (``pre`` weights), places the output back into every stream
+(``post``) and mixes the streams with a Sinkhorn-projected doubly-stochastic matrix (``comb``); a
+hyper-head collapses them once more before the final norm. Parameter names follow the DeepSeek
+release checkpoint; :meth:`DeepseekV4ForCausalLM.map_checkpoint_name` also accepts transformers'
+names (in memory and as ``save_pretrained`` writes them).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetier.models.base import CausalLM, ExpertTarget, IgnoreTarget, ParamTarget, WeightTarget, register_model
+from moetier.models.deepseek_v4_attention import (
+    DeepseekV4Attention,
+    RotaryTable,
+    StepRope,
+    V4RMSNorm,
+    rms_unweighted,
+)
+from moetier.models.deepseek_v4_cache import CompressorState, DeepseekV4Cache, LayerCache, SlidingWindowKV
+from moetier.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
+from moetier.models.layers import DenseMLP, rope_inverse_frequencies
+from moetier.tiers.dispatcher import ExpertDispatcher
+from moetier.tiers.experts import ExpertLayout
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Project ``[..., n, n]`` logits towards a doubly-stochastic matrix (row softmax, then column/row normalising)."""
+    m = torch.softmax(logits, dim=-1) + eps
+    m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(dim=-1, keepdim=True) + eps)
+        m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    return m
+
+
+class HyperConnection(nn.Module):
+    """mHC around one sublayer: ``fn``/``base``/``scale`` give ``pre``, ``post`` and ``comb`` (in float32)."""
+
+    def __init__(self, cfg: DeepseekV4Config) -> None:
+        super().__init__()
+        self.hc, self.iters, self.hc_eps, self.norm_eps = (
+            cfg.hc_mult,
+            cfg.hc_sinkhorn_iters,
+            cfg.hc_eps,
+            cfg.rms_norm_eps,
+        )
+        mix = (2 + self.hc) * self.hc
+        self.fn = nn.Parameter(torch.empty(mix, self.hc * cfg.hidden_size))
+        self.base = nn.Parameter(torch.empty(mix))
+        self.scale = nn.Parameter(torch.empty(3))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``streams`` ``[T, hc, H]`` -> ``post`` ``[T, hc]``, ``comb`` ``[T, hc, hc]``, sublayer input ``[T, H]``."""
+        hc = self.hc
+        flat = rms_unweighted(streams.flatten(1).float(), self.norm_eps)
+        pre, post, comb = F.linear(flat, self.fn.float()).split([hc, hc, hc * hc], dim=-1)
+        pre_base, post_base, comb_base = self.base.float().split([hc, hc, hc * hc])
+        pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)
+        pre = torch.sigmoid(pre * pre_scale + pre_base) + self.hc_eps
+        post = 2 * torch.sigmoid(post * post_scale + post_base)
+        comb = sinkhorn(comb.view(-1, hc, hc) * comb_scale + comb_base.view(hc, hc), self.iters, self.hc_eps)
+        collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """New streams: ``post[k] * out + sum_j comb[j, k] * streams[j]`` (``comb`` is applied transposed)."""
+        dtype = streams.dtype
+        return post.to(dtype)[..., None] * out[:, None, :] + comb.to(dtype).transpose(-1, -2) @ streams
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the streams into one hidden state (sigmoid weights, no mixing)."""
+
+    def __init__(self, cfg: DeepseekV4Config) -> None:
+        super().__init__()
+        self.hc_eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
+        self.fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
+        self.base = nn.Parameter(torch.empty(cfg.hc_mult))
+        self.scale = nn.Parameter(torch.empty(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = rms_unweighted(streams.flatten(1).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float()) + self.hc_eps
+        return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+
+
+_SCORE_FUNCS = {
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda logits: torch.softmax(logits, dim=-1),
+}
+
+
+class Router(nn.Module):
+    """Scores every expert; picks top-k of ``score + bias`` (``bias``: the load-balancing correction) or,
+    when ``hashed``, the fixed ``tid2eid[token]`` experts. Weights are the picked scores, renormalised
+    and times ``routed_scaling_factor``. Routing runs in float32."""
+
+    def __init__(self, cfg: DeepseekV4Config, hashed: bool) -> None:
+        super().__init__()
+        self.hashed, self.top_k = hashed, cfg.num_experts_per_tok
+        self.score_fn, self.scaling = _SCORE_FUNCS[cfg.scoring_func], cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.score_fn(F.linear(x.float(), self.weight.float()))
+        if self.hashed:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+        return ids, weights.to(x.dtype)
+
+
+class DeepseekV4MoE(nn.Module):
+    """Routed experts (through the dispatcher) plus the shared expert, both with the clamped SwiGLU."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, dispatcher: ExpertDispatcher) -> None:
+        super().__init__()
+        self.layer = layer
+        self.gate = Router(cfg, hashed=cfg.mlp_layer_types[layer] == "hash_moe")
+        self.shared_experts: DenseMLP | None = None
+        if cfg.n_shared_experts:
+            width = cfg.moe_intermediate_size * cfg.n_shared_experts
+            self.shared_experts = DenseMLP(cfg.hidden_size, width, cfg.swiglu_limit)
+        object.__setattr__(self, "dispatcher", dispatcher)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x, input_ids)
+        out = self.dispatcher.dispatch(self.layer, x, ids, weights)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, dispatcher: ExpertDispatcher) -> None:
+        super().__init__()
+        self.attn_norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(cfg)
+        self.ffn_hc = HyperConnection(cfg)
+        self.attn = DeepseekV4Attention(cfg, layer)
+        self.ffn = DeepseekV4MoE(cfg, layer, dispatcher)
+
+    def forward(
+        self, streams: torch.Tensor, input_ids: torch.Tensor, rope: StepRope, state: LayerCache
+    ) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)
+        streams = HyperConnection.merge(streams, self.attn(self.attn_norm(x), rope, state), post, comb)
+        post, comb, x = self.ffn_hc(streams)
+        return HyperConnection.merge(streams, self.ffn(self.ffn_norm(x), input_ids), post, comb)
+
+
+_COMPRESSOR_LEAF = {"wkv": "kv_proj", "wgate": "gate_proj", "ape": "position_bias", "norm": "kv_norm"}
+_INDEXER_LEAF = {"wq_b": "q_b_proj", "weights_proj": "scorer.weights_proj"}
+_ATTN_LEAF = {
+    "wq_a": "q_a_proj",
+    "q_norm": "q_a_norm",
+    "wq_b": "q_b_proj",
+    "wkv": "kv_proj",
+    "kv_norm": "kv_norm",
+    "wo_a": "o_a_proj",
+    "wo_b": "o_b_proj",
+    "attn_sink": "sinks",
+}
+Rule = tuple[str, Any]
+# Our (= release) name after "layers.N." -> transformers' in-memory name; the first matching rule applies.
+_TO_TRANSFORMERS: list[Rule] = [
+    (r"^attn_norm\.", "input_layernorm."),
+    (r"^ffn_norm\.", "post_attention_layernorm."),
+    (r"^attn\.indexer\.compressor\.(\w+)", lambda m: f"self_attn.compressor.indexer.{_COMPRESSOR_LEAF[m[1]]}"),
+    (r"^attn\.indexer\.(\w+)", lambda m: f"self_attn.compressor.indexer.{_INDEXER_LEAF[m[1]]}"),
+    (r"^attn\.compressor\.(\w+)", lambda m: f"self_attn.compressor.{_COMPRESSOR_LEAF[m[1]]}"),
+    (r"^attn\.(\w+)", lambda m: f"self_attn.{_ATTN_LEAF[m[1]]}"),
+    (r"^ffn\.gate\.bias$", "mlp.gate.e_score_correction_bias"),
+    (r"^ffn\.", "mlp."),
+]
+# Our name -> the release's, where our modules name things differently.
+_TO_RELEASE: list[Rule] = [
+    (r"^(attn|ffn)_hc\.(fn|base|scale)$", r"hc_\1_\2"),
+    (r"^ffn\.shared_experts\.gate_proj\.", "ffn.shared_experts.w1."),
+    (r"^ffn\.shared_experts\.up_proj\.", "ffn.shared_experts.w3."),
+    (r"^ffn\.shared_experts\.down_proj\.", "ffn.shared_experts.w2."),
+]
+_TOP_LEVEL_ALIASES = {
+    "embed.weight": ["embed_tokens.weight"],
+    "head.weight": ["lm_head.weight"],
+    "hc_head.fn": ["hc_head_fn", "hc_head.hc_fn"],
+    "hc_head.base": ["hc_head_base", "hc_head.hc_base"],
+    "hc_head.scale": ["hc_head_scale", "hc_head.hc_scale"],
+}
+_RELEASE_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_HF_EXPERT = re.compile(
+    r"^layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.)?(gate_up_proj|down_proj|gate_proj|up_proj)(?:\.weight)?$"
+)
+_HASH_BIAS = re.compile(r"^layers\.(\d+)\.(?:ffn\.gate\.bias|mlp\.gate\.e_score_correction_bias)$")
+_EXPERT_PART = {
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "gate_up_proj": "gate_up",
+}
+
+
+def _rewrite(name: str, rules: list[Rule]) -> str:
+    for pattern, replacement in rules:
+        if re.match(pattern, name):
+            return re.sub(pattern, replacement, name, count=1)
+    return name
+
+
+def checkpoint_aliases(ours: str) -> set[str]:
+    """Every checkpoint spelling (``model.`` prefix stripped) of our parameter ``ours``."""
+    if ours in _TOP_LEVEL_ALIASES:
+        return {ours, *_TOP_LEVEL_ALIASES[ours]}
+    match = re.match(r"^(layers\.\d+\.)(.+)$", ours)
+    if match is None:
+        return {ours}
+    prefix, rest = match.groups()
+    forms = {rest, _rewrite(rest, _TO_RELEASE), _rewrite(rest, _TO_TRANSFORMERS)}
+    if rest == "attn.kv_norm.weight":
+        forms.add("attn.norm.weight")  # transformers' save_pretrained reverses its rename to this spelling
+    return {prefix + form for form in forms}
+
+
+@register_model("DeepseekV4ForCausalLM")
+class DeepseekV4ForCausalLM(CausalLM):
+    """DeepSeek-V4 (V4-Flash, V4-Pro)."""
+
+    # As transformers' ``_keep_in_fp32_modules_strict``: mHC mixers, sinks, pooling biases, router bias, norms.
+    keep_fp32 = ("attn_hc.", "ffn_hc.", "hc_head.", "attn_sink", ".ape", "gate.bias", "norm")
+
+    def __init__(self, config: DeepseekV4Config, dispatcher: ExpertDispatcher) -> None:
+        super().__init__(config, dispatcher)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV4DecoderLayer(config, i, dispatcher) for i in range(config.num_hidden_layers)
+        )
+        self.hc_head = HyperHead(config)
+        self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._aliases: dict[str, str] | None = None
+
+    @classmethod
+    def config_from_hf(cls, hf: dict[str, Any]) -> DeepseekV4Config:
+        return DeepseekV4Config.from_hf(hf)
+
+    @classmethod
+    def expert_layout(cls, config: DeepseekV4Config) -> ExpertLayout:
+        return ExpertLayout(
+            moe_layers=tuple(range(config.num_hidden_layers)),
+            num_experts=config.n_routed_experts,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size,
+            top_k=config.num_experts_per_tok,
+            swiglu_limit=config.swiglu_limit,
+        )
+
+    def map_checkpoint_name(self, name: str) -> WeightTarget:
+        name = name.removeprefix("model.")
+        if name.startswith("mtp."):
+            return IgnoreTarget("multi-token-prediction layer")
+        if self._is_hash_layer_bias(name):
+            return IgnoreTarget("hash-routed layers pick experts by token id, without a score bias")
+        for pattern in (_RELEASE_EXPERT, _HF_EXPERT):
+            match = pattern.match(name)
+            if match:
+                layer, expert, part = match.groups()
+                return ExpertTarget(int(layer), None if expert is None else int(expert), _EXPERT_PART[part])
+        return ParamTarget(self._alias_table()[name])  # KeyError for a name we do not know
+
+    def _is_hash_layer_bias(self, name: str) -> bool:
+        match = _HASH_BIAS.match(name)
+        layer = int(match[1]) if match else self.config.num_hidden_layers
+        return layer < self.config.num_hidden_layers and self.config.mlp_layer_types[layer] == "hash_moe"
+
+    def _alias_table(self) -> dict[str, str]:
+        if self._aliases is None:
+            table: dict[str, str] = {}
+            names = [n for n, _ in self.named_parameters()] + [n for n, _ in self.named_buffers()]
+            for ours in names:
+                for alias in checkpoint_aliases(ours):
+                    if table.setdefault(alias, ours) != ours:
+                        raise RuntimeError(f"checkpoint name {alias} is ambiguous ({table[alias]} or {ours})")
+            self._aliases = table
+        return self._aliases
+
+    def tied_parameters(self) -> dict[str, str]:
+        return {"head.weight": "embed.weight"} if self.config.tie_word_embeddings else {}
+
+    def post_load(self) -> None:
+        cfg = self.config
+        self.rope_tables: dict[str, RotaryTable] = {}
+        for kind, params in (("main", cfg.main_rope), ("compress", cfg.compress_rope)):
+            inv_freq, factor = rope_inverse_frequencies(
+                cfg.rope_head_dim, float(params["rope_theta"]), params, cfg.max_position_embeddings
+            )
+            self.rope_tables[kind] = RotaryTable(inv_freq.to(self.device), factor)
+
+    def new_cache(self, max_tokens: int) -> DeepseekV4Cache:
+        cfg, dtype, device = self.config, self.dtype, self.device
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            state = LayerCache(SlidingWindowKV(cfg.sliding_window, cfg.head_dim, dtype, device))
+            rate = cfg.compress_rate(i)
+            if cfg.layer_types[i] != SLIDING:
+                width = cfg.head_dim * (2 if cfg.layer_types[i] == CSA else 1)
+                state.compressor = CompressorState(rate, width, cfg.head_dim, max_tokens // rate, dtype, device)
+            if cfg.layer_types[i] == CSA:
+                dim = cfg.index_head_dim
+                state.indexer = CompressorState(rate, 2 * dim, dim, max_tokens // rate, dtype, device)
+            layers.append(state)
+        return DeepseekV4Cache(layers, max_tokens)
+
+    def forward(self, input_ids: torch.Tensor, cache: DeepseekV4Cache) -> torch.Tensor:
+        tokens = input_ids.shape[0]
+        cache.check_room(tokens)
+        positions = torch.arange(cache.length, cache.length + tokens, device=input_ids.device)
+        x = self.embed(input_ids)
+        rope = StepRope(
+            positions=positions,
+            token={kind: table(positions, x.dtype) for kind, table in self.rope_tables.items()},
+            compress=self.rope_tables["compress"],
+        )
+        streams = x[:, None, :].expand(tokens, self.config.hc_mult, -1).contiguous()
+        for layer, state in zip(self.layers, cache.layers, strict=True):
+            streams = layer(streams, input_ids, rope, state)
+        cache.advance(tokens)
+        return self.norm(self.hc_head(streams))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
