@@ -213,3 +213,17 @@ def test_fp8_deepseek_v3_matches_transformers(tmp_path, shapes):
     assert result.last_error < 1e-4
     assert max(result.step_errors) < 1e-4
     assert result.ours_tokens == result.reference_tokens
+
+
+def test_release_v4_scale_name_and_ue8m0_scales(tmp_path):
+    """DeepSeek-V4's release stores FP8 scales as ``*.scale`` in ue8m0 (powers of two)."""
+    weight = random_weight(256, 200, seed=3)
+    q, scale = quantize_blocks(weight)
+    pow2 = torch.exp2(torch.ceil(torch.log2(scale)))  # ue8m0 can only hold powers of two
+    q = (weight / expand_scales(pow2, 256, 200, (128, 128))).to(torch.float8_e4m3fn)
+    ckpt = _write_checkpoint(tmp_path / "v4", {"a.weight": q, "a.scale": pow2.to(torch.float8_e8m0fnu)})
+    fmt = format_for("a.weight", ckpt)
+    assert fmt.name == "fp8-block" and fmt.companions("a.weight") == ["a.scale"]
+    dense = fmt.dequantize(ckpt.get("a.weight"), [ckpt.get("a.scale")], torch.float32)
+    assert relative_error(dense, reference_dequantize(q, pow2)) < 1e-7
+    assert relative_error(dense, weight) < 0.1  # really a quantisation of the original weight

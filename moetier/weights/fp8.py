@@ -1,10 +1,11 @@
-"""DeepSeek's FP8 block format: a float8 ``*.weight`` plus a float32 ``*.weight_scale_inv`` per tile.
+"""DeepSeek's FP8 block format: a float8 ``*.weight`` plus one scale per tile.
 
 The release checkpoints of DeepSeek-V3/R1/V3.1 store every large linear weight ``W`` (``[R, C]``)
 as ``Q = fp8_e4m3(W / s)`` with one scale ``s`` per ``128 x 128`` tile, kept in
 ``weight_scale_inv`` of shape ``[ceil(R/128), ceil(C/128)]`` (the name says "inverse" because
 dequantising multiplies by it). Edge tiles are partial: ``kv_a_proj_with_mqa`` has 576 rows,
 so its last row of tiles covers 64. The tile size is ``quantization_config.weight_block_size``.
+The DeepSeek-V4 release names the scales ``*.scale`` and stores them as ue8m0 (powers of two).
 """
 
 from __future__ import annotations
@@ -18,15 +19,19 @@ import torch.nn.functional as F
 from moetier.errors import CheckpointError
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.formats import WeightFormat, register_format
+from moetier.weights.fp4 import scale_to_float
 
 DEFAULT_BLOCK = (128, 128)
 # Both float8 encodings dequantise the same way; DeepSeek ships e4m3.
 _FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
 
 
-def scale_name(weight_name: str) -> str:
-    """``x.weight`` -> ``x.weight_scale_inv``."""
-    return weight_name.removesuffix(".weight") + ".weight_scale_inv"
+def scale_name(weight_name: str, ckpt: Checkpoint | None = None) -> str:
+    """``x.weight`` -> ``x.weight_scale_inv`` (V3), or ``x.scale`` (V4 release) when only that is stored."""
+    stem = weight_name.removesuffix(".weight")
+    if ckpt is not None and not ckpt.has(stem + ".weight_scale_inv") and ckpt.has(stem + ".scale"):
+        return stem + ".scale"
+    return stem + ".weight_scale_inv"
 
 
 def block_size_of(config: dict[str, Any]) -> tuple[int, int]:
@@ -63,7 +68,7 @@ def dequantize_blocks(
     grid_rows, grid_cols = scale_inv.shape[-2:]
     padded = F.pad(weight.float(), (0, grid_cols * block[1] - cols, 0, grid_rows * block[0] - rows))
     tiles = padded.view(*lead, grid_rows, block[0], grid_cols, block[1])
-    dense = (tiles * scale_inv.float()[..., :, None, :, None]).view(padded.shape)
+    dense = (tiles * scale_to_float(scale_inv)[..., :, None, :, None]).view(padded.shape)
     return dense[..., :rows, :cols].to(dtype).contiguous()
 
 
@@ -77,12 +82,13 @@ class Fp8BlockFormat(WeightFormat):
 
     name = "fp8-block"
 
-    def __init__(self, block: tuple[int, int] = DEFAULT_BLOCK) -> None:
+    def __init__(self, block: tuple[int, int] = DEFAULT_BLOCK, ckpt: Checkpoint | None = None) -> None:
         self.block = block
+        self._ckpt = ckpt  # set by bind(): lets companions() pick the scale name this checkpoint uses
 
     def claims(self, name: str, ckpt: Checkpoint) -> bool:
         info = ckpt.tensors.get(name)
-        scales = scale_name(name)
+        scales = scale_name(name, ckpt)
         if info is None or info.dtype not in _FP8_DTYPES or not name.endswith(".weight") or not ckpt.has(scales):
             return False
         if len(info.shape) < 2:
@@ -97,11 +103,10 @@ class Fp8BlockFormat(WeightFormat):
         return True
 
     def companions(self, name: str) -> list[str]:
-        return [scale_name(name)]
+        return [scale_name(name, self._ckpt)]
 
     def bind(self, ckpt: Checkpoint) -> Fp8BlockFormat:
-        block = block_size_of(ckpt.config)
-        return self if block == self.block else Fp8BlockFormat(block)
+        return Fp8BlockFormat(block_size_of(ckpt.config), ckpt)
 
     def dequantize(self, stored: torch.Tensor, companions: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return dequantize_blocks(stored, companions[0], self.block, dtype)
