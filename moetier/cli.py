@@ -87,6 +87,14 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+@subcommand("make-bench-model", "write a random checkpoint with a real model's widths and fewer layers")
+def _setup_make_bench_model(parser: argparse.ArgumentParser) -> None:
+    from moetier.bench import make_model
+
+    make_model.configure_parser(parser)
+    parser.set_defaults(handler=make_model.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moetier", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"moetier {__version__}")
