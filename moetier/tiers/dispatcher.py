@@ -24,7 +24,7 @@ class ExpertDispatcher(ABC):
     def __init__(self, store: ExpertStore) -> None:
         self.store = store
 
-    def prepare(self, device: torch.device | str) -> None:
+    def prepare(self, device: torch.device | str) -> None:  # noqa: B027 - an optional hook, not abstract
         """Called once the store is loaded, with the compute device: allocate caches, measure. Default: nothing."""
 
     @abstractmethod

@@ -1,0 +1,105 @@
+"""The CPU expert tier: cold (token, expert) pairs computed on host cores straight from the home copy.
+
+A missed expert costs its bytes at DRAM bandwidth here instead of PCIe bandwidth, and nothing waits
+for a copy. One worker thread runs the jobs with its own torch intra-op thread count (torch's
+OpenMP thread count is per calling thread), so the dispatching thread keeps its cores for
+launching device work. Each job returns an fp32 partial sum over the rows it touched.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moetier.errors import ConfigError
+from moetier.tiers.experts import ExpertWeights, swiglu_expert
+
+
+def default_cpu_threads() -> int:
+    """All usable cores but two (left to the dispatching thread and the rest of the process)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 2)
+
+
+@dataclass
+class CpuGroup:
+    """One expert's share of a job: ``rows`` index ``CpuJob.hidden``; ``gates`` are the routing weights."""
+
+    weights: ExpertWeights
+    rows: torch.Tensor  # int64 [n]
+    gates: torch.Tensor  # [n], any float dtype
+
+
+@dataclass
+class CpuJob:
+    """Work for the CPU tier over ``hidden`` (``[U, H]`` host rows, the tokens the groups touch).
+
+    ``ready`` (a CUDA event) is waited on before reading ``hidden``/gates, which may still be landing
+    from the device. ``out`` is the fp32 ``[U, H]`` result buffer (pinned on CUDA so it can go back
+    with a non-blocking copy); it is allocated when not given.
+    """
+
+    hidden: torch.Tensor
+    groups: list[CpuGroup]
+    ready: Any = None
+    out: torch.Tensor | None = None
+
+
+@dataclass
+class CpuResult:
+    out: torch.Tensor  # fp32 [U, H]: sum over groups of gate * expert(hidden[rows]) placed at rows
+    seconds: float  # wall time the worker spent on the job
+    pairs: int = field(default=0)
+
+
+class CpuExpertTier:
+    """Runs :class:`CpuJob` s on a worker thread with ``threads`` torch threads.
+
+    Math contract: each group is :func:`swiglu_expert` on the home copy, in the weights' dtype
+    (the same kernel the device runs), scaled by its gates and accumulated in fp32.
+    """
+
+    def __init__(self, swiglu_limit: float | None, threads: int | None = None) -> None:
+        self.threads = default_cpu_threads() if threads is None else threads
+        if self.threads < 1:
+            raise ConfigError(f"cpu tier threads must be >= 1, got {self.threads}")
+        self.swiglu_limit = swiglu_limit
+        self._pool = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="moetier-cpu-tier",
+            initializer=torch.set_num_threads,
+            initargs=(self.threads,),
+        )
+        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
+
+    def submit(self, job: CpuJob) -> Future[CpuResult]:
+        """Start ``job`` on the worker now; the caller overlaps its device work and takes ``.result()`` later."""
+        return self._pool.submit(self.run, job)
+
+    def run(self, job: CpuJob) -> CpuResult:
+        """Compute ``job`` in the calling thread."""
+        start = time.perf_counter()
+        if job.ready is not None:
+            job.ready.synchronize()
+        out = job.out
+        if out is None:
+            out = torch.empty(job.hidden.shape, dtype=torch.float32)
+        with torch.no_grad():
+            out.zero_()
+            for group in job.groups:
+                y = swiglu_expert(job.hidden[group.rows], group.weights, self.swiglu_limit)
+                out.index_add_(0, group.rows, y.float() * group.gates.float()[:, None])
+        pairs = sum(int(group.rows.numel()) for group in job.groups)
+        return CpuResult(out=out, seconds=time.perf_counter() - start, pairs=pairs)
+
+    def close(self) -> None:
+        self._finalizer()

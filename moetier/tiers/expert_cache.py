@@ -1,0 +1,208 @@
+"""The elastic VRAM expert cache: slots of one expert block each, filled from the host home copy.
+
+Ordering on CUDA (all no-ops on the CPU, where copies are synchronous):
+- every write into a slot runs on the cache's own copy stream, waits for the slot's ``released``
+  event (the last compute that read the old contents) and records the slot's ``ready`` event;
+- every compute that reads a slot first makes its stream wait for ``ready``, so a slot is never
+  read before its copy lands; after the reads of one dispatch the dispatcher records ``released``.
+The experts a dispatch reads are passed as ``protected``: the policy never offers them as victims,
+so an expert in use by the current step is never evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moetier.errors import ConfigError
+from moetier.tiers.experts import ExpertStore, ExpertWeights
+from moetier.tiers.metrics import TierMetrics
+from moetier.tiers.policies import CachePolicy, Key
+
+
+@dataclass(eq=False)
+class Slot:
+    """One expert-sized block on the compute device and the events that order its use."""
+
+    tensor: torch.Tensor
+    weights: ExpertWeights
+    key: Key | None = None
+    filled: bool = False  # False between choosing the slot for a key and enqueueing its copy
+    ready: Any = None  # torch.cuda.Event recorded after the last write (CUDA only)
+    released: Any = None  # torch.cuda.Event recorded after the last read (CUDA only)
+
+
+class ExpertCache:
+    """Maps ``(layer, expert)`` to device slots; the policy ranks, the cache moves bytes.
+
+    ``n_slots`` may change at run time with :meth:`resize`; ``n_staging`` extra slots hold
+    experts that are copied in for one dispatch without being admitted.
+    """
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        device: torch.device | str,
+        n_slots: int,
+        policy: CachePolicy,
+        n_staging: int = 2,
+        metrics: TierMetrics | None = None,
+    ) -> None:
+        if n_slots < 0 or n_staging < 1:
+            raise ConfigError(f"expert cache needs n_slots >= 0 and n_staging >= 1, got {n_slots}, {n_staging}")
+        self.store, self.policy = store, policy
+        self.device = torch.device(device)
+        self.metrics = metrics or TierMetrics()
+        self.cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._slots: list[Slot] = []
+        self._free: list[Slot] = []
+        self._map: dict[Key, Slot] = {}
+        self._staging = [self._new_slot() for _ in range(n_staging)]
+        self._next_staging = 0
+        self.resize(n_slots)
+
+    # --- lookups ------------------------------------------------------------------------------
+
+    @property
+    def n_slots(self) -> int:
+        return len(self._slots)
+
+    @property
+    def n_staging(self) -> int:
+        return len(self._staging)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.store.layout.block_bytes(self.store.dtype)
+
+    def resident(self) -> list[Key]:
+        return [key for key, slot in self._map.items() if slot.filled]
+
+    def get(self, key: Key) -> Slot | None:
+        """The slot holding ``key`` (its copy may still be in flight: see :meth:`wait_ready`), or None."""
+        slot = self._map.get(key)
+        return slot if slot is not None and slot.filled else None
+
+    def __contains__(self, key: Key) -> bool:
+        return self.get(key) is not None
+
+    # --- ordering (CUDA) -----------------------------------------------------------------------
+
+    def wait_ready(self, slot: Slot, stream: Any) -> None:
+        """Make ``stream`` (a compute stream) wait until the slot's last copy has landed."""
+        if self.cuda and slot.ready is not None:
+            stream.wait_event(slot.ready)
+
+    def mark_released(self, slots: list[Slot], stream: Any) -> None:
+        """Record that ``stream`` has enqueued its last read of ``slots``: later writes wait for it."""
+        if not self.cuda or not slots:
+            return
+        event = torch.cuda.Event()
+        event.record(stream)
+        for slot in slots:
+            slot.released = event
+
+    def fill(self, slot: Slot, source: torch.Tensor) -> None:
+        """Copy an expert block (host home copy or device tensor) into ``slot``, off the compute stream."""
+        if not self.cuda:
+            slot.tensor.copy_(source)
+        else:
+            with torch.cuda.stream(self.copy_stream):
+                if slot.released is not None:
+                    self.copy_stream.wait_event(slot.released)
+                slot.tensor.copy_(source, non_blocking=True)
+                # The slot may be freed by a shrink while this copy is queued: keep its memory until then.
+                slot.tensor.record_stream(self.copy_stream)
+                slot.ready = torch.cuda.Event()
+                slot.ready.record(self.copy_stream)
+        slot.filled = True
+
+    # --- admission and eviction ----------------------------------------------------------------
+
+    def plan_admission(self, key: Key, protected: set[Key]) -> Slot | None:
+        """Reserve a slot for the missed ``key`` if the policy admits it (evicting a victim if needed).
+
+        The caller must :meth:`fill` the returned slot in the same dispatch; until then lookups of
+        ``key`` miss. Returns None when the policy declines or every resident expert is protected.
+        A slot reserved earlier but never filled (the dispatch that reserved it failed) is returned again.
+        """
+        existing = self._map.get(key)
+        if existing is not None:
+            return None if existing.filled else existing
+        victim = None
+        if not self._free:
+            victim = self.policy.choose_victim(protected)
+            if victim is None:
+                return None
+        if not self.policy.should_admit(key, victim):
+            return None
+        if victim is not None:
+            self.evict(victim)
+        slot = self._free.pop()
+        slot.key, slot.filled = key, False
+        self._map[key] = slot
+        self.policy.inserted(key)
+        self.metrics.layer(key[0]).admissions += 1  # bytes are counted by whoever enqueues the copy
+        return slot
+
+    def evict(self, key: Key) -> None:
+        slot = self._map.pop(key)
+        slot.key, slot.filled = None, False
+        self._free.append(slot)
+        self.policy.removed(key)
+        self.metrics.layer(key[0]).evictions += 1
+
+    def load(self, key: Key) -> bool:
+        """Make ``key`` resident now from the home copy if a free slot exists (warm-up); True if loaded."""
+        if key in self._map or not self._free:
+            return False
+        slot = self._free.pop()
+        slot.key = key
+        self._map[key] = slot
+        self.fill(slot, self.store.expert(*key).block)
+        self.policy.inserted(key)
+        self.metrics.layer(key[0]).admit_bytes += self.block_bytes
+        return True
+
+    def warm(self) -> int:
+        """Fill free slots with the policy's preferred experts (the static set); returns how many were loaded."""
+        return sum(self.load(key) for key in self.policy.preferred(self.n_slots))
+
+    def staging_slot(self) -> Slot:
+        """The next staging slot, round robin (its writer waits for its last reader on CUDA)."""
+        slot = self._staging[self._next_staging]
+        self._next_staging = (self._next_staging + 1) % len(self._staging)
+        return slot
+
+    # --- elasticity ------------------------------------------------------------------------------
+
+    def resize(self, n_slots: int, protected: set[Key] | None = None) -> int:
+        """Grow (new empty slots, then warm) or shrink (free slots first, then policy victims) to ``n_slots``.
+
+        Returns the slot count reached: shrinking stops early if only protected experts remain.
+        """
+        if n_slots < 0:
+            raise ConfigError(f"expert cache size must be >= 0 slots, got {n_slots}")
+        protected = protected or set()
+        while len(self._slots) < n_slots:
+            slot = self._new_slot()
+            self._slots.append(slot)
+            self._free.append(slot)
+        while len(self._slots) > n_slots:
+            if not self._free:
+                victim = self.policy.choose_victim(protected)
+                if victim is None:
+                    break
+                self.evict(victim)
+            slot = self._free.pop()
+            self._slots.remove(slot)
+        if self._free:
+            self.warm()
+        return len(self._slots)
+
+    def _new_slot(self) -> Slot:
+        tensor = torch.empty(self.store.layout.block_numel, dtype=self.store.dtype, device=self.device)
+        return Slot(tensor=tensor, weights=ExpertWeights.from_block(tensor, self.store.layout))

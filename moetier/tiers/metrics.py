@@ -1,0 +1,100 @@
+"""Counters of the tiered expert path: cache hits and misses, CPU-tier time, bytes over the copy path.
+
+Plain integers and floats updated by the dispatcher's own thread (the CPU worker reports its time
+with its result), read through :meth:`TierMetrics.snapshot` by the server's ``/metrics`` and the
+benchmark receipts. Nothing here synchronises a device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class LayerCounters:
+    """What happened in one MoE layer since the last reset.
+
+    ``uses_*`` count (token, expert) pairs, ``experts_*`` count distinct experts per dispatch call;
+    ``cpu_pairs`` / ``copy_pairs`` split the missed pairs by the route that computed them. Bytes over
+    PCIe: ``copy_bytes`` for experts copied in to compute a miss (into a staging slot, or straight
+    into the cache slot that admits it), ``admit_bytes`` for copies that only fill the cache (a
+    CPU-computed miss being admitted, warm-up).
+    """
+
+    calls: int = 0
+    uses_hit: int = 0
+    uses_miss: int = 0
+    experts_hit: int = 0
+    experts_miss: int = 0
+    cpu_pairs: int = 0
+    copy_pairs: int = 0
+    cpu_seconds: float = 0.0
+    cpu_wait_seconds: float = 0.0
+    copy_bytes: int = 0
+    admit_bytes: int = 0
+    admissions: int = 0
+    evictions: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["hit_rate"] = _ratio(self.uses_hit, self.uses_hit + self.uses_miss)
+        return out
+
+
+class TierMetrics:
+    """Per-layer counters plus per-(layer, expert) routing counts.
+
+    ``tokens`` counts tokens once per forward (at the first MoE layer), so ``misses_per_token`` is
+    the number of missed (token, expert) pairs summed over all layers, per token.
+    ``routing_counts()`` is the input the static cache policy reads (see ``policies.save_routing_stats``).
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens = 0
+        self.layers: dict[int, LayerCounters] = {}
+        self._routing: dict[int, dict[int, int]] = {}
+
+    def layer(self, layer: int) -> LayerCounters:
+        counters = self.layers.get(layer)
+        if counters is None:
+            counters = self.layers[layer] = LayerCounters()
+        return counters
+
+    def record_routing(self, layer: int, experts: list[int], counts: list[int]) -> None:
+        table = self._routing.setdefault(layer, {})
+        for expert, count in zip(experts, counts, strict=True):
+            table[expert] = table.get(expert, 0) + count
+
+    def routing_counts(self) -> dict[int, dict[int, int]]:
+        """``{layer: {expert: tokens routed}}`` since the last reset."""
+        return {layer: dict(table) for layer, table in self._routing.items()}
+
+    def total(self) -> LayerCounters:
+        out = LayerCounters()
+        for counters in self.layers.values():
+            for f in fields(LayerCounters):
+                setattr(out, f.name, getattr(out, f.name) + getattr(counters, f.name))
+        return out
+
+    def snapshot(self) -> dict:
+        """A JSON-ready summary: overall rates, totals, and every layer's counters."""
+        total = self.total()
+        return {
+            "tokens": self.tokens,
+            "hit_rate": _ratio(total.uses_hit, total.uses_hit + total.uses_miss),
+            "expert_hit_rate": _ratio(total.experts_hit, total.experts_hit + total.experts_miss),
+            "misses_per_token": _ratio(total.uses_miss, self.tokens),
+            "cpu_seconds": total.cpu_seconds,
+            "cpu_wait_seconds": total.cpu_wait_seconds,
+            "copy_bytes": total.copy_bytes,
+            "admit_bytes": total.admit_bytes,
+            "totals": total.as_dict(),
+            "per_layer": {str(layer): c.as_dict() for layer, c in sorted(self.layers.items())},
+        }
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num) / den if den else 0.0

@@ -1,0 +1,409 @@
+"""The tiered dispatcher: VRAM-cache hits on the device, misses on the CPU tier and/or copied in.
+
+Per call:
+1. group the (token, expert) pairs by expert; a group is a hit when its expert is resident;
+2. tell the policy what the layer used, then split the misses between the CPU tier and the copy
+   path by a cost model (measured at start-up on CUDA, or a fixed ``cpu_share``), fat groups first;
+3. reserve cache slots for the misses the policy admits (never evicting an expert this call reads);
+4. start the CPU worker, enqueue the copy-path copies (into their cache slot when admitted, into a
+   staging slot otherwise) on the copy stream, run hits then copied experts on the device;
+5. copy the CPU-routed admitted experts into their slots off the critical path, add the CPU tier's
+   fp32 partial sums on the device.
+The math is :func:`swiglu_expert` everywhere, as in :class:`ResidentDispatcher`; only the order of
+the final sums differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from moetier.errors import ConfigError
+from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
+from moetier.tiers.dispatcher import ExpertDispatcher
+from moetier.tiers.expert_cache import ExpertCache, Slot
+from moetier.tiers.experts import ExpertStore, ExpertWeights, swiglu_expert
+from moetier.tiers.metrics import TierMetrics
+from moetier.tiers.policies import make_policy
+
+log = logging.getLogger(__name__)
+
+MissRoute = Literal["auto", "cpu", "copy"]
+
+
+@dataclass
+class TieredConfig:
+    """Options of the tiered dispatcher (``load_model(..., dispatcher="tiered", dispatcher_options={...})``).
+
+    Exactly one of ``cache_slots`` / ``cache_bytes`` sizes the VRAM cache. ``miss_route`` sends
+    every miss to the CPU tier, every miss through the copy path, or (``auto``) splits them by
+    the routes' costs: measured at start-up on CUDA unless ``cpu_share`` (the fraction of miss
+    throughput the CPU tier provides, 0..1) fixes the ratio. ``staging_slots`` defaults to top_k.
+    """
+
+    cache_slots: int | None = None
+    cache_bytes: int | None = None
+    policy: str = "lru"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    cpu_threads: int | None = None
+    miss_route: MissRoute = "auto"
+    cpu_share: float | None = None
+    staging_slots: int | None = None
+    calibrate: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.cache_slots is None) == (self.cache_bytes is None):
+            raise ConfigError("tiered dispatcher needs exactly one of cache_slots= or cache_bytes=")
+        if (self.cache_slots or 0) < 0 or (self.cache_bytes or 0) < 0:
+            raise ConfigError("tiered dispatcher cache size must be >= 0")
+        if self.miss_route not in ("auto", "cpu", "copy"):
+            raise ConfigError(f"miss_route must be 'auto', 'cpu' or 'copy', got {self.miss_route!r}")
+        if self.cpu_share is not None and not 0.0 <= self.cpu_share <= 1.0:
+            raise ConfigError(f"cpu_share must be in [0, 1], got {self.cpu_share}")
+        if self.staging_slots is not None and self.staging_slots < 1:
+            raise ConfigError(f"staging_slots must be >= 1, got {self.staging_slots}")
+
+
+@dataclass
+class RouteCosts:
+    """Seconds to run one missed expert over ``n`` tokens on each route: ``fixed + per_token * n``."""
+
+    cpu_fixed: float = 1.0
+    cpu_per_token: float = 0.0
+    copy_fixed: float = 1.0
+    copy_per_token: float = 0.0
+
+    @classmethod
+    def from_share(cls, cpu_share: float) -> RouteCosts:
+        """Costs under which the CPU tier takes ``cpu_share`` of the miss work (per-token cost ignored)."""
+        cpu = 1.0 / cpu_share if cpu_share > 0 else math.inf
+        copy = 1.0 / (1.0 - cpu_share) if cpu_share < 1 else math.inf
+        return cls(cpu_fixed=cpu, copy_fixed=copy)
+
+    def cpu(self, tokens: int) -> float:
+        return self.cpu_fixed + self.cpu_per_token * tokens
+
+    def copy(self, tokens: int) -> float:
+        return self.copy_fixed + self.copy_per_token * tokens
+
+
+def split_misses(tokens: list[int], route: MissRoute, costs: RouteCosts) -> tuple[list[int], list[int]]:
+    """Indices of missed groups (``tokens[i]`` tokens each) for the CPU tier and for the copy path.
+
+    ``auto`` assigns groups, most tokens first, to the route that would finish its queue sooner
+    (longest-processing-time scheduling over two workers running concurrently); ties go to the CPU.
+    """
+    everyone = list(range(len(tokens)))
+    if route == "cpu":
+        return everyone, []
+    if route == "copy":
+        return [], everyone
+    cpu, copy = [], []
+    cpu_load = copy_load = 0.0
+    for i in sorted(everyone, key=lambda i: -tokens[i]):
+        cpu_finish, copy_finish = cpu_load + costs.cpu(tokens[i]), copy_load + costs.copy(tokens[i])
+        if cpu_finish <= copy_finish:
+            cpu.append(i)
+            cpu_load = cpu_finish
+        else:
+            copy.append(i)
+            copy_load = copy_finish
+    return sorted(cpu), sorted(copy)
+
+
+@dataclass
+class _Group:
+    """One expert's pairs in this call: ``pairs`` index the expert-sorted pair arrays."""
+
+    expert: int
+    start: int
+    count: int
+    slot: Slot | None = None  # cache slot when a hit, or the slot an admitted miss is copied into
+
+    @property
+    def pairs(self) -> slice:
+        return slice(self.start, self.start + self.count)
+
+
+@dataclass
+class _Routing:
+    """The call's pairs sorted by expert, on the host and on the device."""
+
+    groups: list[_Group]
+    tokens_host: torch.Tensor  # int64 [P]: token of each sorted pair
+    tokens_dev: torch.Tensor
+    gates_dev: torch.Tensor  # [P] routing weight of each sorted pair
+
+
+class TieredDispatcher(ExpertDispatcher):
+    """Routed experts behind a VRAM cache, a CPU tier and a copy path; see the module docstring.
+
+    Built by ``load_model`` over an empty store; :meth:`prepare` (called after loading, or lazily by
+    the first dispatch) allocates the cache on the compute device, warms it, and measures route
+    costs. ``metrics`` counts hits, misses, CPU time and bytes copied.
+    """
+
+    def __init__(self, store: ExpertStore, config: TieredConfig | None = None, **options: Any) -> None:
+        super().__init__(store)
+        if config is not None and options:
+            raise ConfigError("pass either a TieredConfig or keyword options to TieredDispatcher, not both")
+        self.config = config or TieredConfig(**options)
+        self.metrics = TierMetrics()
+        self.policy = make_policy(self.config.policy, **self.config.policy_options)
+        self.cache: ExpertCache | None = None
+        self.cpu_tier: CpuExpertTier | None = None
+        self.costs = RouteCosts.from_share(self.config.cpu_share) if self.config.cpu_share is not None else RouteCosts()
+        self.device: torch.device | None = None
+        self.step = 0
+        self._first_layer = min(store.layout.moe_layers)
+
+    # --- set-up --------------------------------------------------------------------------------
+
+    def prepare(self, device: torch.device | str) -> None:
+        """Allocate the cache on ``device``, start the CPU worker, warm the cache, calibrate routes (once)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self.device is not None:
+            if device != self.device:
+                raise ConfigError(f"tiered dispatcher was prepared for {self.device}, not {device}")
+            return
+        self._check_home(device)
+        cfg, layout = self.config, self.store.layout
+        n_slots = cfg.cache_slots if cfg.cache_slots is not None else cfg.cache_bytes // self.block_bytes
+        self.cache = ExpertCache(
+            self.store, device, n_slots, self.policy, cfg.staging_slots or layout.top_k, self.metrics
+        )
+        self.cpu_tier = CpuExpertTier(layout.swiglu_limit, cfg.cpu_threads)
+        self.device = device
+        if device.type == "cuda" and cfg.miss_route == "auto" and cfg.cpu_share is None and cfg.calibrate:
+            self.costs = self._calibrate()
+        log.info("tiered experts: %d cache slots, policy %s, route costs %s", n_slots, cfg.policy, self.costs)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.store.layout.block_bytes(self.store.dtype)
+
+    def resize_cache(self, n_slots: int) -> int:
+        """Elastic cache: grow or shrink to ``n_slots`` between steps; returns the size reached."""
+        if self.cache is None:
+            raise ConfigError("prepare() the tiered dispatcher before resizing its cache")
+        return self.cache.resize(n_slots)
+
+    def close(self) -> None:
+        if self.cpu_tier is not None:
+            self.cpu_tier.close()
+
+    def _check_home(self, device: torch.device) -> None:
+        homes = {weights.block.device.type for _, weights in self.store.items()}
+        if device.type == "cuda" and homes != {"cpu"}:
+            raise ConfigError(
+                "the tiered dispatcher needs the expert home copy in host memory: "
+                "load with expert_allocator=HostExpertArena.for_checkpoint(path, dtype)"
+            )
+        pinned = all(weights.block.is_pinned() for _, weights in self.store.items()) if device.type == "cuda" else True
+        if not pinned:
+            log.warning("expert home copy is not pinned: copies to the GPU will run at pageable speed")
+
+    # --- the call ------------------------------------------------------------------------------
+
+    def dispatch(
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        self.prepare(hidden.device)
+        out = torch.zeros_like(hidden)
+        if hidden.shape[0] == 0:
+            return out
+        if layer == self._first_layer:
+            self.step += 1
+            self.metrics.tokens += hidden.shape[0]
+        routing = self._route(layer, hidden, topk_ids, topk_weights)
+        hits = [g for g in routing.groups if g.slot is not None]
+        misses = [g for g in routing.groups if g.slot is None]
+        self._count(layer, hits, misses)
+        cpu_idx, copy_idx = split_misses([g.count for g in misses], self.config.miss_route, self.costs)
+        cpu_groups, copy_groups = [misses[i] for i in cpu_idx], [misses[i] for i in copy_idx]
+        protected = {(layer, g.expert) for g in routing.groups}
+        for group in sorted(misses, key=lambda g: -g.count):
+            group.slot = self.cache.plan_admission((layer, group.expert), protected)
+
+        started = self._start_cpu(layer, hidden, routing, cpu_groups) if cpu_groups else None
+        try:
+            read = self._run_on_device(layer, out, hidden, routing, hits, copy_groups)
+            for group in cpu_groups:  # admitted CPU-routed misses: copy in behind the critical path
+                if group.slot is not None:
+                    self.cache.fill(group.slot, self.store.expert(layer, group.expert).block)
+                    self.metrics.layer(layer).admit_bytes += self.block_bytes
+        finally:
+            partial = self._finish_cpu(layer, started) if started is not None else None
+        if partial is not None:
+            rows_dev, values = partial
+            out.index_add_(0, rows_dev, values.to(out.dtype))
+        self.cache.mark_released(read, self._compute_stream())
+        return out
+
+    def _route(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights) -> _Routing:
+        """Sort pairs by expert on the host (one small copy), look each expert up, tell the policy."""
+        ids_host = topk_ids.reshape(-1).cpu()
+        order_host = torch.argsort(ids_host, stable=True)
+        experts, counts = torch.unique_consecutive(ids_host[order_host], return_counts=True)
+        experts_l, counts_l = experts.tolist(), counts.tolist()
+        top_k = topk_ids.shape[1]
+        order_dev = order_host.to(hidden.device, non_blocking=True)
+        groups, start = [], 0
+        for expert, count in zip(experts_l, counts_l, strict=True):
+            groups.append(_Group(expert, start, count, self.cache.get((layer, expert))))
+            start += count
+        self.policy.record(layer, experts_l, counts_l, self.step)
+        self.metrics.record_routing(layer, experts_l, counts_l)
+        return _Routing(
+            groups=groups,
+            tokens_host=order_host // top_k,
+            tokens_dev=order_dev // top_k,
+            gates_dev=topk_weights.reshape(-1)[order_dev],
+        )
+
+    def _run_on_device(
+        self, layer: int, out: torch.Tensor, hidden: torch.Tensor, routing: _Routing, hits, copy_groups
+    ) -> list[Slot]:
+        """Copy-path copies are enqueued before the hits run, so they land while the hits compute.
+
+        Admitted misses are copied straight into their cache slot; the others go through the
+        staging slots, at most ``n_staging`` ahead: a staging slot is refilled only after the
+        compute that read it has been enqueued (on CUDA the refill also waits for its event).
+        """
+        stream = self._compute_stream()
+        direct = [g for g in copy_groups if g.slot is not None]
+        staged = [g for g in copy_groups if g.slot is None]
+        ahead = min(len(staged), self.cache.n_staging)
+        for group in direct:
+            self._copy_in(layer, group, group.slot)
+        staging = [self._copy_in(layer, group, self.cache.staging_slot()) for group in staged[:ahead]]
+        read = []
+        for group in hits + direct:
+            self.cache.wait_ready(group.slot, stream)
+            self._expert_on_device(out, hidden, routing, group, group.slot.weights)
+            read.append(group.slot)
+        for i, group in enumerate(staged):
+            slot = staging[i]
+            self.cache.wait_ready(slot, stream)
+            self._expert_on_device(out, hidden, routing, group, slot.weights)
+            self.cache.mark_released([slot], stream)
+            if i + ahead < len(staged):
+                staging.append(self._copy_in(layer, staged[i + ahead], self.cache.staging_slot()))
+        return read
+
+    def _copy_in(self, layer: int, group: _Group, slot: Slot) -> Slot:
+        self.cache.fill(slot, self.store.expert(layer, group.expert).block)
+        counters = self.metrics.layer(layer)
+        counters.copy_bytes += self.block_bytes
+        counters.copy_pairs += group.count
+        return slot
+
+    def _expert_on_device(self, out, hidden, routing: _Routing, group: _Group, weights: ExpertWeights) -> None:
+        # Exactly ResidentDispatcher's per-expert step.
+        tokens = routing.tokens_dev[group.pairs]
+        gates = routing.gates_dev[group.pairs, None]
+        y = swiglu_expert(hidden[tokens], weights, self.store.layout.swiglu_limit) * gates
+        out.index_add_(0, tokens, y.to(out.dtype))
+
+    def _start_cpu(self, layer: int, hidden: torch.Tensor, routing: _Routing, groups: list[_Group]):
+        """Gather the CPU-routed rows and gates to the host and submit the job; returns (future, rows on device).
+
+        On CUDA the rows and gates land in pinned buffers by non-blocking copies; the worker waits
+        for the recorded event before reading them, so this thread goes on to launch device work.
+        """
+        tokens = torch.cat([routing.tokens_host[g.pairs] for g in groups])
+        rows = torch.unique(tokens)  # sorted ids of the tokens the CPU tier touches
+        local = torch.empty(hidden.shape[0], dtype=torch.int64)
+        local[rows] = torch.arange(rows.numel())
+        cuda = hidden.device.type == "cuda"
+        rows_dev = rows.to(hidden.device, non_blocking=True)
+        host_hidden = torch.empty((rows.numel(), hidden.shape[1]), dtype=hidden.dtype, pin_memory=cuda)
+        host_gates = torch.empty(routing.gates_dev.shape, dtype=routing.gates_dev.dtype, pin_memory=cuda)
+        host_hidden.copy_(hidden.index_select(0, rows_dev), non_blocking=cuda)
+        host_gates.copy_(routing.gates_dev, non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record(self._compute_stream())
+        # Slices are views: nothing is read from the pinned buffers before the worker waits on ``ready``.
+        job_groups = [
+            CpuGroup(self.store.expert(layer, g.expert), local[routing.tokens_host[g.pairs]], host_gates[g.pairs])
+            for g in groups
+        ]
+        out = torch.empty((rows.numel(), hidden.shape[1]), dtype=torch.float32, pin_memory=cuda)
+        self.metrics.layer(layer).cpu_pairs += int(tokens.numel())
+        return self.cpu_tier.submit(CpuJob(hidden=host_hidden, groups=job_groups, ready=ready, out=out)), rows_dev
+
+    def _finish_cpu(self, layer: int, started) -> tuple[torch.Tensor, torch.Tensor]:
+        future, rows_dev = started
+        wait_start = time.perf_counter()
+        result = future.result()
+        counters = self.metrics.layer(layer)
+        counters.cpu_wait_seconds += time.perf_counter() - wait_start
+        counters.cpu_seconds += result.seconds
+        values = result.out.to(rows_dev.device, non_blocking=True)
+        return rows_dev, values
+
+    def _count(self, layer: int, hits: list[_Group], misses: list[_Group]) -> None:
+        counters = self.metrics.layer(layer)
+        counters.calls += 1
+        counters.experts_hit += len(hits)
+        counters.experts_miss += len(misses)
+        counters.uses_hit += sum(g.count for g in hits)
+        counters.uses_miss += sum(g.count for g in misses)
+
+    def _compute_stream(self) -> Any:
+        """The stream device work is enqueued on (None off CUDA)."""
+        cuda = self.device is not None and self.device.type == "cuda"
+        return torch.cuda.current_stream(self.device) if cuda else None
+
+    # --- start-up measurement ------------------------------------------------------------------
+
+    def _calibrate(self, experts: int = 4, tokens: tuple[int, int] = (1, 16)) -> RouteCosts:
+        """Time a few experts on each route at two token counts and fit ``fixed + per_token * n``."""
+        layer = self._first_layer
+        ids = list(range(min(experts, self.store.layout.num_experts)))
+        hidden_size = self.store.layout.hidden_size
+        samples = {}
+        for n in tokens:
+            x_dev = torch.randn(n, hidden_size, device=self.device).to(self.store.dtype)
+            x_host = x_dev.cpu()
+            gates = torch.ones(n)
+            rows = torch.arange(n)
+            self._time_cpu(layer, ids[:1], x_host, rows, gates)  # warm-up
+            self._time_copy(layer, ids[:1], x_dev)
+            samples[n] = (self._time_cpu(layer, ids, x_host, rows, gates), self._time_copy(layer, ids, x_dev))
+        (cpu1, copy1), (cpu2, copy2) = samples[tokens[0]], samples[tokens[1]]
+        span = tokens[1] - tokens[0]
+        cpu_slope, copy_slope = max(0.0, (cpu2 - cpu1) / span), max(0.0, (copy2 - copy1) / span)
+        return RouteCosts(
+            cpu_fixed=max(cpu1 - cpu_slope * tokens[0], 1e-9),
+            cpu_per_token=cpu_slope,
+            copy_fixed=max(copy1 - copy_slope * tokens[0], 1e-9),
+            copy_per_token=copy_slope,
+        )
+
+    def _time_cpu(self, layer, ids, x_host, rows, gates) -> float:
+        groups = [CpuGroup(self.store.expert(layer, e), rows, gates) for e in ids]
+        start = time.perf_counter()
+        self.cpu_tier.submit(CpuJob(hidden=x_host, groups=groups)).result()
+        return (time.perf_counter() - start) / len(ids)
+
+    def _time_copy(self, layer, ids, x_dev) -> float:
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        for e in ids:
+            slot = self.cache.staging_slot()
+            self.cache.fill(slot, self.store.expert(layer, e).block)
+            self.cache.wait_ready(slot, self._compute_stream())
+            swiglu_expert(x_dev, slot.weights, self.store.layout.swiglu_limit)
+            self.cache.mark_released([slot], self._compute_stream())
+        torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - start) / len(ids)
