@@ -1,31 +1,35 @@
 """The offline API: ``LLM(path).generate(prompts, SamplingParams(...))``, shaped like vLLM's.
 
-One prompt at a time, each with its own contiguous cache: prefill once, then one token per step.
-It is the simple, obviously-correct loop the paged continuous-batching engine is checked against.
+A thin synchronous driver of :class:`moetier.engine.engine.Engine`: it adds every request, steps the
+engine until all are done and collects the updates, so the offline API and the server share one
+generation loop.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
 
-from moetier.config import ModelLoadConfig, default_device, parse_dtype
-from moetier.engine.sampling import SamplingParams, make_generator, sample_tokens
-from moetier.errors import CheckpointError, ConfigError
-from moetier.weights.loader import load_model
+from moetier.engine.engine import (
+    Engine,
+    EngineBusyError,
+    EngineConfig,
+    RequestUpdate,
+    TokenLogprob,
+    resolve_dtype,
+)
+from moetier.engine.sampling import SamplingParams
+from moetier.errors import ConfigError
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "resolve_dtype"]
 
 FinishReason = Literal["stop", "length"]
 Prompt = str | dict[str, Any]
-
-_CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# Sampling defaults a checkpoint's generation_config.json may carry (vLLM applies them too).
-_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
 
 
 @dataclass
@@ -34,7 +38,8 @@ class CompletionOutput:
 
     ``token_ids`` holds every generated token, the final EOS/stop token included; ``text`` excludes
     the stop string or stop token that ended it. ``stop_reason`` is the stop string or stop token id
-    (``None`` for EOS and for ``finish_reason == "length"``).
+    (``None`` for EOS and for ``finish_reason == "length"``). ``logprobs``: one entry per token when
+    ``SamplingParams.logprobs`` is set.
     """
 
     index: int
@@ -42,48 +47,19 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
 class RequestOutput:
-    """A prompt (``None`` when given as token ids), its token ids and its completions."""
+    """A prompt (``None`` when given as token ids), its token ids and its completions (``n`` of them)."""
 
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     request_id: str = ""
     finished: bool = True
-
-
-def _checkpoint_config(path: Path) -> dict[str, Any]:
-    """``config.json`` read before loading, to pick the dtype (the loader validates the rest)."""
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a model folder (expected config.json and *.safetensors)")
-    config_path = path / "config.json"
-    try:
-        return json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{config_path}: config.json is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{config_path}: config.json is not valid JSON ({exc})") from None
-
-
-def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
-    """``auto``: the checkpoint's own float dtype, else bf16 on CUDA and fp32 on CPU."""
-    if dtype != "auto":
-        return parse_dtype(dtype)
-    stored = hf_config.get("dtype") or hf_config.get("torch_dtype")
-    if isinstance(stored, str) and stored in _CHECKPOINT_DTYPES:
-        return _CHECKPOINT_DTYPES[stored]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def _token_ids(value: Any) -> set[int]:
-    """An ``eos_token_id`` field (int, list of ints or absent) as a set."""
-    if value is None:
-        return set()
-    items = value if isinstance(value, list) else [value]
-    return {int(i) for i in items if isinstance(i, int) and not isinstance(i, bool)}
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -92,6 +68,8 @@ class LLM:
     ``dtype``: ``auto`` (the checkpoint's), ``bf16``, ``fp16`` or ``fp32``. ``device``: default CUDA
     when available. ``max_model_len``: the longest sequence (prompt + generated), default the
     model's ``max_position_embeddings``. ``skip_tokenizer_init``: token-id prompts only, empty text.
+    ``engine_config``: the engine's limits (streams, prefill chunk, KV budget); ``max_model_len``,
+    when given, overrides its field.
     """
 
     def __init__(
@@ -102,44 +80,47 @@ class LLM:
         max_model_len: int | None = None,
         skip_tokenizer_init: bool = False,
         load_progress: bool = True,
+        engine_config: EngineConfig | None = None,
     ) -> None:
         self.path = Path(model).expanduser()
-        self.device = torch.device(device) if device is not None else default_device()
-        hf_config = _checkpoint_config(self.path)
-        self.max_model_len = self._window(hf_config, max_model_len)
-        load_config = ModelLoadConfig(resolve_dtype(dtype, hf_config, self.device), self.device, self.max_model_len)
-        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(self.path)
-        self.loaded = load_model(self.path, load_config, progress=load_progress)
-        self.model = self.loaded.model
-        self.generation_config = self.loaded.checkpoint.read_json("generation_config.json") or {}
-        self.eos_token_ids = self._eos_ids(hf_config)
-        self.vocab_size = hf_config.get("vocab_size")
+        config = engine_config or EngineConfig()
+        if max_model_len is not None:
+            config = replace(config, max_model_len=max_model_len)
+        self.engine = Engine(
+            self.path,
+            config,
+            dtype=dtype,
+            device=device,
+            tokenizer=None if skip_tokenizer_init else "auto",
+            load_progress=load_progress,
+        )
+        self.loaded = self.engine.loaded
+        self.model = self.engine.model
+        self.device = self.engine.device
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.vocab_size
+        self._batches = 0
 
-    @staticmethod
-    def _window(hf_config: dict[str, Any], requested: int | None) -> int:
-        limit = hf_config.get("max_position_embeddings")
-        if requested is None:
-            if limit is None:
-                raise ConfigError("config.json has no max_position_embeddings; pass max_model_len")
-            return int(limit)
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-            raise ConfigError(f"max_model_len must be an integer >= 1, got {requested!r}")
-        if limit is not None and requested > limit:
-            raise ConfigError(f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}")
-        return requested
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        return self.engine.generation_config
 
-    def _eos_ids(self, hf_config: dict[str, Any]) -> set[int]:
-        ids = _token_ids(self.generation_config.get("eos_token_id"))
-        if self.tokenizer is not None:
-            ids |= set(self.tokenizer.eos_token_ids)
-        return ids or _token_ids(hf_config.get("eos_token_id"))
+    @generation_config.setter
+    def generation_config(self, value: dict[str, Any]) -> None:
+        self.engine.generation_config = value
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.engine.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, value: set[int]) -> None:
+        self.engine.eos_token_ids = set(value)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the sampling defaults of the checkpoint's generation_config.json."""
-        overrides = {k: self.generation_config[k] for k in _GENERATION_DEFAULTS if k in self.generation_config}
-        if self.generation_config.get("do_sample") is False:
-            overrides["temperature"] = 0.0
-        return SamplingParams(**overrides)
+        return self.engine.default_sampling_params()
 
     # --- public API -------------------------------------------------------------------------
 
@@ -156,15 +137,51 @@ class LLM:
         """
         items = list(prompts) if isinstance(prompts, list | tuple) else [prompts]
         params = self._params_per_prompt(sampling_params, len(items))
-        requests = [self._prepare(item) for item in items]  # validate every prompt before any work
-        outputs = []
-        with torch.inference_mode():
-            for index, ((text, ids), sp) in enumerate(
-                tqdm(list(zip(requests, params, strict=True)), desc="generating", disable=not use_tqdm)
-            ):
-                completion = self._generate_one(ids, sp)
-                outputs.append(RequestOutput(text, ids, [completion], request_id=str(index)))
+        prepared = [self._prepare(item) for item in items]
+        # Validate every request before any work, so a bad prompt costs nothing.
+        ids = [self.engine.validate_request(p_ids, sp) for (_, p_ids), sp in zip(prepared, params, strict=True)]
+        outputs = [
+            RequestOutput(text, p_ids, [CompletionOutput(j, "", []) for j in range(sp.n)], request_id=str(index))
+            for index, ((text, _), p_ids, sp) in enumerate(zip(prepared, ids, params, strict=True))
+        ]
+        self._batches += 1
+        # One engine request per completion; a parallel-sampling child gets seed + j (see SamplingParams.child).
+        jobs = [
+            (f"llm-{self._batches}-{i}-{j}", i, j, p_ids, sp.child(j) if sp.n > 1 else sp)
+            for i, (p_ids, sp) in enumerate(zip(ids, params, strict=True))
+            for j in range(sp.n)
+        ]
+        self._run(jobs, outputs, use_tqdm)
         return outputs
+
+    def _run(self, jobs: list[tuple[str, int, int, list[int], SamplingParams]], outputs, use_tqdm: bool) -> None:
+        """Feed ``jobs`` to the engine (as fast as its queue takes them) and step it until all are done."""
+        targets = {job[0]: (outputs[job[1]], job[2]) for job in jobs}
+        queued, open_ids = list(reversed(jobs)), set(targets)
+        progress = tqdm(total=len(jobs), desc="generating", disable=not use_tqdm)
+        try:
+            while open_ids:
+                while queued:
+                    request_id, _, _, p_ids, sp = queued[-1]
+                    try:
+                        self.engine.add_request(request_id, p_ids, sp)
+                    except EngineBusyError:
+                        break
+                    queued.pop()
+                for update in self.engine.step():
+                    if update.request_id not in targets:
+                        continue  # e.g. the abort notice of an earlier, interrupted call
+                    request, index = targets[update.request_id]
+                    _collect(request, request.outputs[index], update)
+                    if update.finished:
+                        open_ids.discard(update.request_id)
+                        progress.update(1)
+        finally:
+            progress.close()
+            if open_ids:  # interrupted (an error, Ctrl-C): leave nothing running in the engine
+                for request_id in open_ids:
+                    self.engine.abort(request_id)
+                self.engine.step()
 
     def chat(
         self,
@@ -208,7 +225,7 @@ class LLM:
         return self.tokenizer
 
     def _prepare(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(prompt text or None, prompt token ids), checked against the vocabulary and the window."""
+        """(prompt text or None, prompt token ids); the engine checks the ids."""
         if isinstance(prompt, str):
             text, ids = prompt, self._require_tokenizer("a text prompt").encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -220,86 +237,21 @@ class LLM:
             raise ConfigError(
                 f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}"
             )
-        ids = self._check_ids(ids)
-        if len(ids) >= self.max_model_len:
-            raise ConfigError(
-                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}, "
-                "which leaves no room to generate; shorten the prompt"
-            )
         return text, ids
 
-    def _check_ids(self, ids: Any) -> list[int]:
-        if not isinstance(ids, list | tuple) or not ids:
-            raise ConfigError("prompt_token_ids must be a non-empty list of token ids")
-        vocab = self.vocab_size or 0
-        for token in ids:
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (vocab and token >= vocab):
-                raise ConfigError(f"prompt token id {token!r} is not in the vocabulary [0, {vocab})")
-        return list(ids)
 
-    def _generate_one(self, prompt_ids: list[int], params: SamplingParams) -> CompletionOutput:
-        budget = min(params.max_tokens, self.max_model_len - len(prompt_ids))
-        run = _Completion(params, self.eos_token_ids, self.tokenizer)
-        model, device = self.model, self.device
-        cache = model.new_cache(len(prompt_ids) + budget)
-        generator = make_generator(params, device)
-        hidden = model(torch.tensor(prompt_ids, device=device), cache)
-        while True:
-            logits = model.compute_logits(hidden[-1:])
-            token = int(sample_tokens(logits, params, generator)[0])
-            if run.add(token) or len(run.token_ids) >= budget:
-                break
-            hidden = model(torch.tensor([token], device=device), cache)
-        return run.finish()
-
-
-def _load_tokenizer(path: Path):
-    from moetier.tokenizer import Tokenizer
-
-    return Tokenizer.from_folder(path)
-
-
-class _Completion:
-    """One completion in progress: tokens, incremental text and the stop checks."""
-
-    def __init__(self, params: SamplingParams, eos_ids: set[int], tokenizer) -> None:
-        self.params = params
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
-        self.decoder = tokenizer.stream_decoder(skip_special_tokens=True) if tokenizer is not None else None
-        self.longest_stop = max((len(s) for s in params.stop_strings), default=0)
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.finish_reason: FinishReason | None = None
-        self.stop_reason: int | str | None = None
-
-    def add(self, token: int) -> bool:
-        """Record a generated token; True when it ends the completion."""
-        self.token_ids.append(token)
-        if token in self.stop_ids:
-            # Like vLLM, the stop token stays in token_ids but its text is not appended.
-            self.finish_reason = "stop"
-            self.stop_reason = None if token not in self.params.stop_token_ids else token
-            return True
-        return self.decoder is not None and self._append_text(self.decoder.push(token))
-
-    def _append_text(self, piece: str) -> bool:
-        if not piece:
-            return False
-        start = max(0, len(self.text) - self.longest_stop + 1)
-        self.text += piece
-        found = [(self.text.find(s, start), s) for s in self.params.stop_strings]
-        found = [(at, s) for at, s in found if at >= 0]
-        if not found:
-            return False
-        at, stop = min(found)
-        self.text = self.text[:at]  # the returned text excludes the stop string
-        self.finish_reason, self.stop_reason = "stop", stop
-        return True
-
-    def finish(self) -> CompletionOutput:
-        if self.decoder is not None and not isinstance(self.stop_reason, str):
-            # Text the decoder still holds (an incomplete character) belongs to the output.
-            self._append_text(self.decoder.flush())
-        if self.finish_reason is None:
-            self.finish_reason = "length"
-        return CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.stop_reason)
+def _collect(request: RequestOutput, completion: CompletionOutput, update: RequestUpdate) -> None:
+    """Fold one engine update into the completion it belongs to."""
+    if update.error is not None:
+        raise RuntimeError(f"generation failed for request {request.request_id}: {update.error}")
+    completion.token_ids.extend(update.new_token_ids)
+    completion.text += update.new_text
+    if update.logprobs is not None:
+        if completion.logprobs is None:
+            completion.logprobs = []
+        completion.logprobs.extend(update.logprobs)
+    if update.prompt_logprobs is not None:
+        request.prompt_logprobs = update.prompt_logprobs
+    if update.finished:
+        completion.finish_reason = update.finish_reason  # type: ignore[assignment]
+        completion.stop_reason = update.stop_reason

@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from moetier.engine.sampling import SamplingParams, filtered_probabilities, make_generator, sample_tokens
+from moetier.engine.sampling import (
+    PenaltyState,
+    SamplingParams,
+    apply_penalties,
+    filtered_probabilities,
+    make_generator,
+    sample_tokens,
+    token_logprobs,
+)
 from moetier.errors import ConfigError
 
 # A crafted distribution with distinct probabilities and no filter boundary near a threshold used
@@ -170,6 +178,15 @@ def test_batched_rows_use_their_own_params():
         {"stop": ["ok", 3]},
         {"stop_token_ids": [-1]},
         {"stop_token_ids": "12"},
+        {"n": 0},
+        {"n": 17},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -2.1},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": float("inf")},
+        {"logprobs": 21},
+        {"logprobs": -1},
+        {"prompt_logprobs": 1.0},
     ],
 )
 def test_bad_values_raise_one_line_config_error(kwargs):
@@ -183,3 +200,69 @@ def test_stop_is_normalised_to_a_list():
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
     assert SamplingParams().stop == [] and SamplingParams().stop_token_ids == []
+
+
+# --- penalties and logprobs ---------------------------------------------------------------------------
+
+
+def test_penalties_follow_the_openai_and_vllm_formulas():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0, 4.0]])
+    prompt, output = [0, 1], [2, 2, 3]  # token 4 and 5 never seen
+    state = PenaltyState(prompt, output, 6, "cpu")
+    assert state.seen.tolist() == [True, True, True, True, False, False]
+    assert state.counts.tolist() == [0, 0, 2, 1, 0, 0]
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    got = apply_penalties(logits, params, state.seen[None], state.counts[None])
+    # repetition: positive / 2, negative * 2 on every seen token (prompt or output);
+    # frequency 0.5 per generated occurrence and presence 0.25 once, on generated tokens only.
+    expected = [2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.5 * 2 - 0.25, -3.0 * 2 - 0.5 - 0.25, 1.0, 4.0]
+    torch.testing.assert_close(got, torch.tensor([expected]))
+
+
+def test_penalties_move_greedy_choice_and_neutral_values_change_nothing():
+    logits = crafted_logits()[None]
+    best = int(logits.argmax())
+    state = PenaltyState([], [best], logits.shape[-1], "cpu")
+    for params in (
+        SamplingParams(temperature=0, presence_penalty=2.0),
+        SamplingParams(temperature=0, frequency_penalty=2.0),
+    ):
+        penalised = apply_penalties(logits, params, state.seen[None], state.counts[None])
+        assert int(sample_tokens(penalised, params)) == PERMUTATION[1]  # the runner-up now wins
+    neutral = apply_penalties(logits, SamplingParams(), state.seen[None], state.counts[None])
+    assert torch.equal(neutral, logits)
+    # Negative penalties encourage repetition.
+    boosted = apply_penalties(logits, SamplingParams(presence_penalty=-1.0), state.seen[None], state.counts[None])
+    assert boosted[0, best] == logits[0, best] + 1.0
+
+
+def test_rows_get_their_own_penalties():
+    logits = torch.randn(3, 12, generator=torch.Generator().manual_seed(3))
+    states = [PenaltyState([1, 2], [3, 3], 12, "cpu") for _ in range(3)]
+    seen, counts = torch.stack([s.seen for s in states]), torch.stack([s.counts for s in states])
+    params = [SamplingParams(), SamplingParams(frequency_penalty=1.0), SamplingParams(repetition_penalty=1.3)]
+    got = apply_penalties(logits, params, seen, counts)
+    assert torch.equal(got[0], logits[0])
+    assert got[1, 3] == logits[1, 3] - 2.0 and torch.equal(got[1, :3], logits[1, :3])
+    assert not torch.equal(got[2, [1, 2, 3]], logits[2, [1, 2, 3]]) and torch.equal(got[2, 4:], logits[2, 4:])
+
+
+def test_token_logprobs_are_log_softmax_of_the_logits_with_sorted_alternatives():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(4)) * 3
+    chosen = torch.tensor([5, 0, 39])
+    rows = token_logprobs(logits, chosen, [0, 3, 5])
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    for row, token, ref, k in zip(rows, chosen.tolist(), reference, [0, 3, 5], strict=True):
+        assert row.token_id == token and math.isclose(row.logprob, ref[token].item(), abs_tol=1e-5)
+        assert [t for t, _ in row.top] == (ref.topk(k).indices.tolist() if k else [])
+        assert all(math.isclose(lp, ref[t].item(), abs_tol=1e-5) for t, lp in row.top)
+    assert math.isclose(sum(math.exp(lp) for lp in reference[0].tolist()), 1.0)
+
+
+def test_child_params_for_parallel_sampling():
+    params = SamplingParams(n=4, seed=10, temperature=0.5, logprobs=2)
+    children = [params.child(i) for i in range(4)]
+    assert [c.seed for c in children] == [10, 11, 12, 13] and all(c.n == 1 for c in children)
+    assert all(c.temperature == 0.5 and c.logprobs == 2 for c in children)
+    assert SamplingParams(n=2).child(1).seed is None
+    assert params.n == 4  # the parent is untouched

@@ -12,18 +12,31 @@ Filters run in this order (the order of vLLM's V0 sampler and of transformers' w
    last is the same as intersecting its set with the others' (vLLM's V1 applies it before
    top-k/top-p, which changes only how top_p's mass is measured).
 
-Temperature 0 means greedy: the argmax of the raw logits, no filter, no randomness.
+Temperature 0 means greedy: the argmax of the logits, no filter, no randomness.
+
+Penalties (:func:`apply_penalties`) come before all of these, on the model's logits, with vLLM's and
+OpenAI's semantics: ``repetition_penalty`` divides the positive logits (multiplies the negative
+ones) of every token seen in the prompt or the output; ``frequency_penalty`` subtracts
+``penalty * count`` and ``presence_penalty`` subtracts ``penalty`` once, both over generated tokens
+only. Greedy decoding takes the argmax of the penalised logits.
+
+Logprobs (:func:`token_logprobs`) are those of the *raw* model distribution, ``log_softmax`` of the
+logits before penalties, temperature and filters: vLLM's default (``logprobs_mode="raw_logprobs"``),
+so they describe the model, not the sampler's reshaped distribution.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from moetier.errors import ConfigError
+
+MAX_N = 16
+MAX_LOGPROBS = 20
 
 
 def _is_int(value: object) -> bool:
@@ -46,6 +59,13 @@ class SamplingParams:
     - ``seed``: seeds this request's own generator, so its samples are reproducible and do not
       depend on other requests; ``None`` draws a fresh seed.
     - ``ignore_eos``: keep generating past EOS (benchmarks).
+    - ``n``: completions wanted (1..16). The engine runs one sequence per request; callers fan out
+      with :meth:`child`.
+    - ``presence_penalty``, ``frequency_penalty`` in [-2, 2]; ``repetition_penalty`` > 0 (1 = off).
+    - ``logprobs``: with each generated token, its logprob and the ``logprobs`` (0..20) most likely
+      alternatives; ``prompt_logprobs``: the same for every prompt token (the first has none).
+    - ``skip_special_tokens``: leave special tokens out of the text.
+    - ``include_stop_str_in_output``: keep the stop string (or stop token's text) in the text.
     """
 
     temperature: float = 1.0
@@ -57,6 +77,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or self.temperature < 0:
@@ -74,6 +102,20 @@ class SamplingParams:
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _stop_ids(self.stop_token_ids)
         self.ignore_eos = bool(self.ignore_eos)
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ConfigError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ConfigError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ConfigError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        self.skip_special_tokens = bool(self.skip_special_tokens)
+        self.include_stop_str_in_output = bool(self.include_stop_str_in_output)
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +125,16 @@ class SamplingParams:
     def stop_strings(self) -> list[str]:
         """``stop`` as a list (``__post_init__`` normalises it; this keeps the type checker informed)."""
         return list(self.stop or [])
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def child(self, index: int) -> SamplingParams:
+        """The params of completion ``index`` of ``n``: ``n=1``, and ``seed + index`` when seeded (as vLLM),
+        so the fanned-out completions differ yet stay reproducible."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
 
 
 def _stop_strings(stop: object) -> list[str]:
@@ -189,3 +241,80 @@ def sample_tokens(
             if not row.greedy:
                 tokens[i] = torch.multinomial(probs[i], 1, generator=generator)[0]
     return tokens.reshape(logits.shape[:-1])
+
+
+# --- penalties ------------------------------------------------------------------------------
+
+
+class PenaltyState:
+    """One sequence's token history on the device, as penalties need it.
+
+    ``seen`` marks every token of the prompt and the output (repetition penalty); ``counts`` counts
+    the generated tokens (presence and frequency penalties). Kept incrementally, one scatter per
+    generated token, so a long sequence never rebuilds them from lists.
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], output_ids: Sequence[int], vocab: int, device) -> None:
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+        history = [i for i in list(prompt_ids) + list(output_ids) if 0 <= i < vocab]
+        if history:
+            self.seen[torch.tensor(history, device=device)] = True
+        for token in output_ids:
+            self.add(token)
+
+    def add(self, token: int) -> None:
+        if 0 <= token < self.counts.shape[0]:
+            self.seen[token] = True
+            self.counts[token] += 1
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: SamplingParams | Sequence[SamplingParams],
+    seen: torch.Tensor,
+    counts: torch.Tensor,
+) -> torch.Tensor:
+    """Penalised float32 logits ``[B, V]``: repetition, then frequency and presence (vLLM's order).
+
+    ``seen`` (bool ``[B, V]``) marks tokens of the prompt or output; ``counts`` (``[B, V]``) counts
+    generated tokens. Neutral values (1, 0, 0) leave a row bit-for-bit unchanged.
+    """
+    batch, rows = _as_batch(logits, params)
+    repetition = _row_tensor(rows, "repetition_penalty", batch)
+    penalised = torch.where(batch > 0, batch / repetition, batch * repetition)
+    batch = torch.where(seen.reshape(batch.shape), penalised, batch)
+    counts = counts.reshape(batch.shape).to(batch.dtype)
+    batch = batch - _row_tensor(rows, "frequency_penalty", batch) * counts
+    batch = batch - _row_tensor(rows, "presence_penalty", batch) * (counts > 0).to(batch.dtype)
+    return batch.reshape(logits.shape)
+
+
+# --- logprobs -------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenLogprob:
+    """A token's logprob and the ``top`` most likely alternatives ``(token_id, logprob)``, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> list[TokenLogprob]:
+    """Logprobs of ``token_ids`` (``[B]``) under ``log_softmax(logits)`` (``[B, V]``), with row i's top ``num_top[i]``.
+
+    Computed on the logits' device; one transfer brings every row back.
+    """
+    if logits.dim() != 2 or token_ids.shape != logits.shape[:1] or len(num_top) != logits.shape[0]:
+        raise ValueError(f"logits {tuple(logits.shape)}, token_ids {tuple(token_ids.shape)}, {len(num_top)} top counts")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, token_ids.to(logprobs.device).long()[:, None])[:, 0]
+    k = min(max(num_top, default=0), logprobs.shape[-1])
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    chosen_list, values, ids = chosen.tolist(), top_values.tolist(), top_ids.tolist()
+    return [
+        TokenLogprob(int(token), chosen_list[i], list(zip(ids[i][: num_top[i]], values[i][: num_top[i]], strict=True)))
+        for i, token in enumerate(token_ids.tolist())
+    ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,6 +56,61 @@ class SequenceCache:
 
     length: int = 0
 
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+
+@dataclass
+class SequenceSlice:
+    """One sequence's rows ``[start, start + length)`` of a batched forward, its cache and positions."""
+
+    cache: SequenceCache
+    start: int
+    length: int
+    positions: torch.Tensor
+    context: Any = None  # per-sequence data a family derives once per forward (e.g. rotary tables)
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.length)
+
+
+class ForwardBatch:
+    """Several sequences run in one forward: token-wise work (projections, norms, routers, experts)
+    runs over all rows at once, so each expert is read once per step for every stream; attention
+    runs per sequence against that sequence's cache.
+    """
+
+    def __init__(
+        self,
+        caches: SequenceCache | Sequence[SequenceCache],
+        total: int,
+        lengths: Sequence[int] | None,
+        device: torch.device,
+    ) -> None:
+        if isinstance(caches, SequenceCache):
+            caches, lengths = [caches], [total] if lengths is None else lengths
+        if lengths is None or len(lengths) != len(caches) or sum(lengths) != total:
+            raise ValueError(f"seq_lens {lengths} must give one length per cache and sum to {total} tokens")
+        self.slices: list[SequenceSlice] = []
+        start = 0
+        for cache, length in zip(caches, lengths, strict=True):
+            positions = torch.arange(cache.length, cache.length + length, device=device)
+            self.slices.append(SequenceSlice(cache, start, length, positions))
+            start += length
+        self.positions = torch.cat([s.positions for s in self.slices])
+
+    def per_sequence(self, x: torch.Tensor, fn: Callable[[torch.Tensor, SequenceSlice], torch.Tensor]) -> torch.Tensor:
+        """``fn`` applied to each sequence's rows of ``x``; results concatenated in row order."""
+        if len(self.slices) == 1:
+            return fn(x, self.slices[0])
+        return torch.cat([fn(x[s.rows], s) for s in self.slices])
+
+    def advance(self) -> None:
+        """Mark every sequence's new tokens as cached (after all layers have written them)."""
+        for s in self.slices:
+            s.cache.advance(s.length)
+
 
 class CausalLM(nn.Module, ABC):
     """A decoder-only MoE language model.
@@ -68,6 +124,8 @@ class CausalLM(nn.Module, ABC):
     - ``forward(input_ids, cache)`` runs ``input_ids`` (``[T]``) at positions
       ``cache.length .. cache.length + T - 1``, appends to ``cache`` and returns the final
       hidden states ``[T, H]``; ``compute_logits`` maps them to float32 logits ``[T, V]``.
+      ``forward(input_ids, [cache_a, cache_b], seq_lens=[Ta, Tb])`` runs several sequences in one
+      pass (rows concatenated in that order); results equal running each alone.
     - ``post_load()`` builds derived state (e.g. RoPE tables) after weights are in place.
     """
 
@@ -97,7 +155,12 @@ class CausalLM(nn.Module, ABC):
     def new_cache(self, max_tokens: int) -> SequenceCache: ...
 
     @abstractmethod
-    def forward(self, input_ids: torch.Tensor, cache: SequenceCache) -> torch.Tensor: ...
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: SequenceCache | Sequence[SequenceCache],
+        seq_lens: Sequence[int] | None = None,
+    ) -> torch.Tensor: ...
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from moetier.errors import ConfigError
 from moetier.models.base import (
     CausalLM,
     ExpertTarget,
+    ForwardBatch,
     IgnoreTarget,
     ParamTarget,
     SequenceCache,
@@ -290,8 +292,10 @@ class DeepseekV3DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, rope, cache: LatentKVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache)
+    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
+        cos, sin = rope
+        attend = lambda xs, s: self.self_attn(xs, (cos[s.rows], sin[s.rows]), s.cache)
+        x = x + batch.per_sequence(self.input_layernorm(x), attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -390,13 +394,18 @@ class DeepseekV3ForCausalLM(CausalLM):
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         return LatentKVCache(cfg.num_hidden_layers, max_tokens, width, self.dtype, self.device)
 
-    def forward(self, input_ids: torch.Tensor, cache: LatentKVCache) -> torch.Tensor:
-        positions = torch.arange(cache.length, cache.length + input_ids.shape[0], device=input_ids.device)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: LatentKVCache | Sequence[LatentKVCache],
+        seq_lens: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        batch = ForwardBatch(cache, input_ids.shape[0], seq_lens, input_ids.device)
         x = self.embed_tokens(input_ids)
-        rope = rope_cos_sin(positions, self.inv_freq, self.rope_factor, x.dtype)
+        rope = rope_cos_sin(batch.positions, self.inv_freq, self.rope_factor, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, cache)
-        cache.advance(input_ids.shape[0])
+            x = layer(x, rope, batch)
+        batch.advance()
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

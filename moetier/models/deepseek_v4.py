@@ -11,13 +11,22 @@ names (in memory and as ``save_pretrained`` writes them).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetier.models.base import CausalLM, ExpertTarget, IgnoreTarget, ParamTarget, WeightTarget, register_model
+from moetier.models.base import (
+    CausalLM,
+    ExpertTarget,
+    ForwardBatch,
+    IgnoreTarget,
+    ParamTarget,
+    WeightTarget,
+    register_model,
+)
 from moetier.models.deepseek_v4_attention import (
     DeepseekV4Attention,
     RotaryTable,
@@ -153,14 +162,15 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.ffn_norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn_hc = HyperConnection(cfg)
         self.ffn_hc = HyperConnection(cfg)
+        self.layer = layer
         self.attn = DeepseekV4Attention(cfg, layer)
         self.ffn = DeepseekV4MoE(cfg, layer, dispatcher)
 
-    def forward(
-        self, streams: torch.Tensor, input_ids: torch.Tensor, rope: StepRope, state: LayerCache
-    ) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """``batch`` slices carry their :class:`StepRope` as ``context``; attention runs per sequence."""
         post, comb, x = self.attn_hc(streams)
-        streams = HyperConnection.merge(streams, self.attn(self.attn_norm(x), rope, state), post, comb)
+        attend = lambda xs, s: self.attn(xs, s.context, s.cache.layers[self.layer])
+        streams = HyperConnection.merge(streams, batch.per_sequence(self.attn_norm(x), attend), post, comb)
         post, comb, x = self.ffn_hc(streams)
         return HyperConnection.merge(streams, self.ffn(self.ffn_norm(x), input_ids), post, comb)
 
@@ -329,20 +339,26 @@ class DeepseekV4ForCausalLM(CausalLM):
             layers.append(state)
         return DeepseekV4Cache(layers, max_tokens)
 
-    def forward(self, input_ids: torch.Tensor, cache: DeepseekV4Cache) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: DeepseekV4Cache | Sequence[DeepseekV4Cache],
+        seq_lens: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         tokens = input_ids.shape[0]
-        cache.check_room(tokens)
-        positions = torch.arange(cache.length, cache.length + tokens, device=input_ids.device)
+        batch = ForwardBatch(cache, tokens, seq_lens, input_ids.device)
         x = self.embed(input_ids)
-        rope = StepRope(
-            positions=positions,
-            token={kind: table(positions, x.dtype) for kind, table in self.rope_tables.items()},
-            compress=self.rope_tables["compress"],
-        )
+        for s in batch.slices:
+            s.cache.check_room(s.length)
+            s.context = StepRope(
+                positions=s.positions,
+                token={kind: table(s.positions, x.dtype) for kind, table in self.rope_tables.items()},
+                compress=self.rope_tables["compress"],
+            )
         streams = x[:, None, :].expand(tokens, self.config.hc_mult, -1).contiguous()
-        for layer, state in zip(self.layers, cache.layers, strict=True):
-            streams = layer(streams, input_ids, rope, state)
-        cache.advance(tokens)
+        for layer in self.layers:
+            streams = layer(streams, input_ids, batch)
+        batch.advance()
         return self.norm(self.hc_head(streams))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

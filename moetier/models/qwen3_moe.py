@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.errors import ConfigError
-from moetier.models.base import CausalLM, ExpertTarget, ParamTarget, WeightTarget, register_model
+from moetier.models.base import CausalLM, ExpertTarget, ForwardBatch, ParamTarget, WeightTarget, register_model
 from moetier.models.cache import ContiguousKVCache
 from moetier.models.layers import (
     DenseMLP,
@@ -132,8 +133,10 @@ class Qwen3MoeDecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, rope, cache: ContiguousKVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache)
+    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
+        cos, sin = rope
+        attend = lambda xs, s: self.self_attn(xs, (cos[s.rows], sin[s.rows]), s.cache)
+        x = x + batch.per_sequence(self.input_layernorm(x), attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -222,13 +225,18 @@ class Qwen3MoeForCausalLM(CausalLM):
             self.device,
         )
 
-    def forward(self, input_ids: torch.Tensor, cache: ContiguousKVCache) -> torch.Tensor:
-        positions = torch.arange(cache.length, cache.length + input_ids.shape[0], device=input_ids.device)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: ContiguousKVCache | Sequence[ContiguousKVCache],
+        seq_lens: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        batch = ForwardBatch(cache, input_ids.shape[0], seq_lens, input_ids.device)
         x = self.embed_tokens(input_ids)
-        rope = rope_cos_sin(positions, self.inv_freq, self.rope_factor, x.dtype)
+        rope = rope_cos_sin(batch.positions, self.inv_freq, self.rope_factor, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, cache)
-        cache.advance(input_ids.shape[0])
+            x = layer(x, rope, batch)
+        batch.advance()
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

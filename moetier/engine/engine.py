@@ -1,0 +1,462 @@
+"""The synchronous serving engine: requests in, per-step :class:`RequestUpdate` out.
+
+One thread drives it (:class:`moetier.engine.async_engine.AsyncEngine` from a background thread,
+:class:`moetier.llm.LLM` inline). A step is: the scheduler plans (decodes + prefill chunks), the
+model runner computes, the sampler picks every sampling sequence's next token on the device in one
+batch, then each sequence's text, stop conditions and logprobs become its update. A failure in
+one request's forward, sampling or text handling finishes that request with ``finish_reason
+"abort"`` and ``error`` set; the others carry on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetier.config import ModelLoadConfig, default_device, parse_dtype
+from moetier.engine.detokenizer import IncrementalText
+from moetier.engine.model_runner import ModelRunner
+from moetier.engine.sampling import (
+    PenaltyState,
+    SamplingParams,
+    TokenLogprob,
+    apply_penalties,
+    make_generator,
+    sample_tokens,
+    token_logprobs,
+)
+from moetier.engine.scheduler import Scheduler, Sequence
+from moetier.errors import CheckpointError, ConfigError, MoetierError
+from moetier.weights.loader import LoadedModel, load_model
+
+__all__ = ["Engine", "EngineBusyError", "EngineConfig", "EngineStats", "RequestUpdate", "TokenLogprob"]
+
+logger = logging.getLogger(__name__)
+
+_CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Sampling defaults a checkpoint's generation_config.json may carry (vLLM applies them too).
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class EngineBusyError(MoetierError):
+    """The waiting queue is full; retry later (the server answers 503)."""
+
+
+def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Engine limits, validated on construction.
+
+    - ``max_streams``: sequences running (prefilling or decoding) together.
+    - ``max_model_len``: longest sequence, prompt + output; ``None`` = the model's window.
+    - ``prefill_chunk_tokens``: prefill tokens per step, so a long prompt never freezes the streams.
+    - ``max_waiting``: bound of the waiting queue; beyond it ``add_request`` raises EngineBusyError.
+    - ``kv_token_budget``: KV tokens all running sequences may reserve together; ``None`` =
+      ``max_streams * max_model_len``.
+    """
+
+    max_streams: int = 4
+    max_model_len: int | None = None
+    prefill_chunk_tokens: int = 512
+    max_waiting: int = 256
+    kv_token_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("max_streams", self.max_streams)
+        _positive_int("max_model_len", self.max_model_len, allow_none=True)
+        _positive_int("prefill_chunk_tokens", self.prefill_chunk_tokens)
+        _positive_int("max_waiting", self.max_waiting)
+        _positive_int("kv_token_budget", self.kv_token_budget, allow_none=True)
+
+
+@dataclass
+class RequestUpdate:
+    """What one step produced for one request.
+
+    ``new_text`` is the incremental text (stop strings cut, never half a character, never the start
+    of a possible stop string). ``finish_reason``: ``"stop"``, ``"length"``, ``"abort"`` or None.
+    ``logprobs``: one per new token when ``params.logprobs`` is set. ``prompt_logprobs``: once, on the
+    first update, when ``params.prompt_logprobs`` is set (``None`` for the first prompt token).
+    ``error``: why the engine gave up on the request (with ``finish_reason == "abort"``).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_tokens_used: int = 0
+    kv_tokens_capacity: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+# --- loading helpers ----------------------------------------------------------------------------
+
+
+def checkpoint_config(path: Path) -> dict[str, Any]:
+    """``config.json`` read before loading, to pick the dtype and window (the loader validates the rest)."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a model folder (expected config.json and *.safetensors)")
+    config_path = path / "config.json"
+    try:
+        return json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{config_path}: config.json is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config_path}: config.json is not valid JSON ({exc})") from None
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's own float dtype, else bf16 on CUDA and fp32 on CPU."""
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    stored = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    if isinstance(stored, str) and stored in _CHECKPOINT_DTYPES:
+        return _CHECKPOINT_DTYPES[stored]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def resolve_window(hf_config: dict[str, Any], requested: int | None) -> int:
+    """``max_model_len``: the requested one, at most the model's ``max_position_embeddings`` (the default)."""
+    limit = hf_config.get("max_position_embeddings")
+    if requested is None:
+        if limit is None:
+            raise ConfigError("config.json has no max_position_embeddings; pass max_model_len")
+        return int(limit)
+    if limit is not None and requested > limit:
+        raise ConfigError(f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}")
+    return requested
+
+
+def token_id_set(value: Any) -> set[int]:
+    """An ``eos_token_id`` field (int, list of ints or absent) as a set."""
+    items = value if isinstance(value, list) else [value]
+    return {int(i) for i in items if isinstance(i, int) and not isinstance(i, bool)}
+
+
+@dataclass(eq=False)
+class _Request:
+    """Engine-side state of one request beyond the scheduler's view."""
+
+    seq: Sequence
+    text: IncrementalText
+    generator: torch.Generator | None
+    penalties: PenaltyState | None = None
+    updates_sent: int = 0
+
+
+class Engine:
+    """Continuous generation over many requests; see the module docstring.
+
+    ``model``: a checkpoint folder (loaded here) or a :class:`LoadedModel`. ``tokenizer``: ``"auto"``
+    (the checkpoint folder's), a tokenizer object, or ``None`` (token ids only, empty text).
+    Attributes the server uses: ``tokenizer``, ``eos_token_ids``, ``max_model_len``, ``model_name``.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        tokenizer: Any = "auto",
+        load_progress: bool = True,
+        dispatcher: str = "resident",
+        dispatcher_options: dict[str, Any] | None = None,
+        model_name: str | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        if isinstance(model, LoadedModel):
+            self.loaded = model
+            self.path = model.checkpoint.path
+            self.max_model_len = resolve_window(model.hf_config, self.config.max_model_len)
+        else:
+            self.path = Path(model).expanduser()
+            hf_config = checkpoint_config(self.path)
+            self.max_model_len = resolve_window(hf_config, self.config.max_model_len)
+            target = torch.device(device) if device is not None else default_device()
+            load_config = ModelLoadConfig(resolve_dtype(dtype, hf_config, target), target, self.max_model_len)
+            self.loaded = load_model(
+                self.path, load_config, dispatcher, progress=load_progress, dispatcher_options=dispatcher_options
+            )
+        self.model = self.loaded.model
+        self.device = self.model.device
+        self.hf_config = self.loaded.hf_config
+        self.vocab_size: int | None = self.hf_config.get("vocab_size")
+        self.model_name = model_name or str(model if not isinstance(model, LoadedModel) else self.path)
+        self.tokenizer = _load_tokenizer(self.path) if isinstance(tokenizer, str) and tokenizer == "auto" else tokenizer
+        self.generation_config: dict[str, Any] = self.loaded.checkpoint.read_json("generation_config.json") or {}
+        self.eos_token_ids = self._eos_ids()
+
+        capacity = self.config.kv_token_budget or self.config.max_streams * self.max_model_len
+        self.scheduler = Scheduler(self.config.max_streams, self.config.prefill_chunk_tokens, capacity)
+        self.runner = ModelRunner(self.model)
+        self._requests: dict[str, _Request] = {}
+        self._notices: list[RequestUpdate] = []  # abort updates, delivered by the next step
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    @classmethod
+    def from_path(cls, path: str | Path, **kwargs: Any) -> Engine:
+        """Load ``path`` and build an engine (keywords as :meth:`__init__`: dtype, device, config, ...)."""
+        return cls(path, **kwargs)
+
+    def _eos_ids(self) -> set[int]:
+        ids = token_id_set(self.generation_config.get("eos_token_id"))
+        if self.tokenizer is not None:
+            ids |= set(self.tokenizer.eos_token_ids)
+        return ids or token_id_set(self.hf_config.get("eos_token_id"))
+
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the sampling defaults of the checkpoint's generation_config.json."""
+        overrides = {k: self.generation_config[k] for k in _GENERATION_DEFAULTS if k in self.generation_config}
+        if self.generation_config.get("do_sample") is False:
+            overrides["temperature"] = 0.0
+        return SamplingParams(**overrides)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def validate_request(self, prompt_ids: Any, params: SamplingParams) -> list[int]:
+        """Check a request without touching engine state (safe from any thread); returns the prompt ids.
+
+        Raises :class:`ConfigError` (one line) for an empty prompt, an id outside the vocabulary, a
+        prompt that leaves no room to generate, or one whose KV tokens exceed the whole budget.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt_ids, list | tuple) or not prompt_ids:
+            raise ConfigError("prompt_token_ids must be a non-empty list of token ids")
+        vocab = self.vocab_size or 0
+        for token in prompt_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (vocab and token >= vocab):
+                raise ConfigError(f"prompt token id {token!r} is not in the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ConfigError(
+                f"the prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}, "
+                "which leaves no room to generate; shorten the prompt"
+            )
+        kv_tokens = len(prompt_ids) + self._max_new_tokens(len(prompt_ids), params)
+        if kv_tokens > self.scheduler.kv_token_budget:
+            raise ConfigError(
+                f"the request needs {kv_tokens} KV tokens (prompt + max_tokens) but kv_token_budget is "
+                f"{self.scheduler.kv_token_budget}; lower max_tokens or raise kv_token_budget"
+            )
+        return list(prompt_ids)
+
+    def _max_new_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        return min(params.max_tokens, self.max_model_len - prompt_len)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request (one sequence, whatever ``params.n`` says: callers fan out with ``params.child``).
+
+        Raises ``ValueError`` for an id already in flight, :class:`ConfigError` for an invalid request
+        (see :meth:`validate_request`) and :class:`EngineBusyError` when the waiting queue is full.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        ids = self.validate_request(prompt_ids, params)
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineBusyError(f"{len(self.scheduler.waiting)} requests are already waiting; retry later")
+        seq = Sequence(request_id, ids, params, self._max_new_tokens(len(ids), params))
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
+        text = IncrementalText(params, self.eos_token_ids, self.tokenizer)
+        self.scheduler.add(seq)
+        self._requests[request_id] = _Request(seq, text, make_generator(params, self.device))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its cache and KV tokens now; its final update (``"abort"``) comes with the
+        next step. Unknown or finished ids are ignored."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        request.text.abort()
+        self._release(request)
+        self._notices.append(self._update(request, [], None))
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests in flight (waiting or running)."""
+        return list(self._requests)
+
+    def has_work(self) -> bool:
+        return bool(self._requests or self._notices)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_tokens_used=self.scheduler.kv_tokens_used,
+            kv_tokens_capacity=self.scheduler.kv_token_budget,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )
+
+    # --- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestUpdate]:
+        """Run one step; returns an update for every request that produced a token, finished or failed."""
+        updates, self._notices = self._notices, []
+        plan = self.scheduler.schedule()
+        if not plan:
+            return updates
+        with torch.inference_mode():
+            out = self.runner.execute(plan)
+            for chunk in plan.chunks:
+                request = self._requests[chunk.seq.request_id]
+                error = out.failures.get(chunk.seq.request_id)
+                if error is None:
+                    try:
+                        self._account_chunk(request, chunk.start, chunk.num_tokens, out.prompt_logits)
+                    except Exception as exc:  # noqa: BLE001 - fails this request only
+                        error = exc
+                if error is not None:
+                    updates.append(self._fail(request, error))
+            live = [i for i, seq in enumerate(out.sampled) if seq.request_id in self._requests]
+            if live and out.logits is not None:
+                requests = [self._requests[out.sampled[i].request_id] for i in live]
+                self._sample_and_emit(requests, out.logits[live], updates)
+        return updates
+
+    def _account_chunk(self, request: _Request, start: int, count: int, prompt_logits: dict) -> None:
+        seq = request.seq
+        seq.num_computed += count
+        self._prompt_tokens_total += max(0, min(start + count, seq.num_prompt) - start)
+        rows = prompt_logits.get(seq.request_id)
+        if rows is not None:
+            targets = torch.tensor(seq.prompt_ids[start + 1 : start + 1 + rows.shape[0]], device=rows.device)
+            top = [seq.params.prompt_logprobs or 0] * rows.shape[0]
+            seq.prompt_logprobs.extend(token_logprobs(rows, targets, top))
+
+    def _sample_and_emit(self, requests: list[_Request], logits: torch.Tensor, updates: list[RequestUpdate]) -> None:
+        generators = [r.generator for r in requests]
+        states = [None if g is None else g.get_state() for g in generators]
+        try:
+            picked: list[tuple[int, TokenLogprob | None] | None] = list(self._sample(requests, logits))
+        except Exception:  # noqa: BLE001 - find the request(s) at fault, row by row
+            # Rewind the generators so the healthy rows draw exactly what they would have.
+            for generator, state in zip(generators, states, strict=True):
+                if generator is not None:
+                    generator.set_state(state)
+            picked = []
+            for i, request in enumerate(requests):
+                try:
+                    picked.extend(self._sample([request], logits[i : i + 1]))
+                except Exception as exc:  # noqa: BLE001
+                    updates.append(self._fail(request, exc))
+                    picked.append(None)
+        for request, choice in zip(requests, picked, strict=True):
+            if choice is None:
+                continue
+            try:
+                updates.append(self._emit(request, *choice))
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                updates.append(self._fail(request, exc))
+
+    def _sample(self, requests: list[_Request], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None]]:
+        """Every row's next token (and its logprob entry), computed as one batch on the device."""
+        params = [r.seq.params for r in requests]
+        processed = logits
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalised:
+            states = [self._penalty_state(requests[i], logits.shape[-1]) for i in penalised]
+            processed = logits.clone()
+            processed[penalised] = apply_penalties(
+                logits[penalised],
+                [params[i] for i in penalised],
+                torch.stack([s.seen for s in states]),
+                torch.stack([s.counts for s in states]),
+            )
+        tokens = sample_tokens(processed, params, [r.generator for r in requests])
+        logprobs: list[TokenLogprob | None] = [None] * len(requests)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            # Raw model logprobs (vLLM's default): the distribution before penalties and filters.
+            rows = token_logprobs(logits[wanted], tokens[wanted], [params[i].logprobs or 0 for i in wanted])
+            for i, row in zip(wanted, rows, strict=True):
+                logprobs[i] = row
+        return list(zip(tokens.tolist(), logprobs, strict=True))
+
+    def _penalty_state(self, request: _Request, vocab: int) -> PenaltyState:
+        if request.penalties is None:
+            seq = request.seq
+            request.penalties = PenaltyState(seq.prompt_ids, seq.output_ids, vocab, self.device)
+        return request.penalties
+
+    def _emit(self, request: _Request, token: int, logprob: TokenLogprob | None) -> RequestUpdate:
+        seq, text = request.seq, request.text
+        seq.output_ids.append(token)
+        self._generation_tokens_total += 1
+        if request.penalties is not None:
+            request.penalties.add(token)
+        if not text.add(token) and len(seq.output_ids) >= seq.max_new_tokens:
+            text.finish_length()
+        update = self._update(request, [token], None if logprob is None else [logprob])
+        if text.finished:
+            self._release(request)
+        return update
+
+    def _update(self, request: _Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestUpdate:
+        seq, text = request.seq, request.text
+        first = request.updates_sent == 0
+        request.updates_sent += 1
+        return RequestUpdate(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            new_text=text.take_delta(),
+            finished=text.finished,
+            finish_reason=text.finish_reason,
+            stop_reason=text.stop_reason,
+            prompt_tokens=seq.num_prompt,
+            completion_tokens=len(seq.output_ids),
+            logprobs=logprobs,
+            prompt_logprobs=seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None,
+        )
+
+    def _fail(self, request: _Request, error: BaseException) -> RequestUpdate:
+        """Finish a request whose processing raised: ``"abort"`` with the error, logged, resources freed."""
+        seq = request.seq
+        logger.error("request %s failed: %s", seq.request_id, error, exc_info=error)
+        request.text.abort()
+        if seq.request_id in self._requests:
+            self._release(request)
+        update = self._update(request, [], None)
+        update.error = f"{type(error).__name__}: {error}"
+        return update
+
+    def _release(self, request: _Request) -> None:
+        self.scheduler.finish(request.seq)
+        self.runner.free(request.seq.request_id)
+        self._requests.pop(request.seq.request_id, None)
+
+
+def _load_tokenizer(path: Path):
+    from moetier.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(path)
