@@ -118,14 +118,14 @@ def test_failures_end_only_their_request_and_the_thread_survives(qwen, monkeypat
 
     async def main():
         core = make_engine(qwen)
-        run_chunk = core.runner._run_chunk
+        forward = core.runner._forward
 
-        def flaky(chunk, out):
-            if chunk.seq.request_id.startswith("bad") and chunk.seq.output_ids:
+        def flaky(chunks):
+            if any(chunk.seq.request_id.startswith("bad") and chunk.seq.output_ids for chunk in chunks):
                 raise RuntimeError("simulated kernel fault")
-            return run_chunk(chunk, out)
+            return forward(chunks)
 
-        monkeypatch.setattr(core.runner, "_run_chunk", flaky)
+        monkeypatch.setattr(core.runner, "_forward", flaky)
         engine = AsyncEngine(core)
         try:
             params = SamplingParams(max_tokens=10, **GREEDY)

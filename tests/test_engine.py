@@ -374,15 +374,15 @@ def test_stop_token_text_with_include_stop_str_in_output(qwen):
 
 def test_skip_special_tokens(qwen, monkeypatch):
     engine = make_engine(qwen)
-    run_chunk = engine.runner._run_chunk
+    outputs = engine.runner._outputs
 
-    def force_eos_third(chunk, out):  # the model "emits" EOS (special) as its third token
-        last = run_chunk(chunk, out)
+    def force_eos_third(chunk, hidden, out):  # the model "emits" EOS (special) as its third token
+        last = outputs(chunk, hidden, out)
         if last is not None and len(chunk.seq.output_ids) == 2:
             last[..., 1] = last.max() + 10
         return last
 
-    monkeypatch.setattr(engine.runner, "_run_chunk", force_eos_third)
+    monkeypatch.setattr(engine.runner, "_outputs", force_eos_third)
     prompt = random_prompt(6, seed=8)
     texts = {}
     for skip in (True, False):
@@ -435,20 +435,24 @@ def test_a_failing_request_is_aborted_with_its_error_and_the_others_are_unaffect
     alone = tokens_of(run(make_engine(qwen), [("seeded", prompts["seeded"], sampled)])["seeded"])
 
     engine = make_engine(qwen, max_streams=5)
-    run_chunk, calls = engine.runner._run_chunk, {"bad": 0}
+    forward, outputs, calls = engine.runner._forward, engine.runner._outputs, {"bad": 0}
 
-    def flaky(chunk, out):
-        rid = chunk.seq.request_id
-        if rid == "bad":
+    def flaky_forward(chunks):
+        # From its third step on, any forward holding "bad" faults: the batched one, then its solo retry.
+        if any(chunk.seq.request_id == "bad" for chunk in chunks):
             calls["bad"] += 1
-            if calls["bad"] == 3:
+            if calls["bad"] >= 3:
                 raise RuntimeError("simulated device fault")
-        last = run_chunk(chunk, out)
-        if rid == "nan" and last is not None and chunk.seq.output_ids:
+        return forward(chunks)
+
+    def nan_outputs(chunk, hidden, out):
+        last = outputs(chunk, hidden, out)
+        if chunk.seq.request_id == "nan" and last is not None and chunk.seq.output_ids:
             return torch.full_like(last, float("nan"))  # breaks sampling for this row only
         return last
 
-    monkeypatch.setattr(engine.runner, "_run_chunk", flaky)
+    monkeypatch.setattr(engine.runner, "_forward", flaky_forward)
+    monkeypatch.setattr(engine.runner, "_outputs", nan_outputs)
     params = {rid: SamplingParams(max_tokens=8, **GREEDY) for rid in ["good", "bad", "text"]}
     params["nan"] = SamplingParams(max_tokens=8, temperature=0.7, seed=1, ignore_eos=True)
     params["seeded"] = sampled
@@ -487,3 +491,20 @@ def test_llm_fans_out_n_with_child_seeds(qwen_path):
         assert completion.token_ids == alone.token_ids and completion.text == alone.text
         assert [lp.token_id for lp in completion.logprobs] == completion.token_ids
     assert len(out.prompt_logprobs) == 7 and out.prompt_logprobs[0] is None
+
+
+def test_each_step_is_one_forward_over_all_scheduled_sequences(qwen, monkeypatch):
+    engine = make_engine(qwen, max_streams=3)
+    forward, batch_sizes = engine.runner._forward, []
+
+    def counting(chunks):
+        batch_sizes.append(len(chunks))
+        return forward(chunks)
+
+    monkeypatch.setattr(engine.runner, "_forward", counting)
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    prompts = {f"r{i}": random_prompt(6 + i, seed=90 + i) for i in range(3)}
+    updates = run(engine, [(rid, prompt, params) for rid, prompt in prompts.items()])
+    assert max(batch_sizes) == 3 and len(batch_sizes) <= 6  # 3 streams decode together, not one by one
+    for rid, prompt in prompts.items():
+        assert tokens_of(updates[rid]) == reference_tokens(qwen, prompt, 5)[2]

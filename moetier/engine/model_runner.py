@@ -1,8 +1,8 @@
 """Executes a :class:`StepPlan` on the model.
 
-Today each scheduled chunk is one ``model.forward`` over that sequence's own contiguous cache
-(sized at admission); the batched runner (one forward over every chunk, paged KV) replaces this
-class behind the same ``execute``/``free`` contract.
+Every scheduled chunk of a step runs in one ``model.forward`` (rows concatenated, attention per
+sequence), each sequence with its own contiguous cache sized at admission; the paged runner
+replaces this class behind the same ``execute``/``free`` contract.
 """
 
 from __future__ import annotations
@@ -33,7 +33,13 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    """Runs plans chunk by chunk, one contiguous cache per sequence."""
+    """Runs a whole plan as ONE forward over every chunk's tokens, one contiguous cache per sequence.
+
+    Batching matters most for offloaded experts: each active expert is read once per step for all
+    streams instead of once per stream. If that forward raises, the caches it was writing are not
+    trustworthy, so every sequence of the batch is rebuilt alone from its token history
+    (recompute); a sequence that still fails alone is the culprit and only it is failed.
+    """
 
     def __init__(self, model: CausalLM) -> None:
         self.model = model
@@ -42,15 +48,16 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> RunnerOutput:
         out = RunnerOutput()
+        chunks = [chunk for chunk in plan.chunks if self._cache_ready(chunk, out)]
+        try:
+            hidden = self._forward(chunks) if chunks else []
+        except Exception:  # noqa: BLE001 - isolated below, by recomputing each sequence alone
+            hidden = self._recompute_alone(chunks, out)
         rows = []
-        for chunk in plan.chunks:
-            request_id = chunk.seq.request_id
-            try:
-                last = self._run_chunk(chunk, out)
-            except Exception as exc:  # noqa: BLE001 - the engine fails this request only
-                out.failures[request_id] = exc
-                self.free(request_id)  # a half-written cache is unusable
+        for chunk, states in zip(chunks, hidden, strict=True):
+            if states is None:
                 continue
+            last = self._outputs(chunk, states, out)
             if last is not None:
                 out.sampled.append(chunk.seq)
                 rows.append(last)
@@ -58,16 +65,46 @@ class ModelRunner:
             out.logits = torch.cat(rows)
         return out
 
-    def _run_chunk(self, chunk: ScheduledChunk, out: RunnerOutput) -> torch.Tensor | None:
-        seq = chunk.seq
-        cache = self._caches.get(seq.request_id)
+    def _cache_ready(self, chunk: ScheduledChunk, out: RunnerOutput) -> bool:
+        request_id = chunk.seq.request_id
+        cache = self._caches.get(request_id)
         if cache is None:
-            cache = self._caches[seq.request_id] = self.model.new_cache(seq.kv_tokens)
-        if cache.length != chunk.start:
-            raise RuntimeError(f"cache holds {cache.length} tokens but the chunk starts at {chunk.start}")
-        hidden = self.model(torch.tensor(chunk.token_ids(), device=self.device), cache)
+            cache = self._caches[request_id] = self.model.new_cache(chunk.seq.kv_tokens)
+        if cache.length == chunk.start:
+            return True
+        out.failures[request_id] = RuntimeError(
+            f"cache holds {cache.length} tokens but the chunk starts at {chunk.start}"
+        )
+        self.free(request_id)
+        return False
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor]:
+        """One forward over the chunks' tokens; returns each chunk's final hidden states."""
+        ids = torch.tensor([t for chunk in chunks for t in chunk.token_ids()], device=self.device)
+        caches = [self._caches[chunk.seq.request_id] for chunk in chunks]
+        lengths = [chunk.num_tokens for chunk in chunks]
+        return list(self.model(ids, caches, lengths).split(lengths))
+
+    def _recompute_alone(self, chunks: list[ScheduledChunk], out: RunnerOutput) -> list[torch.Tensor | None]:
+        hidden: list[torch.Tensor | None] = []
+        for chunk in chunks:
+            request_id = chunk.seq.request_id
+            try:
+                cache = self._caches[request_id] = self.model.new_cache(chunk.seq.kv_tokens)
+                if chunk.start:
+                    history = chunk.seq.token_slice(0, chunk.start)
+                    self.model(torch.tensor(history, device=self.device), cache)
+                hidden.append(self._forward([chunk])[0])
+            except Exception as exc:  # noqa: BLE001 - the engine fails this request only
+                out.failures[request_id] = exc
+                self.free(request_id)  # a half-written cache is unusable
+                hidden.append(None)
+        return hidden
+
+    def _outputs(self, chunk: ScheduledChunk, hidden: torch.Tensor, out: RunnerOutput) -> torch.Tensor | None:
+        """Prompt logits (when asked for) and the sampling row's logits (when the chunk samples)."""
         if rows := chunk.prompt_logit_rows:
-            out.prompt_logits[seq.request_id] = self.model.compute_logits(hidden[:rows])
+            out.prompt_logits[chunk.seq.request_id] = self.model.compute_logits(hidden[:rows])
         # The sampling row is always computed alone, so the tokens do not depend on whether
         # prompt logprobs were requested (a [T, H] GEMM may round differently from a [1, H] one).
         return self.model.compute_logits(hidden[-1:]) if chunk.samples else None
