@@ -1,4 +1,4 @@
-"""The ``moetier`` command line: ``moetier generate`` now; ``serve``, ``plan`` and ``bench`` plug into SUBCOMMANDS.
+"""The ``moetier`` command line: ``generate`` and ``serve``; ``plan`` and ``bench`` plug into SUBCOMMANDS.
 
 A user mistake (any :class:`MoetierError`, a missing file) prints one line ``moetier: error: ...``
 to stderr and exits with status 2, never a traceback.
@@ -7,6 +7,7 @@ to stderr and exits with status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -93,6 +94,66 @@ def _setup_make_bench_model(parser: argparse.ArgumentParser) -> None:
 
     make_model.configure_parser(parser)
     parser.set_defaults(handler=make_model.run)
+
+
+@subcommand("serve", "serve a model behind an OpenAI-compatible HTTP API (no --model: the built-in demo model)")
+def _setup_serve(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="model folder (config.json + *.safetensors); default: the built-in demo model"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-streams", type=int, default=4, help="requests decoding together")
+    parser.add_argument(
+        "--context",
+        "--max-model-len",
+        dest="context",
+        type=int,
+        default=None,
+        help="context window in tokens, prompt + output (default: the model's)",
+    )
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]
+    )
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MOETIER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on the API (default: $MOETIER_API_KEY, else no key)",
+    )
+    parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    parser.add_argument("--reasoning-parser", default="auto", help="auto (by model family), none, or a parser name")
+    parser.add_argument("--tool-call-parser", default="auto", help="auto (by model family), none, or a parser name")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from moetier.server.app import ServeConfig, serve
+
+    config = ServeConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        max_streams=args.max_streams,
+        context=args.context,
+        dtype=args.dtype,
+        device=args.device,
+        api_key=args.api_key or None,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        log_level=args.log_level,
+    )
+    return serve(config)
+
+
+@subcommand("bench", "measure decode speed under every expert placement and write a receipt")
+def _setup_bench(parser: argparse.ArgumentParser) -> None:
+    from moetier.bench import decode
+
+    kinds = parser.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
+    decode.configure_parser(kinds.add_parser("decode", help="decode tok/s at 1/2/4 streams, all placements"))
 
 
 def build_parser() -> argparse.ArgumentParser:

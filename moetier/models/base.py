@@ -165,6 +165,12 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def use_dispatcher(self, dispatcher: ExpertDispatcher) -> None:
+        """Route every MoE layer through ``dispatcher`` from now on (benchmarks swap tiers this way)."""
+        for module in self.modules():
+            if "dispatcher" in module.__dict__:
+                object.__setattr__(module, "dispatcher", dispatcher)
+
     def tied_parameters(self) -> dict[str, str]:
         """``{target: source}`` parameters the checkpoint may omit and that share ``source``'s data."""
         return {}

@@ -93,7 +93,9 @@ class CpuExpertTier:
         out = job.out
         if out is None:
             out = torch.empty(job.hidden.shape, dtype=torch.float32)
-        with torch.no_grad():
+        # inference_mode is per thread: the caller's tensors may be inference tensors, which only an
+        # inference-mode block may update in place.
+        with torch.inference_mode():
             out.zero_()
             for group in job.groups:
                 y = swiglu_expert(job.hidden[group.rows], group.weights, self.swiglu_limit)

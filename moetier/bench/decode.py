@@ -1,0 +1,353 @@
+"""``moetier bench decode``: decode tok/s of one checkpoint under every expert placement, in one run.
+
+The same loaded model (one pinned home copy of the experts) is measured with each dispatcher:
+
+- ``resident``: every expert in VRAM (the upper bound; skipped when they do not fit);
+- ``naive``: no cache, every active expert copied over PCIe per step, then computed (the
+  baseline of offload systems without a cache or CPU tier);
+- ``cpu`` / ``copy``: an expert cache of ``cache_fraction`` of all experts, misses all on the CPU
+  tier / all copied in;
+- ``tiered``: the same cache, misses split between the CPU tier and the copy path by measured cost.
+
+Each result carries its expert coverage (distinct experts touched per layer), its traffic, and
+ratios to the naive baseline, to the resident run and to the bound ``streams * DRAM_bw / missed
+bytes per step`` computed from bandwidths measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetier.bench.bandwidth import measure_bounds
+from moetier.bench.environment import environment
+from moetier.config import ModelLoadConfig, default_device, parse_dtype
+from moetier.errors import ConfigError
+from moetier.models.base import CausalLM
+from moetier.tiers.dispatcher import ExpertDispatcher, ResidentDispatcher
+from moetier.tiers.experts import ExpertStore, device_allocator
+from moetier.tiers.host_store import HostExpertArena
+from moetier.tiers.tiered_dispatcher import TieredDispatcher
+from moetier.weights.loader import LoadedModel, load_model
+
+MODES = ("resident", "naive", "cpu", "copy", "tiered")
+
+
+@dataclass
+class DecodeBenchConfig:
+    """What to measure; validated on construction."""
+
+    model: Path
+    streams: list[int] = field(default_factory=lambda: [1, 2, 4])
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    cache_fraction: float = 0.05
+    policy: str = "lfu"
+    prompt_len: int = 64
+    warmup: int = 4
+    steps: int = 16
+    repeats: int = 3
+    dtype: str = "bf16"
+    device: str | None = None
+    cpu_threads: int | None = None
+    seed: int = 0
+    quick_bounds: bool = False
+
+    def __post_init__(self) -> None:
+        self.model = Path(self.model)
+        unknown = sorted(set(self.modes) - set(MODES))
+        if unknown:
+            raise ConfigError(f"unknown bench mode(s) {unknown}; choose from {list(MODES)}")
+        if not self.streams or min(self.streams) < 1:
+            raise ConfigError(f"--streams must be positive integers, got {self.streams}")
+        if not 0.0 <= self.cache_fraction <= 1.0:
+            raise ConfigError(f"--cache-fraction must be in [0, 1], got {self.cache_fraction}")
+        if min(self.prompt_len, self.steps, self.repeats) < 1 or self.warmup < 0:
+            raise ConfigError("--prompt-len, --steps and --repeats must be >= 1 and --warmup >= 0")
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _DecodeRun:
+    """Prefill ``streams`` random prompts together, then time greedy decode steps of all streams at once."""
+
+    def __init__(self, model: CausalLM, streams: int, cfg: DecodeBenchConfig, vocab: int) -> None:
+        self.model, self.streams, self.cfg = model, streams, cfg
+        generator = torch.Generator().manual_seed(cfg.seed + streams)
+        self.prompts = [torch.randint(0, vocab, (cfg.prompt_len,), generator=generator) for _ in range(streams)]
+        capacity = cfg.prompt_len + cfg.warmup + cfg.steps * cfg.repeats + 2
+        self.caches = [model.new_cache(capacity) for _ in range(streams)]
+
+    @torch.inference_mode()
+    def prefill(self) -> torch.Tensor:
+        ids = torch.cat(self.prompts).to(self.model.device)
+        hidden = self.model(ids, self.caches, [self.cfg.prompt_len] * self.streams)
+        last = hidden.view(self.streams, self.cfg.prompt_len, -1)[:, -1]
+        return self.model.compute_logits(last).argmax(-1)
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(tokens, self.caches, [1] * self.streams)
+        return self.model.compute_logits(hidden).argmax(-1)
+
+
+def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[float], list[int]]:
+    """Seconds per repeat of ``steps`` decode steps (after warm-up), and the tokens of the first stream."""
+    device = run.model.device
+    tokens = run.prefill()
+    for _ in range(run.cfg.warmup):
+        tokens = run.step(tokens)
+    metrics = getattr(dispatcher, "metrics", None)
+    if metrics is not None:
+        metrics.reset()
+    seconds, first_stream = [], []
+    for _ in range(run.cfg.repeats):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(run.cfg.steps):
+            tokens = run.step(tokens)
+            first_stream.append(tokens[0])
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds, [int(t) for t in first_stream]
+
+
+def _resident_store(store: ExpertStore, device: torch.device) -> ExpertStore | None:
+    """A copy of every expert on ``device`` (None when they would not fit in its free memory)."""
+    if device.type != "cuda":
+        return store
+    free, _ = torch.cuda.mem_get_info(device)
+    if store.total_bytes() > 0.9 * free:
+        return None
+    resident = ExpertStore(store.layout, store.dtype, device_allocator(device))
+    for (layer, expert), weights in store.items():
+        resident.block_for_loading(layer, expert).block.copy_(weights.block, non_blocking=True)
+    _sync(device)
+    return resident
+
+
+def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: torch.device, slots: int):
+    if mode == "resident":
+        resident = _resident_store(store, device)
+        return None if resident is None else ResidentDispatcher(resident)
+    options: dict[str, Any] = {"policy": cfg.policy, "cpu_threads": cfg.cpu_threads}
+    if mode == "naive":
+        options |= {"cache_slots": 0, "miss_route": "copy", "calibrate": False}
+    else:
+        options |= {"cache_slots": slots, "miss_route": "auto" if mode == "tiered" else mode}
+    dispatcher = TieredDispatcher(store, **options)
+    dispatcher.prepare(device)
+    return dispatcher
+
+
+def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams: int) -> dict[str, Any]:
+    """Hit rate, misses, bytes moved and expert coverage over the timed window (tiered dispatchers only)."""
+    metrics = getattr(dispatcher, "metrics", None)
+    if metrics is None:
+        return {}
+    snap, total, tokens = metrics.snapshot(), metrics.total(), max(1, metrics.tokens)
+    return {
+        "hit_rate": snap["hit_rate"],
+        "expert_hit_rate": snap["expert_hit_rate"],
+        "hit_rate_per_layer": {layer: c["hit_rate"] for layer, c in snap["per_layer"].items()},
+        "misses_per_token": snap["misses_per_token"],
+        # Every missed expert is read from host DRAM once per step, by the CPU tier or by the DMA engine.
+        "missed_bytes_per_step": total.experts_miss * block_bytes / steps,
+        "copy_bytes_per_token": total.copy_bytes / tokens,
+        "cpu_pairs_per_token": total.cpu_pairs / tokens,
+        "cpu_ms_per_layer_call": 1e3 * total.cpu_seconds / max(1, total.calls),
+        "distinct_experts_per_layer": {str(k): len(v) for k, v in sorted(metrics.routing_counts().items())},
+        "timed_steps": steps,
+    }
+
+
+def _result(mode, streams, seconds, traffic, cfg, bounds) -> dict[str, Any]:
+    tok_s = [streams * cfg.steps / s for s in seconds]
+    result = {"mode": mode, "streams": streams, "tok_s": _stats(tok_s), "seconds": seconds, **traffic}
+    missed = traffic.get("missed_bytes_per_step")
+    if missed:
+        result["bound_dram_tok_s"] = streams * bounds["host_read_gbps"] * 1e9 / missed
+        result["ratio_to_dram_bound"] = result["tok_s"]["median"] / result["bound_dram_tok_s"]
+        if bounds.get("h2d_pinned_gbps"):
+            result["bound_pcie_tok_s"] = streams * bounds["h2d_pinned_gbps"] * 1e9 / missed
+    return result
+
+
+def _add_ratios(results: list[dict[str, Any]]) -> None:
+    by_key = {(r["mode"], r["streams"]): r["tok_s"]["median"] for r in results}
+    for r in results:
+        for base in ("naive", "resident"):
+            if (base, r["streams"]) in by_key:
+                r[f"ratio_to_{base}"] = r["tok_s"]["median"] / by_key[(base, r["streams"])]
+        if ("tiered", 1) in by_key and r["mode"] == "tiered":
+            r["ratio_to_tiered_1_stream"] = r["tok_s"]["median"] / by_key[("tiered", 1)]
+
+
+def load_for_bench(cfg: DecodeBenchConfig) -> tuple[LoadedModel, torch.device, HostExpertArena]:
+    device = torch.device(cfg.device) if cfg.device else default_device()
+    dtype = parse_dtype(cfg.dtype)
+    arena = HostExpertArena.for_checkpoint(cfg.model, dtype)
+    # The backbone loads onto the compute device; the experts' home copy into the (pinned) host arena.
+    loaded = load_model(cfg.model, ModelLoadConfig(dtype=dtype, device=device), expert_allocator=arena)
+    return loaded, device, arena
+
+
+def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
+    """Measure every mode at every stream count; return the receipt (not yet written)."""
+    started = time.time()
+    bounds = measure_bounds(quick=cfg.quick_bounds)
+    load_start = time.perf_counter()
+    loaded, device, arena = load_for_bench(cfg)
+    load_seconds = time.perf_counter() - load_start
+    model, store = loaded.model, loaded.store
+    layout = store.layout
+    total_experts = len(layout.moe_layers) * layout.num_experts
+    slots = int(round(cfg.cache_fraction * total_experts))
+    block_bytes = layout.block_bytes(store.dtype)
+    vocab = model.config.vocab_size
+    results, tokens_by_mode, notes = [], {}, []
+    for mode in cfg.modes:
+        dispatcher = _dispatcher(mode, store, cfg, device, slots)
+        if dispatcher is None:
+            notes.append(f"{mode}: skipped, {store.total_bytes() / 1e9:.1f} GB of experts do not fit in free VRAM")
+            continue
+        model.use_dispatcher(dispatcher)
+        for streams in cfg.streams:
+            seconds, tokens = _time_decode(_DecodeRun(model, streams, cfg, vocab), dispatcher)
+            traffic = _traffic(dispatcher, block_bytes, cfg.steps * cfg.repeats, streams)
+            results.append(_result(mode, streams, seconds, traffic, cfg, bounds))
+            tokens_by_mode.setdefault(streams, {})[mode] = tokens
+        if hasattr(dispatcher, "close"):
+            dispatcher.close()
+        del dispatcher
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    _add_ratios(results)
+    return {
+        "kind": "decode",
+        "environment": environment(),
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "bounds": bounds,
+        "plan": {
+            "moe_layers": len(layout.moe_layers),
+            "experts_per_layer": layout.num_experts,
+            "top_k": layout.top_k,
+            "expert_block_bytes": block_bytes,
+            "routed_expert_bytes_total": store.total_bytes(),
+            "routed_expert_bytes_per_token": layout.top_k * len(layout.moe_layers) * block_bytes,
+            "cache_slots": slots,
+            "cache_share_of_experts": slots / total_experts,
+            "host_copy_pinned": arena.pinned,
+            "host_copy_note": arena.pin_note,
+            "load_seconds": load_seconds,
+        },
+        "results": results,
+        "greedy_tokens_agree": _agreement(tokens_by_mode),
+        "notes": notes,
+        "wall_seconds": time.time() - started,
+    }
+
+
+def _agreement(tokens_by_mode: dict[int, dict[str, list[int]]]) -> dict[str, float]:
+    """Share of the first stream's greedy tokens each mode shares with the first mode measured."""
+    out = {}
+    for streams, per_mode in tokens_by_mode.items():
+        reference = next(iter(per_mode.values()))
+        for mode, tokens in per_mode.items():
+            same = sum(a == b for a, b in zip(tokens, reference, strict=False))
+            out[f"{mode}@{streams}"] = same / max(1, len(reference))
+    return out
+
+
+def markdown_table(receipt: dict[str, Any]) -> str:
+    """A Markdown summary of a decode receipt."""
+    plan, bounds = receipt["plan"], receipt["bounds"]
+    lines = [
+        f"Decode, {plan['moe_layers']} MoE layers x {plan['experts_per_layer']} experts "
+        f"({plan['routed_expert_bytes_total'] / 1e9:.1f} GB routed), cache {plan['cache_slots']} slots "
+        f"({100 * plan['cache_share_of_experts']:.1f}% of experts), host read {bounds['host_read_gbps']:.1f} GB/s, "
+        f"H2D {bounds['h2d_pinned_gbps'] or 0:.1f} GB/s, git {receipt['environment']['git_sha']}",
+        "",
+        "| mode | streams | tok/s (median [min-max]) | x naive | x resident | hit rate | DRAM bound tok/s | x bound |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in receipt["results"]:
+        t = r["tok_s"]
+        lines.append(
+            f"| {r['mode']} | {r['streams']} | {t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}] "
+            f"| {_fmt(r.get('ratio_to_naive'))} | {_fmt(r.get('ratio_to_resident'))} | {_fmt(r.get('hit_rate'))} "
+            f"| {_fmt(r.get('bound_dram_tok_s'), 1)} | {_fmt(r.get('ratio_to_dram_bound'))} |"
+        )
+    lines += [f"- {note}" for note in receipt["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def write_receipt(receipt: dict[str, Any], out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = out_dir / f"decode-{stamp}.json"
+    path.write_text(json.dumps(receipt, indent=2, default=str))
+    path.with_suffix(".md").write_text(markdown_table(receipt))
+    return path
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, type=Path, help="checkpoint folder (e.g. from make-bench-model)")
+    parser.add_argument("--streams", default="1,2,4", help="comma-separated stream counts")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--cache-fraction", type=float, default=0.05, help="VRAM expert cache, share of all experts")
+    parser.add_argument("--policy", default="lfu", help="expert cache policy (lru, lfu, static)")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--cpu-threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON + Markdown receipt")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        streams = [int(s) for s in str(args.streams).split(",") if s]
+    except ValueError:
+        raise ConfigError(f"--streams must be comma-separated integers, got {args.streams!r}") from None
+    cfg = DecodeBenchConfig(
+        model=args.model,
+        streams=streams,
+        modes=[m for m in args.modes.split(",") if m],
+        cache_fraction=args.cache_fraction,
+        policy=args.policy,
+        prompt_len=args.prompt_len,
+        warmup=args.warmup,
+        steps=args.steps,
+        repeats=args.repeats,
+        dtype=args.dtype,
+        device=args.device,
+        cpu_threads=args.cpu_threads,
+        seed=args.seed,
+    )
+    receipt = run_decode_bench(cfg)
+    path = write_receipt(receipt, args.out)
+    print(markdown_table(receipt))
+    print(f"receipt: {path}")
+    return 0

@@ -1,0 +1,195 @@
+"""Prometheus metrics at ``/metrics``, named like vLLM's (``vllm:`` becomes ``moetier:``).
+
+Latencies are measured by the server per request (``time_to_first_token_seconds`` from arrival to
+the first generated token, queueing included; ``inter_token_latency_seconds`` between successive
+token-carrying updates; ``e2e_request_latency_seconds``). Engine state (running and waiting
+requests, KV-cache use, token and prefix-cache counters) is read from the engine's ``stats()`` at
+scrape time, so the numbers cannot drift from the engine's own. Each app owns its registry, so
+several servers (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "moetier:"
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges and counters taken from ``stats()`` of the engine (nothing while the model loads)."""
+
+    def __init__(self, stats: Callable[[], Any | None], model_name: Callable[[], str]) -> None:
+        self._stats, self._model_name = stats, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:
+            return
+        label = [self._model_name()]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+
+        capacity = getattr(stats, "kv_tokens_capacity", 0) or 0
+        used = getattr(stats, "kv_tokens_used", 0) or 0
+        yield gauge("num_requests_running", "Requests decoding in the engine.", stats.running)
+        yield gauge("num_requests_waiting", "Requests queued for the engine.", stats.waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache use, 0 to 1 (1 = full).", used / capacity if capacity else 0.0)
+        yield counter("prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens_total)
+        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
+        yield counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
+        )
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+
+
+class ServerMetrics:
+    """The server's Prometheus registry and the request-level series it records."""
+
+    def __init__(self, stats: Callable[[], Any | None], model_name: Callable[[], str]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._model_name = model_name
+        labels = ["model_name"]
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first generated token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Seconds between successive generated tokens of a request.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Seconds from a request's arrival to its last token.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            PREFIX + "request_success",
+            "Finished generations (one per choice), by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.registry.register(_EngineStatsCollector(stats, model_name))
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.labels(self._model_name()).observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.labels(self._model_name()).observe(seconds)
+
+    def observe_finished(self, finish_reason: str, e2e_seconds: float) -> None:
+        self.finished.labels(self._model_name(), finish_reason).inc()
+        self.e2e.labels(self._model_name()).observe(e2e_seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Per-generation latency bookkeeping: call :meth:`tokens` on each token-carrying update."""
+
+    def __init__(self, metrics: ServerMetrics | None, arrival: float) -> None:
+        self.metrics, self.arrival = metrics, arrival
+        self.last: float | None = None
+
+    def tokens(self, now: float) -> None:
+        if self.metrics is None:
+            return
+        if self.last is None:
+            self.metrics.observe_ttft(now - self.arrival)
+        else:
+            self.metrics.observe_itl(now - self.last)
+        self.last = now
+
+    def finished(self, finish_reason: str, now: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_finished(finish_reason, now - self.arrival)

@@ -1,0 +1,69 @@
+"""``moetier bench decode`` on a tiny real-layout checkpoint: a complete receipt whose ratios come from one run."""
+
+import json
+
+import pytest
+
+from moetier.bench.decode import MODES, DecodeBenchConfig, markdown_table, run_decode_bench, write_receipt
+from moetier.bench.make_model import configure_parser, run
+from moetier.errors import ConfigError
+
+TINY_V4 = [
+    "--shape", "deepseek-v4-flash", "--layers", "3", "--experts-per-layer", "16", "--hidden-size", "64",
+    "--moe-intermediate-size", "32", "--vocab-size", "384", "--quiet",
+    "--set", "num_attention_heads=4", "--set", "head_dim=32", "--set", "qk_rope_head_dim=8",
+    "--set", "q_lora_rank=32", "--set", "o_lora_rank=16", "--set", "o_groups=2", "--set", "index_n_heads=4",
+    "--set", "index_head_dim=16", "--set", "index_topk=4", "--set", "sliding_window=8",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bench_model(tmp_path_factory):
+    import argparse
+
+    out = tmp_path_factory.mktemp("bench") / "v4"
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    assert run(parser.parse_args([*TINY_V4, "--out", str(out), "--device", "cpu"])) == 0
+    return out
+
+
+def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_path):
+    cfg = DecodeBenchConfig(
+        model=bench_model,
+        streams=[1, 2],
+        steps=3,
+        repeats=2,
+        warmup=1,
+        prompt_len=12,
+        dtype="fp32",
+        device="cpu",
+        cache_fraction=0.1,
+        quick_bounds=True,
+    )
+    receipt = run_decode_bench(cfg)
+    assert {r["mode"] for r in receipt["results"]} == set(MODES)
+    assert receipt["environment"]["versions"]["torch"] and receipt["bounds"]["host_read_gbps"] > 0
+    assert receipt["plan"]["cache_slots"] == round(0.1 * 3 * 16)
+    by_key = {(r["mode"], r["streams"]): r for r in receipt["results"]}
+    for (mode, streams), r in by_key.items():
+        assert r["tok_s"]["min"] <= r["tok_s"]["median"] <= r["tok_s"]["max"]
+        assert r["ratio_to_naive"] == pytest.approx(r["tok_s"]["median"] / by_key["naive", streams]["tok_s"]["median"])
+        if mode != "resident":  # every offloaded mode reports its coverage and traffic
+            assert set(r["distinct_experts_per_layer"]) == {"0", "1", "2"}
+            assert 0 < max(r["distinct_experts_per_layer"].values()) <= 16
+            assert r["bound_dram_tok_s"] > 0 and 0 <= r["hit_rate"] <= 1
+    assert by_key["naive", 1]["hit_rate"] == 0.0  # no cache at all
+    assert by_key["naive", 1]["copy_bytes_per_token"] > 0 and by_key["cpu", 1]["cpu_pairs_per_token"] > 0
+    # fp32: every placement computes the same tokens.
+    assert all(share == 1.0 for share in receipt["greedy_tokens_agree"].values())
+    path = write_receipt(receipt, tmp_path)
+    assert json.loads(path.read_text())["kind"] == "decode"
+    assert "| tiered | 2 |" in markdown_table(receipt) and path.with_suffix(".md").exists()
+
+
+def test_config_rejects_bad_values(bench_model):
+    with pytest.raises(ConfigError, match="unknown bench mode"):
+        DecodeBenchConfig(model=bench_model, modes=["warp"])
+    with pytest.raises(ConfigError, match="cache-fraction"):
+        DecodeBenchConfig(model=bench_model, cache_fraction=1.5)
