@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: install the carried wheels, run the GPU tests, write receipts to $OUT.
-# Usage (device tool): bash bench/gpu_suite.sh   (carry: .whl)
+# One call on the GPU machine: install the carried wheels, run the GPU tests, build the scaled
+# DeepSeek-V4-Flash bench model and run the standard decode benchmark; everything lands in $OUT.
+# Usage (device tool): MOETIER_GIT_SHA=<sha> bash bench/gpu_suite.sh   (carry: .whl)
+# Stages can be skipped: SKIP_TESTS=1, SKIP_BENCH=1. BENCH_LAYERS (default 3) sets the model depth.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 export MOETIER_RESULTS=$OUT PYTHONUNBUFFERED=1
@@ -14,9 +16,25 @@ fi
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-    git rev-parse HEAD 2>/dev/null || true
+    echo "git ${MOETIER_GIT_SHA:-unknown}"
+    df -h /tmp | tail -1
 } > "$OUT/environment.txt" 2>&1
-python3 -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log"
-status=${PIPESTATUS[0]}
-echo "gpu tests exit status: $status"
+status=0
+if [ -z "${SKIP_TESTS:-}" ]; then
+    gpu_files=$(grep -l "mark.gpu" tests/test_*.py)
+    timeout 300 python3 -m pytest -q -m gpu $gpu_files -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
+        2>&1 | tee "$OUT/gpu-tests.log"
+    status=${PIPESTATUS[0]}
+    echo "gpu tests exit status: $status"
+fi
+if [ -z "${SKIP_BENCH:-}" ]; then
+    model=/tmp/moetier-bench/v4flash-${BENCH_LAYERS:-3}l
+    timeout 240 python3 -m moetier.cli make-bench-model --shape deepseek-v4-flash --layers "${BENCH_LAYERS:-3}" \
+        --out "$model" --device cuda --force 2>&1 | tail -3 | tee "$OUT/bench-model.log"
+    timeout 420 python3 -m moetier.cli bench decode --model "$model" --streams 1,2,4 --cache-fraction 0.05 \
+        --policy lfu --out "$OUT" 2>&1 | tee "$OUT/bench-decode.log"
+    bench_status=${PIPESTATUS[0]}
+    echo "bench exit status: $bench_status"
+    [ "$bench_status" -eq 0 ] || status=$bench_status
+fi
 exit "$status"
