@@ -40,6 +40,7 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
         device="cpu",
         cache_fraction=0.1,
         quick_bounds=True,
+        profile=True,
     )
     receipt = run_decode_bench(cfg)
     assert {r["mode"] for r in receipt["results"]} == set(MODES)
@@ -60,6 +61,7 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
     path = write_receipt(receipt, tmp_path)
     assert json.loads(path.read_text())["kind"] == "decode"
     assert "| tiered | 2 |" in markdown_table(receipt) and path.with_suffix(".md").exists()
+    assert "aten::" in path.with_name(path.stem + "-profile.txt").read_text()
 
 
 def test_config_rejects_bad_values(bench_model):

@@ -31,8 +31,9 @@ FAMILIES = {
 }
 
 # bf16 compute against an fp32 reference: tolerances measured on the H200 (see results/).
-# The tiny V4 model is much more sensitive (mHC + compressed attention): 3.7e-2 median measured on CPU.
-BF16_PREFILL_REL = {"qwen3_moe": 2e-2, "deepseek_v3": 2e-2, "deepseek_v4": 1e-1}
+# The tiny random V4 model is far more sensitive (mHC, compressed attention): full-prefill error 0.17
+# measured on the H200 (results/h200-20261130-b593677), 3.7e-2 median per position on CPU.
+BF16_PREFILL_REL = {"qwen3_moe": 2e-2, "deepseek_v3": 2e-2, "deepseek_v4": 0.25}
 
 
 def _record(name: str, payload: dict) -> None:

@@ -58,6 +58,7 @@ class DecodeBenchConfig:
     cpu_threads: int | None = None
     seed: int = 0
     quick_bounds: bool = False
+    profile: bool = False  # add a torch.profiler summary of a few 1-stream decode steps per mode
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -123,6 +124,28 @@ def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[fl
         _sync(device)
         seconds.append(time.perf_counter() - start)
     return seconds, [int(t) for t in first_stream]
+
+
+def _profile_steps(run: _DecodeRun, steps: int = 3) -> str:
+    """Top ops by device and by host time over a few decode steps, and the kernel-launch count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.model.device.type == "cuda" else [])
+    tokens = run.prefill()
+    tokens = run.step(tokens)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            tokens = run.step(tokens)
+        _sync(run.model.device)
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    sort_device = "self_cuda_time_total" if run.model.device.type == "cuda" else "self_cpu_time_total"
+    return (
+        f"kernel launches per step: {launches / steps:.0f}\n"
+        + events.table(sort_by=sort_device, row_limit=15)
+        + "\n"
+        + events.table(sort_by="self_cpu_time_total", row_limit=12)
+    )
 
 
 def _resident_store(store: ExpertStore, device: torch.device) -> ExpertStore | None:
@@ -218,7 +241,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
     slots = int(round(cfg.cache_fraction * total_experts))
     block_bytes = layout.block_bytes(store.dtype)
     vocab = model.config.vocab_size
-    results, tokens_by_mode, notes = [], {}, []
+    results, tokens_by_mode, notes, profiles = [], {}, [], {}
     for mode in cfg.modes:
         dispatcher = _dispatcher(mode, store, cfg, device, slots)
         if dispatcher is None:
@@ -230,6 +253,8 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
             traffic = _traffic(dispatcher, block_bytes, cfg.steps * cfg.repeats, streams)
             results.append(_result(mode, streams, seconds, traffic, cfg, bounds))
             tokens_by_mode.setdefault(streams, {})[mode] = tokens
+        if cfg.profile:
+            profiles[mode] = _profile_steps(_DecodeRun(model, 1, cfg, vocab))
         if hasattr(dispatcher, "close"):
             dispatcher.close()
         del dispatcher
@@ -257,6 +282,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
         "results": results,
         "greedy_tokens_agree": _agreement(tokens_by_mode),
         "notes": notes,
+        "profiles": profiles,
         "wall_seconds": time.time() - started,
     }
 
@@ -303,8 +329,12 @@ def write_receipt(receipt: dict[str, Any], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = out_dir / f"decode-{stamp}.json"
-    path.write_text(json.dumps(receipt, indent=2, default=str))
+    profiles = receipt.get("profiles") or {}
+    path.write_text(json.dumps({k: v for k, v in receipt.items() if k != "profiles"}, indent=2, default=str))
     path.with_suffix(".md").write_text(markdown_table(receipt))
+    if profiles:
+        text = "".join(f"=== {mode} (1 stream) ===\n{table}\n" for mode, table in profiles.items())
+        path.with_name(path.stem + "-profile.txt").write_text(text)
     return path
 
 
@@ -322,6 +352,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--cpu-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true", help="also write a torch.profiler summary per mode")
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON + Markdown receipt")
     parser.set_defaults(handler=run)
 
@@ -345,6 +376,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         cpu_threads=args.cpu_threads,
         seed=args.seed,
+        profile=args.profile,
     )
     receipt = run_decode_bench(cfg)
     path = write_receipt(receipt, args.out)
