@@ -6,7 +6,7 @@ import pkgutil
 from moetier.errors import CheckpointError
 from moetier.models.base import MODEL_REGISTRY, CausalLM, register_model
 
-_SUPPORT_MODULES = {"base", "cache", "compile", "layers"}
+_SUPPORT_MODULES = {"base", "cache", "layers"}
 
 
 def _import_families() -> None:

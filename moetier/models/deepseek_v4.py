@@ -27,7 +27,6 @@ from moetier.models.base import (
     WeightTarget,
     register_model,
 )
-from moetier.models.compile import fused_on_cuda
 from moetier.models.deepseek_v4_attention import (
     DeepseekV4Attention,
     RotaryTable,
@@ -52,35 +51,6 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return m
 
 
-@fused_on_cuda
-def hyper_mix(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    iters: int,
-    hc_eps: float,
-    norm_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mHC weights of one sublayer (float32): ``post`` ``[T, hc]``, ``comb`` ``[T, hc, hc]``, collapsed input."""
-    hc = streams.shape[1]
-    flat = rms_unweighted(streams.flatten(1).float(), norm_eps)
-    pre, post, comb = F.linear(flat, fn.float()).split([hc, hc, hc * hc], dim=-1)
-    pre_base, post_base, comb_base = base.float().split([hc, hc, hc * hc])
-    pre_scale, post_scale, comb_scale = scale.float().unbind(0)
-    pre = torch.sigmoid(pre * pre_scale + pre_base) + hc_eps
-    post = 2 * torch.sigmoid(post * post_scale + post_base)
-    comb = sinkhorn(comb.view(-1, hc, hc) * comb_scale + comb_base.view(hc, hc), iters, hc_eps)
-    collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
-    return post, comb, collapsed
-
-
-@fused_on_cuda
-def hyper_merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    dtype = streams.dtype
-    return post.to(dtype)[..., None] * out[:, None, :] + comb.to(dtype).transpose(-1, -2) @ streams
-
-
 class HyperConnection(nn.Module):
     """mHC around one sublayer: ``fn``/``base``/``scale`` give ``pre``, ``post`` and ``comb`` (in float32)."""
 
@@ -99,12 +69,22 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams`` ``[T, hc, H]`` -> ``post`` ``[T, hc]``, ``comb`` ``[T, hc, hc]``, sublayer input ``[T, H]``."""
-        return hyper_mix(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps)
+        hc = self.hc
+        flat = rms_unweighted(streams.flatten(1).float(), self.norm_eps)
+        pre, post, comb = F.linear(flat, self.fn.float()).split([hc, hc, hc * hc], dim=-1)
+        pre_base, post_base, comb_base = self.base.float().split([hc, hc, hc * hc])
+        pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)
+        pre = torch.sigmoid(pre * pre_scale + pre_base) + self.hc_eps
+        post = 2 * torch.sigmoid(post * post_scale + post_base)
+        comb = sinkhorn(comb.view(-1, hc, hc) * comb_scale + comb_base.view(hc, hc), self.iters, self.hc_eps)
+        collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
 
     @staticmethod
     def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """New streams: ``post[k] * out + sum_j comb[j, k] * streams[j]`` (``comb`` is applied transposed)."""
-        return hyper_merge(streams, out, post, comb)
+        dtype = streams.dtype
+        return post.to(dtype)[..., None] * out[:, None, :] + comb.to(dtype).transpose(-1, -2) @ streams
 
 
 class HyperHead(nn.Module):
