@@ -1,4 +1,4 @@
-"""The ``moetier`` command line: ``generate`` and ``serve``; ``plan`` and ``bench`` plug into SUBCOMMANDS.
+"""The ``moetier`` command line: ``generate``, ``serve``, ``plan`` and ``bench`` (each registered in SUBCOMMANDS).
 
 A user mistake (any :class:`MoetierError`, a missing file) prints one line ``moetier: error: ...``
 to stderr and exits with status 2, never a traceback.
@@ -43,6 +43,31 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
 
 
+def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """--gpu-memory and the tiered-expert options, shared by ``serve`` and ``generate``."""
+    parser.add_argument(
+        "--gpu-memory",
+        default=None,
+        help="VRAM budget (24GiB, 24GB, 80%%): plan placement, experts' home copy in pinned host RAM and an "
+        "expert cache in the VRAM left (default: every expert resident)",
+    )
+    parser.add_argument("--host-memory", default=None, help="host RAM budget, checked against the experts' home copy")
+    parser.add_argument("--expert-policy", default="lfu", help="expert cache policy (lru, lfu, static)")
+    parser.add_argument("--cpu-threads", type=int, default=None, help="threads of the CPU expert tier")
+    parser.add_argument(
+        "--miss-route", default="auto", choices=["auto", "cpu", "copy"], help="where cache misses run (default auto)"
+    )
+
+
+def tier_options(args: argparse.Namespace):
+    """The TierOptions of parsed ``add_tier_arguments`` (None without --gpu-memory)."""
+    if args.gpu_memory is None:
+        return None
+    from moetier.tiers.plan import TierOptions
+
+    return TierOptions(args.gpu_memory, args.host_memory, args.expert_policy, args.cpu_threads, args.miss_route)
+
+
 @subcommand("generate", "generate a completion for one prompt and print it")
 def _setup_generate(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
@@ -57,6 +82,7 @@ def _setup_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_tier_arguments(parser)
     parser.set_defaults(handler=_run_generate)
 
 
@@ -77,7 +103,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     }
     chosen = {k: v for k, v in options.items() if v is not None}
     SamplingParams(**chosen)  # reject bad values before spending minutes loading weights
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    tier_options(args)  # reject bad tier options before loading, like the sampling options
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        gpu_memory=args.gpu_memory,
+        host_memory=args.host_memory,
+        expert_policy=args.expert_policy,
+        cpu_threads=args.cpu_threads,
+        miss_route=args.miss_route,
+    )
     # Options left out keep the checkpoint's generation_config defaults.
     params = replace(llm.get_default_sampling_params(), **chosen)
     if args.chat:
@@ -125,6 +162,7 @@ def _setup_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reasoning-parser", default="auto", help="auto (by model family), none, or a parser name")
     parser.add_argument("--tool-call-parser", default="auto", help="auto (by model family), none, or a parser name")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_tier_arguments(parser)
     parser.set_defaults(handler=_run_serve)
 
 
@@ -144,8 +182,54 @@ def _run_serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         log_level=args.log_level,
+        tiers=tier_options(args),
     )
     return serve(config)
+
+
+@subcommand("plan", "show where a model's bytes would go (VRAM, pinned host RAM) and the predicted decode bound")
+def _setup_plan(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model folder (config.json + *.safetensors); no weights read")
+    parser.add_argument("--gpu-memory", required=True, help="VRAM budget: 24GiB, 24GB, 80%% (of this machine's GPU)")
+    parser.add_argument("--host-memory", default=None, help="host RAM budget for the experts' pinned home copy")
+    parser.add_argument("--context", type=int, default=None, help="tokens per stream (default: the model's window)")
+    parser.add_argument("--max-streams", type=int, default=4, help="streams decoding together (KV cache)")
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="prefill tokens per step (workspace)")
+    parser.add_argument("--workspace", default=None, help="activation workspace (default: a stated estimate)")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]
+    )
+    parser.add_argument("--device", default=None, help="device the plan is for (default: cuda if available)")
+    parser.add_argument("--host-read-gbps", type=float, default=None, help="host DRAM read GB/s (default: H200 box)")
+    parser.add_argument("--pcie-gbps", type=float, default=None, help="PCIe host->device GB/s (default: H200 box)")
+    parser.set_defaults(handler=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from moetier.config import default_device
+    from moetier.engine.engine import checkpoint_config, resolve_dtype, resolve_window
+    from moetier.tiers import plan
+
+    path = Path(args.model).expanduser()
+    hf_config = checkpoint_config(path)
+    device = torch.device(args.device) if args.device else default_device()
+    bandwidths = {"host_read_gbps": args.host_read_gbps, "pcie_gbps": args.pcie_gbps}
+    budget = plan.PlanBudget(
+        gpu_memory=args.gpu_memory,
+        host_memory=args.host_memory,
+        context=resolve_window(hf_config, args.context),
+        max_streams=args.max_streams,
+        prefill_chunk_tokens=args.prefill_chunk,
+        workspace=args.workspace,
+        device_memory=plan.device_memory(device),
+        **{k: v for k, v in bandwidths.items() if v is not None},
+    )
+    print(plan.make_plan(path, budget, resolve_dtype(args.dtype, hf_config, device)).table())
+    return 0
 
 
 @subcommand("bench", "measure decode speed under every expert placement and write a receipt")

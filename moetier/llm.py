@@ -69,7 +69,10 @@ class LLM:
     when available. ``max_model_len``: the longest sequence (prompt + generated), default the
     model's ``max_position_embeddings``. ``skip_tokenizer_init``: token-id prompts only, empty text.
     ``engine_config``: the engine's limits (streams, prefill chunk, KV budget); ``max_model_len``,
-    when given, overrides its field.
+    when given, overrides its field. ``gpu_memory`` (``"24GiB"``, ``"80%"``, bytes) loads with tiered
+    experts: a placement plan sizes the VRAM expert cache, every expert's home copy sits in pinned
+    host RAM (``host_memory`` is checked against it), misses run per ``miss_route`` (``auto``, ``cpu``,
+    ``copy``) on ``cpu_threads`` threads and the cache follows ``expert_policy``.
     """
 
     def __init__(
@@ -81,11 +84,21 @@ class LLM:
         skip_tokenizer_init: bool = False,
         load_progress: bool = True,
         engine_config: EngineConfig | None = None,
+        gpu_memory: int | str | None = None,
+        host_memory: int | str | None = None,
+        expert_policy: str = "lfu",
+        cpu_threads: int | None = None,
+        miss_route: str = "auto",
     ) -> None:
         self.path = Path(model).expanduser()
         config = engine_config or EngineConfig()
         if max_model_len is not None:
             config = replace(config, max_model_len=max_model_len)
+        tiers = None
+        if gpu_memory is not None:
+            from moetier.tiers.plan import TierOptions
+
+            tiers = TierOptions(gpu_memory, host_memory, expert_policy, cpu_threads, miss_route)
         self.engine = Engine(
             self.path,
             config,
@@ -93,7 +106,9 @@ class LLM:
             device=device,
             tokenizer=None if skip_tokenizer_init else "auto",
             load_progress=load_progress,
+            tiers=tiers,
         )
+        self.plan = self.engine.plan
         self.loaded = self.engine.loaded
         self.model = self.engine.model
         self.device = self.engine.device

@@ -6,6 +6,11 @@ model runner computes, the sampler picks every sampling sequence's next token on
 batch, then each sequence's text, stop conditions and logprobs become its update. A failure in
 one request's forward, sampling or text handling finishes that request with ``finish_reason
 "abort"`` and ``error`` set; the others carry on.
+
+With prefix caching (:mod:`moetier.engine.prefix_cache`), an admitted request starts from a copy of
+the longest cached prefix of its prompt; a request publishes snapshots when its prompt reaches its
+last block boundary and when it finishes (``stop``/``length``: prompt + output, for the next turn of
+a conversation). Aborted and failed requests publish nothing further.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from moetier.config import ModelLoadConfig, default_device, parse_dtype
 from moetier.engine.detokenizer import IncrementalText
 from moetier.engine.model_runner import ModelRunner
+from moetier.engine.prefix_cache import PrefixCache, chain_hashes
 from moetier.engine.sampling import (
     PenaltyState,
     SamplingParams,
@@ -30,8 +36,9 @@ from moetier.engine.sampling import (
     sample_tokens,
     token_logprobs,
 )
-from moetier.engine.scheduler import Scheduler, Sequence
+from moetier.engine.scheduler import ScheduledChunk, Scheduler, Sequence
 from moetier.errors import CheckpointError, ConfigError, MoetierError
+from moetier.models.base import SequenceCache
 from moetier.weights.loader import LoadedModel, load_model
 
 __all__ = ["Engine", "EngineBusyError", "EngineConfig", "EngineStats", "RequestUpdate", "TokenLogprob"]
@@ -64,6 +71,9 @@ class EngineConfig:
     - ``max_waiting``: bound of the waiting queue; beyond it ``add_request`` raises EngineBusyError.
     - ``kv_token_budget``: KV tokens all running sequences may reserve together; ``None`` =
       ``max_streams * max_model_len``.
+    - ``enable_prefix_caching``: start requests from cached snapshots of earlier requests' prefixes
+      (:mod:`moetier.engine.prefix_cache`); ``prefix_cache_bytes`` bounds the snapshots' memory (on
+      the model's device; LRU eviction) and ``prefix_block_tokens`` is the hashing granularity.
     """
 
     max_streams: int = 4
@@ -71,6 +81,9 @@ class EngineConfig:
     prefill_chunk_tokens: int = 512
     max_waiting: int = 256
     kv_token_budget: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_cache_bytes: int = 1 << 30
+    prefix_block_tokens: int = 16
 
     def __post_init__(self) -> None:
         _positive_int("max_streams", self.max_streams)
@@ -78,6 +91,10 @@ class EngineConfig:
         _positive_int("prefill_chunk_tokens", self.prefill_chunk_tokens)
         _positive_int("max_waiting", self.max_waiting)
         _positive_int("kv_token_budget", self.kv_token_budget, allow_none=True)
+        _positive_int("prefix_block_tokens", self.prefix_block_tokens)
+        budget = self.prefix_cache_bytes
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ConfigError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")
 
 
 @dataclass
@@ -114,6 +131,12 @@ class EngineStats:
     generation_tokens_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # prefix_cache_queries/hits count prompt tokens (looked up / served from the cache, as vLLM's metrics
+    # do); these count requests, and the memory the snapshots hold.
+    prefix_cache_lookups: int = 0
+    prefix_cache_lookup_hits: int = 0
+    prefix_cache_bytes: int = 0
+    prefix_cache_entries: int = 0
 
 
 # --- loading helpers ----------------------------------------------------------------------------
@@ -191,8 +214,10 @@ class Engine:
         dispatcher: str = "resident",
         dispatcher_options: dict[str, Any] | None = None,
         model_name: str | None = None,
+        tiers: Any = None,
     ) -> None:
         self.config = config or EngineConfig()
+        self.plan: Any = None  # the PlacementPlan when loaded with ``tiers`` (moetier.tiers.plan.TierOptions)
         if isinstance(model, LoadedModel):
             self.loaded = model
             self.path = model.checkpoint.path
@@ -203,9 +228,12 @@ class Engine:
             self.max_model_len = resolve_window(hf_config, self.config.max_model_len)
             target = torch.device(device) if device is not None else default_device()
             load_config = ModelLoadConfig(resolve_dtype(dtype, hf_config, target), target, self.max_model_len)
-            self.loaded = load_model(
-                self.path, load_config, dispatcher, progress=load_progress, dispatcher_options=dispatcher_options
-            )
+            if tiers is not None:
+                self.plan, self.loaded = self._load_tiered(load_config, tiers, load_progress)
+            else:
+                self.loaded = load_model(
+                    self.path, load_config, dispatcher, progress=load_progress, dispatcher_options=dispatcher_options
+                )
         self.model = self.loaded.model
         self.device = self.model.device
         self.hf_config = self.loaded.hf_config
@@ -218,6 +246,7 @@ class Engine:
         capacity = self.config.kv_token_budget or self.config.max_streams * self.max_model_len
         self.scheduler = Scheduler(self.config.max_streams, self.config.prefill_chunk_tokens, capacity)
         self.runner = ModelRunner(self.model)
+        self._setup_prefix_cache()
         self._requests: dict[str, _Request] = {}
         self._notices: list[RequestUpdate] = []  # abort updates, delivered by the next step
         self._prompt_tokens_total = 0
@@ -225,8 +254,31 @@ class Engine:
 
     @classmethod
     def from_path(cls, path: str | Path, **kwargs: Any) -> Engine:
-        """Load ``path`` and build an engine (keywords as :meth:`__init__`: dtype, device, config, ...)."""
+        """Load ``path`` and build an engine (keywords as :meth:`__init__`: dtype, device, config, ...).
+
+        ``tiers`` (a :class:`moetier.tiers.plan.TierOptions`) loads with tiered experts: a placement
+        plan for its ``gpu_memory`` (logged), the experts' home copy in a pinned host arena and the
+        tiered dispatcher with the plan's cache; without it every expert is resident.
+        """
         return cls(path, **kwargs)
+
+    def _load_tiered(self, load_config: ModelLoadConfig, tiers: Any, progress: bool) -> tuple[Any, LoadedModel]:
+        from moetier.tiers.plan import load_planned, plan_for
+
+        capacity = self.config.kv_token_budget or self.config.max_streams * self.max_model_len
+        streams = max(1, capacity // self.max_model_len)
+        plan = plan_for(
+            self.path,
+            tiers,
+            load_config.dtype,
+            load_config.device,
+            self.max_model_len,
+            streams,
+            self.config.prefill_chunk_tokens,
+            self.config.prefix_cache_bytes if self.config.enable_prefix_caching else 0,
+        )
+        logger.info("%s", plan.table())
+        return plan, load_planned(self.path, load_config, plan, tiers, progress)
 
     def _eos_ids(self) -> set[int]:
         ids = token_id_set(self.generation_config.get("eos_token_id"))
@@ -316,6 +368,7 @@ class Engine:
             kv_tokens_capacity=self.scheduler.kv_token_budget,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            **self._prefix_stats(),
         )
 
     # --- the step -------------------------------------------------------------------------------
@@ -334,6 +387,7 @@ class Engine:
                 if error is None:
                     try:
                         self._account_chunk(request, chunk.start, chunk.num_tokens, out.prompt_logits)
+                        self._publish_prompt(chunk)
                     except Exception as exc:  # noqa: BLE001 - fails this request only
                         error = exc
                 if error is not None:
@@ -419,6 +473,8 @@ class Engine:
             text.finish_length()
         update = self._update(request, [token], None if logprob is None else [logprob])
         if text.finished:
+            if text.finish_reason in ("stop", "length"):
+                self._publish(seq, seq.num_computed)  # prompt + output, for the conversation's next turn
             self._release(request)
         return update
 
@@ -449,6 +505,90 @@ class Engine:
         update = self._update(request, [], None)
         update.error = f"{type(error).__name__}: {error}"
         return update
+
+    # --- prefix caching ---------------------------------------------------------------------------
+
+    def _setup_prefix_cache(self) -> None:
+        config = self.config
+        self.prefix_cache: PrefixCache | None = None
+        self._prefix_truncatable = True
+        if not config.enable_prefix_caching:
+            return
+        probe = self.model.new_cache(1)
+        if type(probe).snapshot is SequenceCache.snapshot:
+            logger.info("prefix caching off: %s caches cannot be snapshotted", type(probe).__name__)
+            return
+        self._prefix_truncatable = probe.truncatable
+        self.prefix_cache = PrefixCache(config.prefix_block_tokens, config.prefix_cache_bytes)
+        self.runner.mark_every = None if probe.truncatable else config.prefix_block_tokens
+        self.scheduler.on_admit = self._admit
+
+    def _prefix_stats(self) -> dict[str, int]:
+        cache = self.prefix_cache
+        if cache is None:
+            return {}
+        return {
+            "prefix_cache_queries": cache.query_tokens,
+            "prefix_cache_hits": cache.hit_tokens,
+            "prefix_cache_lookups": cache.queries,
+            "prefix_cache_lookup_hits": cache.hits,
+            "prefix_cache_bytes": cache.bytes_used,
+            "prefix_cache_entries": len(cache),
+        }
+
+    def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """Chain hashes of the full blocks among ``seq``'s first ``num_tokens`` tokens (memoised on ``seq``)."""
+        assert self.prefix_cache is not None
+        block = self.prefix_cache.block_tokens
+        blocks = num_tokens // block
+        if len(seq.block_hashes) < blocks:
+            seq.block_hashes = chain_hashes(seq.token_slice(0, blocks * block), block, seq.block_hashes)
+        return seq.block_hashes[:blocks]
+
+    def _admit(self, seq: Sequence) -> None:
+        """Scheduler hook: start ``seq`` from the longest cached prefix of its prompt."""
+        cache = self.prefix_cache
+        assert cache is not None
+        # Prompt logprobs need every prompt position's logits, which a cached prefix does not have; such
+        # (scoring) requests are neither served from the cache nor have their chunking bent for it.
+        if seq.params.prompt_logprobs is not None or seq.num_computed:
+            return
+        if not self._prefix_truncatable:  # the prompt's last boundary must be reached by a chunk end
+            seq.prefill_stop = seq.num_prompt // cache.block_tokens * cache.block_tokens
+        hit = cache.lookup(self._hashes(seq, seq.num_prompt), seq.num_prompt)
+        if hit is None:
+            return
+        try:
+            self.runner.adopt(seq.request_id, hit.snapshot.clone_into(seq.kv_tokens, hit.length))
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: compute the prompt instead
+            logger.warning("request %s: prefix cache copy failed (%s); prefilling in full", seq.request_id, exc)
+            return
+        seq.num_computed = hit.length
+        self._prompt_tokens_total += hit.length  # served prompt tokens count as prompt tokens too
+
+    def _publish_prompt(self, chunk: ScheduledChunk) -> None:
+        """Snapshot the prompt at its last block boundary once a chunk has computed past it."""
+        if self.prefix_cache is None:
+            return
+        seq = chunk.seq
+        boundary = seq.num_prompt // self.prefix_cache.block_tokens * self.prefix_cache.block_tokens
+        if chunk.start < boundary <= seq.num_computed:
+            self._publish(seq, boundary)
+
+    def _publish(self, seq: Sequence, num_tokens: int) -> None:
+        """Store a snapshot of ``seq``'s cache at the last block boundary within its first ``num_tokens``
+        tokens. Only called after successful forwards, so a failed or aborted request never publishes."""
+        cache = self.prefix_cache
+        if cache is None or num_tokens < cache.block_tokens:
+            return
+        hashes = self._hashes(seq, num_tokens)
+        live = self.runner.cache_of(seq.request_id)
+        if live is None or cache.contains(hashes):
+            return
+        try:
+            cache.insert(hashes, live.snapshot(len(hashes) * cache.block_tokens))
+        except Exception as exc:  # noqa: BLE001 - caching is an optimisation: never fail the request for it
+            logger.debug("request %s: no prefix snapshot at %d tokens (%s)", seq.request_id, num_tokens, exc)
 
     def _release(self, request: _Request) -> None:
         self.scheduler.finish(request.seq)

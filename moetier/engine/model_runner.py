@@ -41,10 +41,13 @@ class ModelRunner:
     (recompute); a sequence that still fails alone is the culprit and only it is failed.
     """
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, mark_every: int | None = None) -> None:
         self.model = model
         self.device = model.device
         self._caches: dict[str, SequenceCache] = {}
+        # Prefix caching: after a forward, a cache whose length is a multiple of this records its
+        # rolling state (SequenceCache.mark), so a non-truncatable cache can be snapshotted there later.
+        self.mark_every = mark_every
 
     def execute(self, plan: StepPlan) -> RunnerOutput:
         out = RunnerOutput()
@@ -57,6 +60,7 @@ class ModelRunner:
         for chunk, states in zip(chunks, hidden, strict=True):
             if states is None:
                 continue
+            self._mark(chunk.seq.request_id)
             last = self._outputs(chunk, states, out)
             if last is not None:
                 out.sampled.append(chunk.seq)
@@ -108,6 +112,18 @@ class ModelRunner:
         # The sampling row is always computed alone, so the tokens do not depend on whether
         # prompt logprobs were requested (a [T, H] GEMM may round differently from a [1, H] one).
         return self.model.compute_logits(hidden[-1:]) if chunk.samples else None
+
+    def _mark(self, request_id: str) -> None:
+        cache = self._caches[request_id]
+        if self.mark_every and cache.length % self.mark_every == 0:
+            cache.mark()
+
+    def adopt(self, request_id: str, cache: SequenceCache) -> None:
+        """Start ``request_id`` from ``cache`` (a copy of a cached prefix) instead of an empty cache."""
+        self._caches[request_id] = cache
+
+    def cache_of(self, request_id: str) -> SequenceCache | None:
+        return self._caches.get(request_id)
 
     def free(self, request_id: str) -> None:
         """Drop a sequence's cache (finished, aborted or failed)."""

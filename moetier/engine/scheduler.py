@@ -11,12 +11,18 @@ A long prompt is thus prefilled a chunk per step while the running streams keep 
 are reserved at admission (prompt + the most it may generate, within the window) and released the
 moment a sequence finishes or is aborted. Admission is strictly FCFS: when the oldest waiting
 sequence does not fit, nothing behind it jumps the queue (no starvation of long requests).
+
+Prefix caching hooks in twice: ``on_admit`` lets the engine start an admitted sequence from a cached
+prefix (it raises ``num_computed`` before the first chunk is planned), and a sequence's
+``prefill_stop`` makes a chunk end exactly there (so a cache that cannot be rewound is snapshotted
+at the prompt's last block boundary).
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moetier.engine.sampling import SamplingParams, TokenLogprob
@@ -48,6 +54,10 @@ class Sequence:
     state: SequenceState = SequenceState.WAITING
     # Filled as prefill chunks run when params.prompt_logprobs is set; the first prompt token has none.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # Prefix caching: chain hashes of the full blocks computed so far (extended lazily), and a position
+    # no prefill chunk crosses (where a cache that cannot be rewound must be snapshotted; 0 = none).
+    block_hashes: list[bytes] = field(default_factory=list)
+    prefill_stop: int = 0
 
     @property
     def num_prompt(self) -> int:
@@ -130,6 +140,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.kv_tokens_used = 0
         self._arrivals = 0
+        # Called with each sequence as it is admitted, before its first chunk is planned: the engine
+        # starts it from a cached prefix there (raising ``num_computed``).
+        self.on_admit: Callable[[Sequence], None] | None = None
 
     def add(self, seq: Sequence) -> None:
         if seq.kv_tokens > self.kv_token_budget:
@@ -156,6 +169,8 @@ class Scheduler:
             self.kv_tokens_used += seq.kv_tokens
             seq.state = SequenceState.RUNNING
             self.running.append(seq)
+            if self.on_admit is not None:
+                self.on_admit(seq)
             budget -= self._prefill_chunk(plan, seq, budget)
         return plan
 
@@ -163,6 +178,8 @@ class Scheduler:
     def _prefill_chunk(plan: StepPlan, seq: Sequence, budget: int) -> int:
         # A prefill covers every pending token (the prompt, or prompt + output when recomputing).
         count = min(seq.num_pending, budget)
+        if seq.num_computed < seq.prefill_stop < seq.num_computed + count:
+            count = seq.prefill_stop - seq.num_computed
         plan.chunks.append(ScheduledChunk(seq, seq.num_computed, count))
         return count
 

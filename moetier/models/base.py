@@ -55,9 +55,36 @@ class SequenceCache:
     """
 
     length: int = 0
+    # Whether :meth:`snapshot` accepts any length <= ``length`` (plain KV: a token's entries never
+    # depend on later tokens). Rolling state (windows, compressors) only snapshots where it stands
+    # or at a length it recorded with :meth:`mark`.
+    truncatable: bool = False
 
     def advance(self, num_tokens: int) -> None:
         self.length += num_tokens
+
+    # --- prefix caching (optional; a family without these simply never hits the prefix cache) ---
+
+    def snapshot(self, length: int) -> SequenceCache:
+        """An independent copy of the state after the first ``length`` tokens, sized to exactly ``length``.
+
+        Raises ``ValueError`` for a length the cache cannot reproduce (see ``truncatable``).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support prefix snapshots")
+
+    def clone_into(self, max_tokens: int, length: int | None = None) -> SequenceCache:
+        """A new cache of capacity ``max_tokens`` holding a copy of this state (its first ``length`` tokens,
+        default all); the clone can then be extended like a fresh cache."""
+        raise NotImplementedError(f"{type(self).__name__} does not support prefix snapshots")
+
+    def mark(self) -> None:
+        """Record what :meth:`snapshot` needs to reproduce the current length later (non-truncatable
+        caches; called between forwards at block boundaries). Default: nothing to record."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor memory the cache holds (prefix-cache accounting)."""
+        return 0
 
 
 @dataclass

@@ -15,6 +15,8 @@ class ContiguousKVCache(SequenceCache):
     forward via :meth:`advance`, after all layers have written.
     """
 
+    truncatable = True  # a token's entries never depend on later tokens
+
     def __init__(
         self,
         num_layers: int,
@@ -43,3 +45,22 @@ class ContiguousKVCache(SequenceCache):
 
     def advance(self, num_tokens: int) -> None:
         self.length += num_tokens
+
+    def snapshot(self, length: int) -> ContiguousKVCache:
+        return self.clone_into(length, length)
+
+    def clone_into(self, max_tokens: int, length: int | None = None) -> ContiguousKVCache:
+        length = self.length if length is None else length
+        if not 0 <= length <= min(self.length, max_tokens):
+            raise ValueError(f"cannot copy {length} tokens of a {self.length}-token cache into {max_tokens}")
+        keys, values = self.keys[0], self.values[0]
+        heads, key_dim, value_dim = keys.shape[0], keys.shape[2], values.shape[2]
+        clone = ContiguousKVCache(len(self.keys), heads, max_tokens, key_dim, value_dim, keys.dtype, keys.device)
+        for src, dst in zip(self.keys + self.values, clone.keys + clone.values, strict=True):
+            dst[:, :length] = src[:, :length]
+        clone.length = length
+        return clone
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

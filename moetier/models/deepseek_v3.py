@@ -126,6 +126,8 @@ class LatentKVCache(SequenceCache):
     Layers write at ``self.length``; the model calls :meth:`advance` once per forward.
     """
 
+    truncatable = True  # a token's entries never depend on later tokens
+
     def __init__(self, num_layers: int, max_tokens: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.length = 0
         self.max_tokens = max_tokens
@@ -141,6 +143,24 @@ class LatentKVCache(SequenceCache):
 
     def advance(self, num_tokens: int) -> None:
         self.length += num_tokens
+
+    def snapshot(self, length: int) -> LatentKVCache:
+        return self.clone_into(length, length)
+
+    def clone_into(self, max_tokens: int, length: int | None = None) -> LatentKVCache:
+        length = self.length if length is None else length
+        if not 0 <= length <= min(self.length, max_tokens):
+            raise ValueError(f"cannot copy {length} tokens of a {self.length}-token cache into {max_tokens}")
+        first = self.latents[0]
+        clone = LatentKVCache(len(self.latents), max_tokens, first.shape[1], first.dtype, first.device)
+        for src, dst in zip(self.latents, clone.latents, strict=True):
+            dst[:length] = src[:length]
+        clone.length = length
+        return clone
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.latents)
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:

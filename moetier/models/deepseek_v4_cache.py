@@ -28,6 +28,11 @@ class SlidingWindowKV:
         self.keys = keys[max(keys.shape[0] - self.keep, 0) :].clone() if self.keep else keys[:0]
         return keys
 
+    def copy(self) -> SlidingWindowKV:
+        clone = SlidingWindowKV.__new__(SlidingWindowKV)
+        clone.keep, clone.keys = self.keep, self.keys.clone()
+        return clone
+
 
 class CompressorState:
     """Rolling state of one compressor.
@@ -68,6 +73,26 @@ class CompressorState:
     def emitted(self) -> torch.Tensor:
         return self.entries[: self.count]
 
+    def copy(self, max_entries: int | None = None, count: int | None = None) -> CompressorState:
+        """A deep copy with room for ``max_entries`` entries (default: exactly the emitted ones), keeping
+        the first ``count`` entries (default all). Only the rolling tensors' current values are copied."""
+        count = self.count if count is None else count
+        max_entries = count if max_entries is None else max_entries
+        if not count <= min(self.count, max_entries):
+            raise ValueError(f"cannot copy {count} of {self.count} compressed entries into {max_entries}")
+        clone = CompressorState.__new__(CompressorState)
+        clone.rate, clone.count = self.rate, count
+        clone.open_kv, clone.open_gate = self.open_kv.clone(), self.open_gate.clone()
+        clone.prev_kv = None if self.prev_kv is None else self.prev_kv.clone()
+        clone.prev_gate = None if self.prev_gate is None else self.prev_gate.clone()
+        clone.entries = self.entries.new_empty(max_entries, self.entries.shape[1])
+        clone.entries[:count] = self.entries[:count]
+        return clone
+
+    def rolling_nbytes(self) -> int:
+        tensors = [self.open_kv, self.open_gate, self.prev_kv, self.prev_gate]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
 
 @dataclass
 class LayerCache:
@@ -77,6 +102,28 @@ class LayerCache:
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
 
+    def copy(self, max_tokens: int | None = None, counts: tuple[int, int] | None = None) -> LayerCache:
+        """Deep copy; ``max_tokens`` sizes the entry tensors (default: exactly the emitted entries),
+        ``counts`` (compressor, indexer) keeps only that many entries (a :meth:`DeepseekV4Cache.mark`)."""
+
+        def compressor(state: CompressorState | None, count: int | None) -> CompressorState | None:
+            if state is None:
+                return None
+            return state.copy(None if max_tokens is None else max_tokens // state.rate, count)
+
+        compressor_count, indexer_count = counts or (None, None)
+        return LayerCache(
+            self.window.copy(), compressor(self.compressor, compressor_count), compressor(self.indexer, indexer_count)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        total = self.window.keys.numel() * self.window.keys.element_size()
+        for state in (self.compressor, self.indexer):
+            if state is not None:
+                total += state.rolling_nbytes() + state.entries.numel() * state.entries.element_size()
+        return total
+
 
 class DeepseekV4Cache(SequenceCache):
     """All layers' state of one sequence; ``length`` tokens have been consumed."""
@@ -85,6 +132,8 @@ class DeepseekV4Cache(SequenceCache):
         self.layers = layers
         self.max_tokens = max_tokens
         self.length = 0
+        # (length, per layer: rolling-state copy and emitted-entry counts), set by mark().
+        self._mark: tuple[int, list[tuple[LayerCache, tuple[int, int]]]] | None = None
 
     def check_room(self, num_tokens: int) -> None:
         if self.length + num_tokens > self.max_tokens:
@@ -92,3 +141,52 @@ class DeepseekV4Cache(SequenceCache):
 
     def advance(self, num_tokens: int) -> None:
         self.length += num_tokens
+
+    # --- prefix caching: the window and compressors roll forward, so no truncation; a mark records
+    # the small rolling state at a block boundary (entries are append-only: a count suffices) ---
+
+    def mark(self) -> None:
+        # Copies, not references: the rolling tensors are small, and copying keeps the mark valid
+        # even if a layer someday updates them in place.
+        layers = []
+        for layer in self.layers:
+            copy = LayerCache(layer.window.copy())
+            copy.compressor = None if layer.compressor is None else layer.compressor.copy(0, 0)
+            copy.indexer = None if layer.indexer is None else layer.indexer.copy(0, 0)
+            counts = tuple(0 if c is None else c.count for c in (layer.compressor, layer.indexer))
+            layers.append((copy, counts))
+        self._mark = (self.length, layers)
+
+    def snapshot(self, length: int) -> DeepseekV4Cache:
+        """The state at ``length``: the current length, or the length of the last :meth:`mark`."""
+        if length == self.length:
+            return self.clone_into(length)
+        marked_length, marked = self._mark or (None, [])
+        if length != marked_length:
+            raise ValueError(
+                f"DeepSeek-V4 state at {length} tokens is gone (cache at {self.length}, mark at "
+                f"{marked_length}); its window and compressors cannot be rewound"
+            )
+        layers = []
+        for (rolling, counts), live in zip(marked, self.layers, strict=True):
+            layer = rolling.copy()
+            for name, count in zip(("compressor", "indexer"), counts, strict=True):
+                state, source = getattr(layer, name), getattr(live, name)
+                if state is not None:  # emitted entries are append-only: the live ones up to the mark's count
+                    state.entries = source.entries[:count].clone()
+                    state.count = count
+            layers.append(layer)
+        snap = DeepseekV4Cache(layers, length)
+        snap.length = length
+        return snap
+
+    def clone_into(self, max_tokens: int, length: int | None = None) -> DeepseekV4Cache:
+        if length not in (None, self.length) or max_tokens < self.length:
+            raise ValueError(f"cannot clone a {self.length}-token DeepSeek-V4 cache as {length} tokens in {max_tokens}")
+        clone = DeepseekV4Cache([layer.copy(max_tokens) for layer in self.layers], max_tokens)
+        clone.length = self.length
+        return clone
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)

@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from moetier import __version__
 from moetier.errors import ChatTemplateError, ConfigError
-from moetier.server.metrics import ServerMetrics
+from moetier.server.metrics import ServerMetrics, dispatcher_metrics
 from moetier.server.openai_errors import (
     UNAVAILABLE,
     OpenAIError,
@@ -56,6 +56,8 @@ class ServeConfig:
     ``model`` None serves the built-in demo model (:mod:`moetier.demo`, built on first use under
     ``demo_dir`` or the user's cache). ``context`` caps the window (default: the model's).
     ``reasoning_parser`` / ``tool_call_parser``: ``auto`` (by model family), ``none`` or a name.
+    ``tiers``: a :class:`moetier.tiers.plan.TierOptions` (``--gpu-memory`` and friends) to load with
+    tiered experts; its plan's table is logged at start-up and its counters appear in ``/metrics``.
     """
 
     model: str | None = None
@@ -71,6 +73,7 @@ class ServeConfig:
     tool_call_parser: str = "auto"
     demo_dir: str | None = None
     log_level: str = "info"
+    tiers: Any = None  # moetier.tiers.plan.TierOptions: serve with tiered experts (None: all resident)
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -128,6 +131,7 @@ def load_serving_model(config: ServeConfig) -> ServingModel:
         tokenizer=tokenizer,
         load_progress=False,
         model_name=name,
+        tiers=config.tiers,
     )
     model_type = str(engine.hf_config.get("model_type", ""))
     reasoning = _parser(
@@ -162,11 +166,16 @@ class ServerState:
         self.chat: ChatServing | None = None
         self.completions: CompletionServing | None = None
         self.on_load_error: Callable[[BaseException], None] | None = None
-        self.metrics = ServerMetrics(self._stats, lambda: self.model.name if self.model else "")
+        self.metrics = ServerMetrics(
+            self._stats, lambda: self.model.name if self.model else "", tier_metrics=self._tier_metrics
+        )
         self._task: asyncio.Task | None = None
 
     def _stats(self) -> Any:
         return None if self.model is None else self.model.engine.stats()
+
+    def _tier_metrics(self) -> Any:
+        return None if self.model is None else dispatcher_metrics(self.model.engine)
 
     def start_loading(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._load())

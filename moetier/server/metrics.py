@@ -124,10 +124,123 @@ class _EngineStatsCollector(Collector):
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
 
 
-class ServerMetrics:
-    """The server's Prometheus registry and the request-level series it records."""
+def dispatcher_metrics(engine: Any) -> Any | None:
+    """The :class:`~moetier.tiers.metrics.TierMetrics` behind a serving engine, or None (all resident).
 
-    def __init__(self, stats: Callable[[], Any | None], model_name: Callable[[], str]) -> None:
+    Unwraps ``AsyncEngine.engine`` and test wrappers' ``inner`` down to the engine's model dispatcher.
+    """
+    for _ in range(4):
+        model = getattr(engine, "model", None)
+        dispatcher = getattr(model, "dispatcher", None)
+        if dispatcher is not None:
+            return getattr(dispatcher, "metrics", None)
+        engine = getattr(engine, "engine", None) or getattr(engine, "inner", None)
+        if engine is None:
+            return None
+    return None
+
+
+class _TierCollector(Collector):
+    """The tiered expert path's counters (:class:`~moetier.tiers.metrics.TierMetrics`), when it has them.
+
+    Hit rates are gauges of the whole run; per-layer series carry a ``layer`` label. Counters are
+    read at scrape time from the dispatcher's own (reset-able) counters.
+    """
+
+    def __init__(self, tier_metrics: Callable[[], Any | None], model_name: Callable[[], str]) -> None:
+        self._metrics, self._model_name = tier_metrics, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        metrics = self._metrics()
+        if metrics is None:
+            return
+        name = self._model_name()
+        for attempt in range(3):
+            try:  # the engine thread may add a layer's counters while we read them: read again
+                snap, total = metrics.snapshot(), metrics.total()
+                break
+            except RuntimeError:
+                if attempt == 2:
+                    return
+        families = [
+            (
+                GaugeMetricFamily,
+                "tier_hit_rate",
+                "Share of (token, expert) uses served from the VRAM expert cache.",
+                snap["hit_rate"],
+            ),
+            (
+                GaugeMetricFamily,
+                "tier_misses_per_token",
+                "Missed (token, expert) pairs per token, over all layers.",
+                snap["misses_per_token"],
+            ),
+            (
+                CounterMetricFamily,
+                "tier_expert_uses_hit",
+                "(token, expert) uses served from the VRAM cache.",
+                total.uses_hit,
+            ),
+            (
+                CounterMetricFamily,
+                "tier_expert_uses_miss",
+                "(token, expert) uses that missed the VRAM cache.",
+                total.uses_miss,
+            ),
+            (CounterMetricFamily, "tier_tokens", "Tokens that went through the tiered expert path.", metrics.tokens),
+            (CounterMetricFamily, "tier_cpu_seconds", "Seconds the CPU expert tier computed.", total.cpu_seconds),
+            (
+                CounterMetricFamily,
+                "tier_copy_bytes",
+                "Bytes copied host->device to compute missed experts.",
+                total.copy_bytes,
+            ),
+            (
+                CounterMetricFamily,
+                "tier_admit_bytes",
+                "Bytes copied host->device only to fill the expert cache.",
+                total.admit_bytes,
+            ),
+        ]
+        for kind, metric, doc, value in families:
+            family = kind(PREFIX + metric, doc, labels=["model_name"])
+            family.add_metric([name], value)
+            yield family
+        per_layer = [
+            (GaugeMetricFamily, "tier_layer_hit_rate", "VRAM expert-cache hit rate of one MoE layer.", "hit_rate"),
+            (
+                CounterMetricFamily,
+                "tier_layer_cpu_seconds",
+                "Seconds the CPU expert tier computed for one layer.",
+                "cpu_seconds",
+            ),
+            (
+                CounterMetricFamily,
+                "tier_layer_copy_bytes",
+                "Bytes copied host->device for one layer's misses.",
+                "copy_bytes",
+            ),
+        ]
+        for kind, metric, doc, key in per_layer:
+            family = kind(PREFIX + metric, doc, labels=["model_name", "layer"])
+            for layer, counters in snap["per_layer"].items():
+                family.add_metric([name, str(layer)], counters[key])
+            yield family
+
+
+class ServerMetrics:
+    """The server's Prometheus registry and the request-level series it records.
+
+    ``tier_metrics`` (optional) returns the tiered dispatcher's counters (or None): exported as
+    ``moetier:tier_*`` series.
+    """
+
+    def __init__(
+        self,
+        stats: Callable[[], Any | None],
+        model_name: Callable[[], str],
+        tier_metrics: Callable[[], Any | None] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._model_name = model_name
         labels = ["model_name"]
@@ -159,6 +272,8 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(_EngineStatsCollector(stats, model_name))
+        if tier_metrics is not None:
+            self.registry.register(_TierCollector(tier_metrics, model_name))
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.labels(self._model_name()).observe(seconds)

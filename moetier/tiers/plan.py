@@ -1,0 +1,570 @@
+"""The placement plan: which bytes go to VRAM and which to pinned host RAM, decided from budgets.
+
+:func:`make_plan` reads a checkpoint's ``config.json`` and safetensors headers (never its weights)
+and lays the GPU budget out in this order:
+
+1. the backbone (every tensor that is not a routed expert), at the load dtype (fp32 where the
+   family keeps it), exactly as the loader materialises it;
+2. the KV cache for ``context`` tokens x ``max_streams`` streams (bytes per token from the family's
+   attention, see :func:`kv_estimate`);
+3. an activation workspace (an *estimate*, see :func:`workspace_estimate`; overridable);
+4. the staging slots the tiered dispatcher copies missed experts through (``top_k`` by default);
+5. the elastic expert cache: every remaining byte, in whole expert blocks.
+
+Every routed expert's home copy lives in pinned host RAM. The predicted decode bound is DESIGN.md's
+``tokens/s <= DRAM_bw / ((1 - h) * R)`` with ``R`` the routed-expert bytes a token reads and the hit
+rate ``h`` *estimated* as the cache's share of all experts, which is what uniform routing gives
+(real routing is skewed, so a frequency-aware policy usually does better).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetier.config import ModelLoadConfig
+from moetier.errors import ConfigError
+from moetier.models.base import ExpertTarget, IgnoreTarget
+from moetier.tiers.dispatcher import make_dispatcher
+from moetier.tiers.experts import ExpertLayout, ExpertStore
+from moetier.weights.checkpoint import Checkpoint
+from moetier.weights.formats import format_for
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+# Measured on the H200 test machine (shared/measurements/h200-limits.json): host DRAM read with 16
+# cores, and PCIe Gen5 host->device from pinned memory. Override them for other hardware.
+DEFAULT_HOST_READ_GBPS = 118.6
+DEFAULT_PCIE_GBPS = 55.4
+# The smallest useful KV cache: one stream of this many tokens (or the requested context if shorter).
+MIN_CONTEXT = 4096
+# Activation workspace estimate: fp32 hidden-width rows alive at once per prefill token (residual,
+# norms, attention projections, gathered expert rows, partial sums), plus fp32 logits per stream.
+WORKSPACE_HIDDEN_ROWS = 32
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z%]*)\s*$")
+
+
+def parse_size(value: str | int, what: str = "size", total: int | None = None) -> int:
+    """Bytes from ``24GiB``, ``24GB`` (decimal), ``512MiB``, a plain byte count, or ``80%`` of ``total``.
+
+    Raises a one-line :class:`ConfigError` naming ``what`` for anything else (``24G`` is ambiguous:
+    say GiB or GB).
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{what} must be a size like 24GiB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{what} must not be negative, got {value}")
+        return value
+    match = _SIZE.match(str(value))
+    if match is None:
+        raise ConfigError(f"{what}: cannot read {value!r}; write a size like 24GiB, 24GB, 512MiB or 80%")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit == "%":
+        if total is None:
+            raise ConfigError(f"{what}: {value!r} is a percentage, but the device's memory is unknown; give GiB")
+        if not 0 < number <= 100:
+            raise ConfigError(f"{what}: a percentage must be in (0, 100], got {value!r}")
+        return int(total * number / 100)
+    if unit == "" and number.is_integer():
+        return int(number)
+    if unit not in _UNITS:
+        raise ConfigError(f"{what}: unknown unit {match.group(2)!r} in {value!r}; use B, KB, MB, GB, KiB, MiB or GiB")
+    return int(number * _UNITS[unit])
+
+
+def gib(nbytes: float) -> str:
+    """Bytes as GiB: two decimals, or six decimals below 0.01 GiB (tiny test models)."""
+    value = nbytes / GiB
+    return f"{value:.2f}" if value >= 0.01 or value == 0 else f"{value:.6f}"
+
+
+@dataclass(frozen=True)
+class KvEstimate:
+    """KV-cache elements (at the load dtype) per token of context and per stream, over all layers."""
+
+    per_token: float
+    per_stream: int
+    note: str
+
+
+def kv_estimate(config: Any) -> KvEstimate:
+    """The family's attention state per token, from its config dataclass (one rule per attention kind).
+
+    - DeepSeek-V4 (``layer_types``): compressed entries, ``head_dim / rate`` per token per CSA/HCA
+      layer plus ``index_head_dim / rate`` for the CSA indexer; per stream the sliding window
+      (``sliding_window - 1`` keys per layer) and the open compressor windows.
+    - MLA (``kv_lora_rank``, DeepSeek-V3): ``kv_lora_rank + qk_rope_head_dim`` per token per layer.
+    - GQA (``num_key_value_heads``, ``head_dim``): keys and values, ``2 * kv_heads * head_dim``.
+    """
+    layers = config.num_hidden_layers
+    if hasattr(config, "layer_types") and hasattr(config, "compress_rates"):
+        return _v4_kv(config)
+    if hasattr(config, "kv_lora_rank"):
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        return KvEstimate(layers * width, 0, f"MLA latent, {width} values per token per layer")
+    if hasattr(config, "num_key_value_heads") and hasattr(config, "head_dim"):
+        width = 2 * config.num_key_value_heads * config.head_dim
+        return KvEstimate(layers * width, 0, f"GQA keys + values, {width} values per token per layer")
+    raise ConfigError(f"cannot estimate the KV cache of {type(config).__name__}; pass kv_bytes_per_token")
+
+
+def _v4_kv(config: Any) -> KvEstimate:
+    per_token, per_stream = 0.0, 0
+    for layer in range(config.num_hidden_layers):
+        per_stream += (config.sliding_window - 1) * config.head_dim
+        rate = config.compress_rate(layer)
+        if rate == 0:
+            continue
+        csa = config.layer_types[layer] == "compressed_sparse_attention"
+        width = config.head_dim * (2 if csa else 1)
+        per_token += config.head_dim / rate
+        per_stream += 2 * (rate - 1) * width  # open window: projections and gates
+        if csa:
+            per_token += config.index_head_dim / rate
+            per_stream += 2 * (rate - 1) * 2 * config.index_head_dim
+    return KvEstimate(per_token, per_stream, "V4 compressed entries per token; window + open windows per stream")
+
+
+def workspace_estimate(config: Any, chunk_tokens: int, max_streams: int) -> int:
+    """A stated estimate of activation memory: ``WORKSPACE_HIDDEN_ROWS`` fp32 hidden-width rows per prefill
+    token of a chunk, plus fp32 logits for every stream. Not measured: override with ``workspace``."""
+    hidden = config.hidden_size * getattr(config, "hc_mult", 1)  # V4 carries hc_mult residual streams
+    return chunk_tokens * hidden * WORKSPACE_HIDDEN_ROWS * 4 + max_streams * config.vocab_size * 4
+
+
+@dataclass(frozen=True)
+class CheckpointSizes:
+    """Bytes of a checkpoint, read from its headers: as stored, and as the loader materialises them."""
+
+    stored_backbone: int
+    stored_experts: int
+    stored_ignored: int
+    backbone: int  # VRAM bytes of every model parameter and buffer at the load dtype
+    layout: ExpertLayout
+    family_config: Any
+    architecture: str
+
+
+def checkpoint_sizes(path: str | Path, dtype: torch.dtype) -> CheckpointSizes:
+    """Classify every stored tensor (backbone, routed expert, ignored) by the family's name mapping, and
+    count the backbone the loader would build (a meta-device model: no memory, no weights read)."""
+    from moetier.models import model_class_for
+
+    ckpt = Checkpoint(path)
+    cls = model_class_for(ckpt.architectures)
+    family_config = cls.config_from_hf(ckpt.config)
+    layout = cls.expert_layout(family_config)
+    store = ExpertStore(layout, dtype, lambda numel, dt: torch.empty(numel, dtype=dt, device="meta"))
+    with torch.device("meta"):
+        model = cls(family_config, make_dispatcher("resident", store))
+    sizes = {"backbone": 0, "experts": 0, "ignored": 0}
+    formats = {name: format_for(name, ckpt) for name in ckpt.names()}
+    owner = {c: name for name, fmt in formats.items() for c in fmt.companions(name)}
+    for name in ckpt.names():
+        try:
+            target = model.map_checkpoint_name(owner.get(name, name))
+        except KeyError:
+            target = IgnoreTarget("not part of the model")  # the loader will reject it; the plan only counts
+        kind = (
+            "experts"
+            if isinstance(target, ExpertTarget)
+            else "ignored"
+            if isinstance(target, IgnoreTarget)
+            else "backbone"
+        )
+        sizes[kind] += ckpt.tensors[name].nbytes
+    backbone = 0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        keep = tensor.is_floating_point() and any(p in name for p in model.keep_fp32)
+        element = 4 if keep else (tensor.element_size() if not tensor.is_floating_point() else _size_of(dtype))
+        backbone += tensor.numel() * element
+    return CheckpointSizes(
+        sizes["backbone"], sizes["experts"], sizes["ignored"], backbone, layout, family_config, cls.__name__
+    )
+
+
+def _size_of(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class PlanBudget:
+    """The inputs of a plan; validated on construction. Sizes are bytes or strings (``24GiB``, ``80%``).
+
+    ``device_memory``: the GPU's total bytes, needed only for a percentage ``gpu_memory``.
+    ``workspace`` / ``kv_bytes_per_token``: override the stated estimates.
+    """
+
+    gpu_memory: int | str
+    host_memory: int | str | None = None
+    context: int = MIN_CONTEXT
+    max_streams: int = 1
+    prefill_chunk_tokens: int = 512
+    staging_slots: int | None = None
+    workspace: int | str | None = None
+    kv_bytes_per_token: int | None = None
+    host_read_gbps: float = DEFAULT_HOST_READ_GBPS
+    pcie_gbps: float = DEFAULT_PCIE_GBPS
+    device_memory: int | None = None
+    prefix_cache: int | str = 0  # VRAM the engine's prefix-cache snapshots may hold
+
+    def __post_init__(self) -> None:
+        self.gpu_memory = parse_size(self.gpu_memory, "--gpu-memory", self.device_memory)
+        self.prefix_cache = parse_size(self.prefix_cache, "prefix cache")
+        if self.host_memory is not None:
+            self.host_memory = parse_size(self.host_memory, "--host-memory")
+        if self.workspace is not None:
+            self.workspace = parse_size(self.workspace, "workspace")
+        for name in ("context", "max_streams", "prefill_chunk_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if self.staging_slots is not None and self.staging_slots < 1:
+            raise ConfigError(f"staging_slots must be >= 1, got {self.staging_slots}")
+        if self.kv_bytes_per_token is not None and self.kv_bytes_per_token < 0:
+            raise ConfigError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
+        if self.host_read_gbps <= 0 or self.pcie_gbps <= 0:
+            raise ConfigError("bandwidths (host read, PCIe) must be positive GB/s")
+
+
+@dataclass
+class PlacementPlan:
+    """Where every byte goes; see the module docstring. All sizes in bytes.
+
+    ``cache_slots`` = ``cache_bytes // expert_block_bytes`` (at most every expert); ``hit_rate`` is the
+    uniform-routing estimate ``cache_slots / total_experts``; ``decode_bound_*`` are tokens/s at one
+    stream with misses on the CPU tier (host DRAM) or copied over PCIe.
+    """
+
+    model: str
+    architecture: str
+    dtype: torch.dtype
+    budget: PlanBudget
+    backbone_bytes: int
+    kv_bytes: int
+    kv_note: str
+    workspace_bytes: int
+    staging_slots: int
+    expert_block_bytes: int
+    total_experts: int
+    top_k: int
+    moe_layers: int
+    cache_slots: int
+    stored_backbone_bytes: int
+    stored_expert_bytes: int
+    warnings: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if min(self.backbone_bytes, self.kv_bytes, self.workspace_bytes, self.cache_slots) < 0:
+            raise ConfigError("a placement plan cannot hold negative sizes")
+        if self.cache_slots > self.total_experts:
+            raise ConfigError(f"cache_slots {self.cache_slots} exceeds the {self.total_experts} experts")
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.staging_slots * self.expert_block_bytes
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache_slots * self.expert_block_bytes
+
+    @property
+    def host_expert_bytes(self) -> int:
+        """The pinned home copy of every routed expert."""
+        return self.total_experts * self.expert_block_bytes
+
+    @property
+    def vram_used_bytes(self) -> int:
+        fixed = self.backbone_bytes + self.kv_bytes + self.workspace_bytes + self.staging_bytes
+        return fixed + int(self.budget.prefix_cache) + self.cache_bytes
+
+    @property
+    def cache_share(self) -> float:
+        return self.cache_slots / self.total_experts if self.total_experts else 1.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Estimated VRAM hit rate: the cache's share of experts (uniform routing)."""
+        return self.cache_share
+
+    @property
+    def routed_bytes_per_token(self) -> int:
+        return self.top_k * self.moe_layers * self.expert_block_bytes
+
+    @property
+    def missed_bytes_per_token(self) -> float:
+        return (1.0 - self.hit_rate) * self.routed_bytes_per_token
+
+    def decode_bound(self, gbps: float) -> float:
+        """tokens/s at one stream when every missed byte crosses a link of ``gbps`` (inf: all resident)."""
+        missed = self.missed_bytes_per_token
+        return math.inf if missed <= 0 else gbps * 1e9 / missed
+
+    @property
+    def decode_bound_dram(self) -> float:
+        return self.decode_bound(self.budget.host_read_gbps)
+
+    @property
+    def decode_bound_pcie(self) -> float:
+        return self.decode_bound(self.budget.pcie_gbps)
+
+    def dispatcher_options(self, **extra: Any) -> dict[str, Any]:
+        """Options of the tiered dispatcher that realise this plan (plus ``extra``: policy, route, threads)."""
+        return {"cache_slots": self.cache_slots, "staging_slots": self.staging_slots, **extra}
+
+    def table(self) -> str:
+        """A readable table of the placement and the predicted decode bound."""
+        b = self.budget
+        rows = [
+            ("backbone (attention, norms, routers, shared experts, embeddings)", self.backbone_bytes, "VRAM"),
+            (f"KV cache: {b.max_streams} stream(s) x {b.context} tokens ({self.kv_note})", self.kv_bytes, "VRAM"),
+            ("activation workspace (estimate)", self.workspace_bytes, "VRAM"),
+            ("prefix cache (snapshots of earlier prompts)", int(b.prefix_cache), "VRAM"),
+            (f"staging slots for prefill / copied misses: {self.staging_slots}", self.staging_bytes, "VRAM"),
+            (
+                f"expert cache: {self.cache_slots} of {self.total_experts} experts ({100 * self.cache_share:.1f}%)",
+                self.cache_bytes,
+                "VRAM",
+            ),
+            (
+                f"routed experts, home copy: {self.total_experts} x {self.expert_block_bytes} B",
+                self.host_expert_bytes,
+                "host (pinned)",
+            ),
+        ]
+        width = max(len(r[0]) for r in rows)
+        lines = [
+            f"placement plan for {self.model} ({self.architecture}, {str(self.dtype).removeprefix('torch.')})",
+            f"{'what':<{width}}  {'GiB':>9}  where",
+        ]
+        lines += [f"{what:<{width}}  {gib(size):>9}  {where}" for what, size, where in rows]
+        host = "unstated" if b.host_memory is None else f"{gib(b.host_memory)} GiB"
+        lines += [
+            f"{'VRAM used / budget':<{width}}  {gib(self.vram_used_bytes):>9}  of {gib(b.gpu_memory)} GiB",
+            f"{'host RAM needed / budget':<{width}}  {gib(self.host_expert_bytes):>9}  of {host}",
+            f"routed expert bytes per token R = {self.routed_bytes_per_token / 1e6:.3g} MB "
+            f"({self.top_k} experts x {self.moe_layers} MoE layers)",
+            f"estimated hit rate h = {self.hit_rate:.3f} (the cache's share of experts: uniform routing)",
+            f"decode bound, 1 stream, misses on the CPU tier: DRAM_bw / ((1-h) R) = {_rate(self.decode_bound_dram)} "
+            f"(host read {b.host_read_gbps:g} GB/s)",
+            f"decode bound, 1 stream, misses copied in: PCIe_bw / ((1-h) R) = {_rate(self.decode_bound_pcie)} "
+            f"(PCIe {b.pcie_gbps:g} GB/s)",
+        ]
+        lines += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def _rate(value: float) -> str:
+    return "no bound (every expert resident)" if math.isinf(value) else f"{value:.1f} tok/s"
+
+
+def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.bfloat16) -> PlacementPlan:
+    """Lay out ``budget`` for the checkpoint at ``path`` (headers only); raises :class:`ConfigError` when
+    the backbone and a minimal KV cache do not fit, naming the shortfall and the knob to turn."""
+    sizes = checkpoint_sizes(path, dtype)
+    cfg, layout = sizes.family_config, sizes.layout
+    element = _size_of(dtype)
+    kv = kv_estimate(cfg)
+    if budget.kv_bytes_per_token is not None:
+        kv = KvEstimate(budget.kv_bytes_per_token / element, 0, f"{budget.kv_bytes_per_token} B per token, given")
+
+    def kv_bytes(context: int, streams: int) -> int:
+        return int(streams * (context * kv.per_token + kv.per_stream) * element)
+
+    block = layout.block_bytes(dtype)
+    staging = budget.staging_slots or layout.top_k
+    if budget.workspace is not None:
+        workspace = int(budget.workspace)
+    else:
+        workspace = workspace_estimate(cfg, budget.prefill_chunk_tokens, budget.max_streams)
+    gpu = int(budget.gpu_memory)
+    min_context = min(MIN_CONTEXT, budget.context)
+    minimum = sizes.backbone + kv_bytes(min_context, 1)
+    if minimum > gpu:
+        raise ConfigError(
+            f"--gpu-memory {gib(gpu)} GiB is {gib(minimum - gpu)} GiB short of the backbone "
+            f"({gib(sizes.backbone)} GiB) plus the KV cache of one stream of {min_context} tokens; "
+            "raise --gpu-memory (or use a smaller model or dtype)"
+        )
+    fixed = sizes.backbone + workspace + staging * block + int(budget.prefix_cache)
+    wanted = kv_bytes(budget.context, budget.max_streams)
+    if fixed + wanted > gpu:
+        raise ConfigError(_kv_shortfall(gpu, fixed, wanted, budget, kv_bytes))
+    total_experts = len(layout.moe_layers) * layout.num_experts
+    slots = min(total_experts, (gpu - fixed - wanted) // block)
+    plan = PlacementPlan(
+        model=str(path),
+        architecture=sizes.architecture,
+        dtype=dtype,
+        budget=budget,
+        backbone_bytes=sizes.backbone,
+        kv_bytes=wanted,
+        kv_note=kv.note,
+        workspace_bytes=workspace,
+        staging_slots=staging,
+        expert_block_bytes=block,
+        total_experts=total_experts,
+        top_k=layout.top_k,
+        moe_layers=len(layout.moe_layers),
+        cache_slots=slots,
+        stored_backbone_bytes=sizes.stored_backbone,
+        stored_expert_bytes=sizes.stored_experts,
+    )
+    plan.warnings.extend(_host_warnings(plan, budget))
+    return plan
+
+
+def _kv_shortfall(gpu: int, fixed: int, wanted: int, budget: PlanBudget, kv_bytes) -> str:
+    room = gpu - fixed
+    streams, context = budget.max_streams, budget.context
+    fit_context = _largest(context, lambda c: kv_bytes(c, streams) <= room)
+    fit_streams = _largest(streams, lambda s: kv_bytes(context, s) <= room)
+    hints = [f"raise --gpu-memory by {gib(fixed + wanted - gpu)} GiB"]
+    if fit_context:
+        hints.append(f"lower --context to {fit_context}")
+    if fit_streams:
+        hints.append(f"lower --max-streams to {fit_streams}")
+    return (
+        f"the KV cache of {streams} stream(s) x {context} tokens needs {gib(wanted)} GiB but only "
+        f"{gib(max(room, 0))} GiB of --gpu-memory {gib(gpu)} GiB is left after the backbone, workspace and "
+        f"staging slots; " + ", or ".join(hints)
+    )
+
+
+def _largest(limit: int, fits) -> int:
+    """The largest ``n`` in ``[1, limit]`` with ``fits(n)`` (``fits`` monotone), or 0."""
+    low, high = 0, limit
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def _host_warnings(plan: PlacementPlan, budget: PlanBudget) -> list[str]:
+    need = plan.host_expert_bytes
+    if budget.host_memory is not None:
+        if need > budget.host_memory:
+            return [
+                f"the experts' home copy needs {gib(need)} GiB of pinned host RAM but --host-memory is "
+                f"{gib(budget.host_memory)} GiB: loading will swap or fail"
+            ]
+        return []
+    physical = _physical_memory()
+    if physical is not None and need > physical:
+        return [f"the experts' home copy needs {gib(need)} GiB of host RAM; this machine has {gib(physical)} GiB"]
+    return []
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+# --- loading with a plan ----------------------------------------------------------------------------
+
+
+@dataclass
+class TierOptions:
+    """How to serve with tiered experts: the GPU budget plus the dispatcher's choices; validated.
+
+    ``gpu_memory`` (e.g. ``24GiB``, ``80%``) switches tiering on; the plan sizes the expert cache.
+    """
+
+    gpu_memory: int | str
+    host_memory: int | str | None = None
+    policy: str = "lfu"
+    cpu_threads: int | None = None
+    miss_route: str = "auto"
+    workspace: int | str | None = None
+    host_read_gbps: float = DEFAULT_HOST_READ_GBPS
+    pcie_gbps: float = DEFAULT_PCIE_GBPS
+
+    def __post_init__(self) -> None:
+        parse_size(self.gpu_memory, "--gpu-memory", total=100)  # syntax now; percentages resolve on the device
+        if self.host_memory is not None:
+            parse_size(self.host_memory, "--host-memory")
+        if self.miss_route not in ("auto", "cpu", "copy"):
+            raise ConfigError(f"--miss-route must be auto, cpu or copy, got {self.miss_route!r}")
+        if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or self.cpu_threads < 1):
+            raise ConfigError(f"--cpu-threads must be >= 1, got {self.cpu_threads!r}")
+        from moetier.tiers.policies import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--expert-policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Total bytes of a CUDA device (None elsewhere: a percentage budget is then refused)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def plan_for(
+    path: str | Path,
+    options: TierOptions,
+    dtype: torch.dtype,
+    device: torch.device,
+    context: int,
+    max_streams: int,
+    prefill_chunk_tokens: int = 512,
+    prefix_cache_bytes: int = 0,
+) -> PlacementPlan:
+    budget = PlanBudget(
+        prefix_cache=prefix_cache_bytes,
+        gpu_memory=options.gpu_memory,
+        host_memory=options.host_memory,
+        context=context,
+        max_streams=max_streams,
+        prefill_chunk_tokens=prefill_chunk_tokens,
+        workspace=options.workspace,
+        host_read_gbps=options.host_read_gbps,
+        pcie_gbps=options.pcie_gbps,
+        device_memory=device_memory(device),
+    )
+    return make_plan(path, budget, dtype)
+
+
+def load_planned(
+    path: str | Path, load_config: ModelLoadConfig, plan: PlacementPlan, options: TierOptions, progress: bool = True
+):
+    """Load ``path`` as ``plan`` says: experts' home copy in a (pinned) host arena, the tiered dispatcher
+    with the plan's cache. Returns the :class:`~moetier.weights.loader.LoadedModel`."""
+    from moetier.tiers.host_store import HostExpertArena
+    from moetier.weights.loader import load_model
+
+    for warning in plan.warnings:
+        log.warning(warning)
+    arena = HostExpertArena.for_checkpoint(path, load_config.dtype, progress=progress)
+    extra = {"policy": options.policy, "miss_route": options.miss_route, "cpu_threads": options.cpu_threads}
+    return load_model(
+        path,
+        load_config,
+        dispatcher="tiered",
+        expert_allocator=arena,
+        progress=progress,
+        dispatcher_options=plan.dispatcher_options(**extra),
+    )

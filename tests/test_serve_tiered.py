@@ -1,0 +1,129 @@
+"""Serving with tiered experts: ``gpu_memory`` small enough that most expert uses miss must not change the
+greedy completion (server, LLM and CLI), and ``/metrics`` exports the tier counters."""
+
+import re
+
+import httpx
+import pytest
+import torch
+from reference import save_tiny
+from server_harness import LiveServer
+from test_qwen3_moe import tiny_qwen3_config
+from tiny_tokenizer import write_test_tokenizer
+
+from moetier import cli
+from moetier.server.app import ServeConfig
+from moetier.tiers.plan import PlanBudget, TierOptions, make_plan
+
+CONTEXT, STREAMS, SLOTS = 256, 2, 1
+PROMPT = "Mixture-of-Experts models route each token to the top experts of every layer."
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen3-serve-tiered")
+    save_tiny(tiny_qwen3_config(), path)
+    write_test_tokenizer(path, vocab_size=320)
+    return path
+
+
+def budget_for(checkpoint, slots: int, streams: int) -> int:
+    """A GPU budget that leaves room for exactly ``slots`` cached experts of 24 (the engine also reserves
+    its default prefix-cache memory, so that is part of the budget)."""
+    from moetier.engine.engine import EngineConfig
+
+    prefix = EngineConfig().prefix_cache_bytes
+    roomy = make_plan(checkpoint, PlanBudget("3GiB", context=CONTEXT, max_streams=streams), torch.float32)
+    fixed = roomy.backbone_bytes + roomy.kv_bytes + roomy.workspace_bytes + roomy.staging_bytes
+    return fixed + prefix + slots * roomy.expert_block_bytes
+
+
+@pytest.fixture(scope="module")
+def budget(checkpoint) -> int:
+    return budget_for(checkpoint, SLOTS, STREAMS)  # ~4% of the experts
+
+
+def _serve(checkpoint, tiers=None) -> LiveServer:
+    config = ServeConfig(
+        model=str(checkpoint), device="cpu", dtype="fp32", max_streams=STREAMS, context=CONTEXT, tiers=tiers
+    )
+    return LiveServer(config).start()
+
+
+def _complete(server: LiveServer) -> dict:
+    body = {"model": str(server.config.model), "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    response = httpx.post(server.base + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def test_tiered_server_matches_resident_and_exports_tier_metrics(checkpoint, budget):
+    resident = _serve(checkpoint)
+    try:
+        expected = _complete(resident)
+        resident_metrics = httpx.get(resident.base + "/metrics").text
+    finally:
+        resident.stop()
+    assert "moetier:tier_hit_rate" not in resident_metrics  # all resident: no tier series
+
+    tiered = _serve(checkpoint, TierOptions(budget, policy="lfu", miss_route="auto", cpu_threads=1))
+    try:
+        engine = tiered.state.model.engine.engine
+        assert engine.plan.cache_slots == SLOTS and engine.model.dispatcher.cache.n_slots == SLOTS
+        got = _complete(tiered)
+        metrics = engine.model.dispatcher.metrics
+        text = httpx.get(tiered.base + "/metrics").text
+    finally:
+        tiered.stop()
+    completion = expected["choices"][0]["text"]
+    assert completion.strip() and got["choices"][0]["text"] == completion
+    assert got["usage"] == expected["usage"]
+    total = metrics.total()
+    miss_rate = total.uses_miss / (total.uses_hit + total.uses_miss)
+    print(f"\ntiered server: miss rate {miss_rate:.3f}, {metrics.tokens} tokens, cpu pairs {total.cpu_pairs}")
+    assert miss_rate > 0.7
+    assert total.cpu_pairs > 0 and total.copy_bytes > 0  # auto split both routes (fixed costs on CPU)
+    assert _metric(text, "moetier:tier_hit_rate") == pytest.approx(1 - miss_rate)
+    assert _metric(text, "moetier:tier_expert_uses_miss_total") == total.uses_miss
+    assert _metric(text, "moetier:tier_copy_bytes_total") == total.copy_bytes
+    assert _metric(text, "moetier:tier_misses_per_token") == pytest.approx(total.uses_miss / metrics.tokens)
+    layer_rates = {layer: c["hit_rate"] for layer, c in metrics.snapshot()["per_layer"].items()}
+    assert sorted(layer_rates) == ["0", "2", "3"]  # layer 1 is dense
+    for layer, rate in layer_rates.items():
+        assert _metric(text, "moetier:tier_layer_hit_rate", layer=layer) == pytest.approx(rate)
+    assert len(re.findall(r"^moetier:tier_layer_cpu_seconds_total\{", text, re.M)) == 3
+
+
+def test_llm_and_cli_generate_with_gpu_memory(checkpoint, budget, capsys):
+    from moetier import LLM, SamplingParams
+    from moetier.engine.engine import EngineConfig
+
+    params = SamplingParams(max_tokens=16, temperature=0)
+    resident = LLM(checkpoint, device="cpu", dtype="fp32", max_model_len=CONTEXT, load_progress=False)
+    expected = resident.generate(PROMPT, params)[0].outputs[0].text
+    tiered = LLM(
+        checkpoint,
+        device="cpu",
+        dtype="fp32",
+        max_model_len=CONTEXT,
+        load_progress=False,
+        engine_config=EngineConfig(max_streams=STREAMS),
+        gpu_memory=budget,
+        miss_route="cpu",
+    )
+    assert tiered.plan.cache_slots == SLOTS
+    assert tiered.generate(PROMPT, params)[0].outputs[0].text == expected
+    args = ["generate", "--model", str(checkpoint), "--prompt", PROMPT, "--max-tokens", "16", "--temperature", "0"]
+    args += ["--device", "cpu", "--dtype", "fp32", "--max-model-len", str(CONTEXT)]
+    args += ["--gpu-memory", str(budget_for(checkpoint, 3, streams=4))]  # generate decodes 4 streams by default
+    assert cli.main([*args, "--miss-route", "copy", "--expert-policy", "lru"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    assert cli.main([*args[:-1], "12XB"]) == 2
+    assert "unknown unit 'XB'" in capsys.readouterr().err
