@@ -32,10 +32,11 @@ from moetier.models.base import (
 )
 from moetier.models.layers import (
     DenseMLP,
+    PreNormDecoderLayer,
     RMSNorm,
     apply_rope,
     causal_mask,
-    rope_cos_sin,
+    prenorm_stack_forward,
     rope_inverse_frequencies,
 )
 from moetier.models.qwen3_moe import rope_settings
@@ -301,22 +302,12 @@ class DeepseekV3MoE(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, layer: int, dispatcher: ExpertDispatcher) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DeepseekV3Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.is_moe_layer(layer):
-            self.mlp: nn.Module = DeepseekV3MoE(cfg, layer, dispatcher)
-        else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        cos, sin = rope
-        attend = lambda xs, s: self.self_attn(xs, (cos[s.rows], sin[s.rows]), s.cache)
-        x = x + batch.per_sequence(self.input_layernorm(x), attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def _decoder_layer(cfg: DeepseekV3Config, layer: int, dispatcher: ExpertDispatcher) -> PreNormDecoderLayer:
+    if cfg.is_moe_layer(layer):
+        mlp: nn.Module = DeepseekV3MoE(cfg, layer, dispatcher)
+    else:
+        mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+    return PreNormDecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, DeepseekV3Attention(cfg, layer), mlp)
 
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
@@ -335,9 +326,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, config: DeepseekV3Config, dispatcher: ExpertDispatcher) -> None:
         super().__init__(config, dispatcher)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(config, i, dispatcher) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(_decoder_layer(config, i, dispatcher) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -421,12 +410,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         seq_lens: Sequence[int] | None = None,
     ) -> torch.Tensor:
         batch = ForwardBatch(cache, input_ids.shape[0], seq_lens, input_ids.device)
-        x = self.embed_tokens(input_ids)
-        rope = rope_cos_sin(batch.positions, self.inv_freq, self.rope_factor, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, batch)
-        batch.advance()
-        return self.norm(x)
+        return prenorm_stack_forward(self, input_ids, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

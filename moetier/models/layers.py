@@ -25,6 +25,41 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class PreNormDecoderLayer(nn.Module):
+    """The Llama-style residual block: ``x + attn(norm(x))`` (per sequence), then ``x + mlp(norm(x))``.
+
+    ``attention(x, (cos, sin), cache)`` runs one sequence's rows; ``mlp`` runs over every row of the
+    batch at once (a dense MLP or a MoE block calling the dispatcher). The attribute names are the
+    checkpoints' (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``).
+    """
+
+    def __init__(self, hidden: int, eps: float, attention: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch) -> torch.Tensor:
+        cos, sin = rope
+        attend = lambda xs, s: self.self_attn(xs, (cos[s.rows], sin[s.rows]), s.cache)
+        x = x + batch.per_sequence(self.input_layernorm(x), attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def prenorm_stack_forward(model: nn.Module, input_ids: torch.Tensor, batch) -> torch.Tensor:
+    """Embed, run every :class:`PreNormDecoderLayer` with rotary tables for the batch's positions, norm.
+
+    ``model`` provides ``embed_tokens``, ``layers``, ``norm``, ``inv_freq`` and ``rope_factor``.
+    """
+    x = model.embed_tokens(input_ids)
+    rope = rope_cos_sin(batch.positions, model.inv_freq, model.rope_factor, x.dtype)
+    for layer in model.layers:
+        x = layer(x, rope, batch)
+    batch.advance()
+    return model.norm(x)
+
+
 class DenseMLP(nn.Module):
     """SwiGLU feed-forward with its own weights (dense layers and shared experts)."""
 

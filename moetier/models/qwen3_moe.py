@@ -16,11 +16,12 @@ from moetier.models.base import CausalLM, ExpertTarget, ForwardBatch, ParamTarge
 from moetier.models.cache import ContiguousKVCache
 from moetier.models.layers import (
     DenseMLP,
+    PreNormDecoderLayer,
     RMSNorm,
     apply_rope,
     attention,
     causal_mask,
-    rope_cos_sin,
+    prenorm_stack_forward,
     rope_inverse_frequencies,
 )
 from moetier.tiers.dispatcher import ExpertDispatcher
@@ -122,22 +123,12 @@ class Qwen3MoeBlock(nn.Module):
         return self.dispatcher.dispatch(self.layer, x, ids, weights)
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, layer: int, dispatcher: ExpertDispatcher) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Qwen3MoeAttention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.is_moe_layer(layer):
-            self.mlp: nn.Module = Qwen3MoeBlock(cfg, layer, dispatcher)
-        else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        cos, sin = rope
-        attend = lambda xs, s: self.self_attn(xs, (cos[s.rows], sin[s.rows]), s.cache)
-        x = x + batch.per_sequence(self.input_layernorm(x), attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def _decoder_layer(cfg: Qwen3MoeConfig, layer: int, dispatcher: ExpertDispatcher) -> PreNormDecoderLayer:
+    if cfg.is_moe_layer(layer):
+        mlp: nn.Module = Qwen3MoeBlock(cfg, layer, dispatcher)
+    else:
+        mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+    return PreNormDecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, Qwen3MoeAttention(cfg, layer), mlp)
 
 
 _EXPERT_NAME = re.compile(
@@ -153,9 +144,7 @@ class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, config: Qwen3MoeConfig, dispatcher: ExpertDispatcher) -> None:
         super().__init__(config, dispatcher)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Qwen3MoeDecoderLayer(config, i, dispatcher) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(_decoder_layer(config, i, dispatcher) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -232,12 +221,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         seq_lens: Sequence[int] | None = None,
     ) -> torch.Tensor:
         batch = ForwardBatch(cache, input_ids.shape[0], seq_lens, input_ids.device)
-        x = self.embed_tokens(input_ids)
-        rope = rope_cos_sin(batch.positions, self.inv_freq, self.rope_factor, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, batch)
-        batch.advance()
-        return self.norm(x)
+        return prenorm_stack_forward(self, input_ids, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
