@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetier.kernels.sinkhorn import sinkhorn
 from moetier.models.base import (
     CausalLM,
     ExpertTarget,
@@ -39,16 +40,6 @@ from moetier.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
 from moetier.models.layers import DenseMLP, rope_inverse_frequencies
 from moetier.tiers.dispatcher import ExpertDispatcher
 from moetier.tiers.experts import ExpertLayout
-
-
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Project ``[..., n, n]`` logits towards a doubly-stochastic matrix (row softmax, then column/row normalising)."""
-    m = torch.softmax(logits, dim=-1) + eps
-    m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        m = m / (m.sum(dim=-1, keepdim=True) + eps)
-        m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    return m
 
 
 class HyperConnection(nn.Module):
@@ -324,7 +315,9 @@ class DeepseekV4ForCausalLM(CausalLM):
             )
             self.rope_tables[kind] = RotaryTable(inv_freq.to(self.device), factor)
 
-    def new_cache(self, max_tokens: int) -> DeepseekV4Cache:
+    def new_cache(self, max_tokens: int, kv_dtype: str | None = None) -> DeepseekV4Cache:
+        """``kv_dtype`` applies to the compressed entries (they grow with the context); the sliding
+        window and the compressors' rolling state are bounded and stay in the model dtype."""
         cfg, dtype, device = self.config, self.dtype, self.device
         layers = []
         for i in range(cfg.num_hidden_layers):
@@ -332,10 +325,12 @@ class DeepseekV4ForCausalLM(CausalLM):
             rate = cfg.compress_rate(i)
             if cfg.layer_types[i] != SLIDING:
                 width = cfg.head_dim * (2 if cfg.layer_types[i] == CSA else 1)
-                state.compressor = CompressorState(rate, width, cfg.head_dim, max_tokens // rate, dtype, device)
+                state.compressor = CompressorState(
+                    rate, width, cfg.head_dim, max_tokens // rate, dtype, device, kv_dtype
+                )
             if cfg.layer_types[i] == CSA:
                 dim = cfg.index_head_dim
-                state.indexer = CompressorState(rate, 2 * dim, dim, max_tokens // rate, dtype, device)
+                state.indexer = CompressorState(rate, 2 * dim, dim, max_tokens // rate, dtype, device, kv_dtype)
             layers.append(state)
         return DeepseekV4Cache(layers, max_tokens)
 
