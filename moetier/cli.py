@@ -43,6 +43,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
 
 
+def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """--kv-dtype: the KV cache's storage, shared by ``serve``, ``generate`` and ``plan``."""
+    parser.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp8"],
+        help="KV cache storage: auto (the model dtype), bf16, or fp8 (e4m3, per-token scales: about half of bf16)",
+    )
+
+
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     """--gpu-memory and the tiered-expert options, shared by ``serve`` and ``generate``."""
     parser.add_argument(
@@ -82,6 +92,7 @@ def _setup_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_kv_dtype_argument(parser)
     add_tier_arguments(parser)
     parser.set_defaults(handler=_run_generate)
 
@@ -114,6 +125,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         expert_policy=args.expert_policy,
         cpu_threads=args.cpu_threads,
         miss_route=args.miss_route,
+        kv_dtype=args.kv_dtype,
     )
     # Options left out keep the checkpoint's generation_config defaults.
     params = replace(llm.get_default_sampling_params(), **chosen)
@@ -162,6 +174,7 @@ def _setup_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reasoning-parser", default="auto", help="auto (by model family), none, or a parser name")
     parser.add_argument("--tool-call-parser", default="auto", help="auto (by model family), none, or a parser name")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_kv_dtype_argument(parser)
     add_tier_arguments(parser)
     parser.set_defaults(handler=_run_serve)
 
@@ -182,6 +195,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         log_level=args.log_level,
+        kv_dtype=args.kv_dtype,
         tiers=tier_options(args),
     )
     return serve(config)
@@ -202,6 +216,7 @@ def _setup_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="device the plan is for (default: cuda if available)")
     parser.add_argument("--host-read-gbps", type=float, default=None, help="host DRAM read GB/s (default: H200 box)")
     parser.add_argument("--pcie-gbps", type=float, default=None, help="PCIe host->device GB/s (default: H200 box)")
+    add_kv_dtype_argument(parser)
     parser.set_defaults(handler=_run_plan)
 
 
@@ -226,6 +241,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         prefill_chunk_tokens=args.prefill_chunk,
         workspace=args.workspace,
         device_memory=plan.device_memory(device),
+        kv_dtype=args.kv_dtype,
         **{k: v for k, v in bandwidths.items() if v is not None},
     )
     print(plan.make_plan(path, budget, resolve_dtype(args.dtype, hf_config, device)).table())

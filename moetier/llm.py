@@ -72,7 +72,8 @@ class LLM:
     when given, overrides its field. ``gpu_memory`` (``"24GiB"``, ``"80%"``, bytes) loads with tiered
     experts: a placement plan sizes the VRAM expert cache, every expert's home copy sits in pinned
     host RAM (``host_memory`` is checked against it), misses run per ``miss_route`` (``auto``, ``cpu``,
-    ``copy``) on ``cpu_threads`` threads and the cache follows ``expert_policy``.
+    ``copy``) on ``cpu_threads`` threads and the cache follows ``expert_policy``. ``kv_dtype``
+    (``auto``, ``bf16``, ``fp8``), when given, overrides the engine config's KV cache storage.
     """
 
     def __init__(
@@ -89,11 +90,14 @@ class LLM:
         expert_policy: str = "lfu",
         cpu_threads: int | None = None,
         miss_route: str = "auto",
+        kv_dtype: str | None = None,
     ) -> None:
         self.path = Path(model).expanduser()
         config = engine_config or EngineConfig()
         if max_model_len is not None:
             config = replace(config, max_model_len=max_model_len)
+        if kv_dtype is not None:
+            config = replace(config, kv_dtype=kv_dtype)  # validated by EngineConfig
         tiers = None
         if gpu_memory is not None:
             from moetier.tiers.plan import TierOptions

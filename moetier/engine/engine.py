@@ -39,6 +39,7 @@ from moetier.engine.sampling import (
 from moetier.engine.scheduler import ScheduledChunk, Scheduler, Sequence
 from moetier.errors import CheckpointError, ConfigError, MoetierError
 from moetier.models.base import SequenceCache
+from moetier.models.cache import KV_DTYPES
 from moetier.weights.loader import LoadedModel, load_model
 
 __all__ = ["Engine", "EngineBusyError", "EngineConfig", "EngineStats", "RequestUpdate", "TokenLogprob"]
@@ -74,6 +75,8 @@ class EngineConfig:
     - ``enable_prefix_caching``: start requests from cached snapshots of earlier requests' prefixes
       (:mod:`moetier.engine.prefix_cache`); ``prefix_cache_bytes`` bounds the snapshots' memory (on
       the model's device; LRU eviction) and ``prefix_block_tokens`` is the hashing granularity.
+    - ``kv_dtype``: storage of the KV cache (the state that grows with the context): ``auto`` (the
+      model dtype), ``bf16``, or ``fp8`` (e4m3 with per-token scales; :mod:`moetier.models.cache`).
     """
 
     max_streams: int = 4
@@ -84,6 +87,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_cache_bytes: int = 1 << 30
     prefix_block_tokens: int = 16
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive_int("max_streams", self.max_streams)
@@ -95,6 +99,13 @@ class EngineConfig:
         budget = self.prefix_cache_bytes
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise ConfigError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+
+    @property
+    def cache_kv_dtype(self) -> str | None:
+        """``kv_dtype`` as ``CausalLM.new_cache`` takes it (``None``: the model dtype)."""
+        return None if self.kv_dtype == "auto" else self.kv_dtype
 
 
 @dataclass
@@ -245,7 +256,7 @@ class Engine:
 
         capacity = self.config.kv_token_budget or self.config.max_streams * self.max_model_len
         self.scheduler = Scheduler(self.config.max_streams, self.config.prefill_chunk_tokens, capacity)
-        self.runner = ModelRunner(self.model)
+        self.runner = ModelRunner(self.model, kv_dtype=self.config.cache_kv_dtype)
         self._setup_prefix_cache()
         self._requests: dict[str, _Request] = {}
         self._notices: list[RequestUpdate] = []  # abort updates, delivered by the next step
@@ -276,6 +287,7 @@ class Engine:
             streams,
             self.config.prefill_chunk_tokens,
             self.config.prefix_cache_bytes if self.config.enable_prefix_caching else 0,
+            kv_dtype=self.config.kv_dtype,
         )
         logger.info("%s", plan.table())
         return plan, load_planned(self.path, load_config, plan, tiers, progress)

@@ -41,8 +41,9 @@ class ModelRunner:
     (recompute); a sequence that still fails alone is the culprit and only it is failed.
     """
 
-    def __init__(self, model: CausalLM, mark_every: int | None = None) -> None:
+    def __init__(self, model: CausalLM, mark_every: int | None = None, kv_dtype: str | None = None) -> None:
         self.model = model
+        self.kv_dtype = kv_dtype  # CausalLM.new_cache's storage choice; None = the model dtype
         self.device = model.device
         self._caches: dict[str, SequenceCache] = {}
         # Prefix caching: after a forward, a cache whose length is a multiple of this records its
@@ -73,7 +74,7 @@ class ModelRunner:
         request_id = chunk.seq.request_id
         cache = self._caches.get(request_id)
         if cache is None:
-            cache = self._caches[request_id] = self.model.new_cache(chunk.seq.kv_tokens)
+            cache = self._caches[request_id] = self._new_cache(chunk.seq.kv_tokens)
         if cache.length == chunk.start:
             return True
         out.failures[request_id] = RuntimeError(
@@ -81,6 +82,11 @@ class ModelRunner:
         )
         self.free(request_id)
         return False
+
+    def _new_cache(self, max_tokens: int) -> SequenceCache:
+        if self.kv_dtype is None:  # the plain call: a family without kv_dtype support still works
+            return self.model.new_cache(max_tokens)
+        return self.model.new_cache(max_tokens, kv_dtype=self.kv_dtype)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor]:
         """One forward over the chunks' tokens; returns each chunk's final hidden states."""
@@ -94,7 +100,7 @@ class ModelRunner:
         for chunk in chunks:
             request_id = chunk.seq.request_id
             try:
-                cache = self._caches[request_id] = self.model.new_cache(chunk.seq.kv_tokens)
+                cache = self._caches[request_id] = self._new_cache(chunk.seq.kv_tokens)
                 if chunk.start:
                     history = chunk.seq.token_slice(0, chunk.start)
                     self.model(torch.tensor(history, device=self.device), cache)

@@ -179,7 +179,9 @@ class CausalLM(nn.Module, ABC):
     def map_checkpoint_name(self, name: str) -> WeightTarget: ...
 
     @abstractmethod
-    def new_cache(self, max_tokens: int) -> SequenceCache: ...
+    def new_cache(self, max_tokens: int, kv_dtype: str | None = None) -> SequenceCache:
+        """An empty cache for ``max_tokens`` tokens; ``kv_dtype`` (``None`` = the model dtype, ``"bf16"``,
+        ``"fp8"``) is the storage of the state that grows with the context (:mod:`moetier.models.cache`)."""
 
     @abstractmethod
     def forward(

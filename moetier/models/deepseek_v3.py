@@ -30,6 +30,7 @@ from moetier.models.base import (
     WeightTarget,
     register_model,
 )
+from moetier.models.cache import KVRows
 from moetier.models.layers import (
     DenseMLP,
     PreNormDecoderLayer,
@@ -121,26 +122,41 @@ class DeepseekV3Config:
 
 
 class LatentKVCache(SequenceCache):
-    """Per layer, a preallocated ``[max_tokens, kv_lora_rank + qk_rope_head_dim]`` latent.
+    """Per layer, preallocated ``[max_tokens, kv_lora_rank + qk_rope_head_dim]`` latent rows.
 
     Row ``t`` holds token ``t``'s normalised compressed KV followed by its roped shared key.
-    Layers write at ``self.length``; the model calls :meth:`advance` once per forward.
+    Layers write at ``self.length``; the model calls :meth:`advance` once per forward. ``kv_dtype``
+    picks the storage (:mod:`moetier.models.cache`); fp8 keeps one scale per token for the latent
+    and one for the rope key (``groups``), whose magnitudes differ (normalised vs. projected).
     """
 
     truncatable = True  # a token's entries never depend on later tokens
 
-    def __init__(self, num_layers: int, max_tokens: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        max_tokens: int,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_dtype: str | None = None,
+        groups: tuple[int, ...] | None = None,
+    ) -> None:
         self.length = 0
         self.max_tokens = max_tokens
-        self.latents = [torch.empty(max_tokens, width, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.latents = [KVRows((), max_tokens, width, dtype, device, kv_dtype, groups) for _ in range(num_layers)]
+
+    @property
+    def kv_dtype(self) -> str | None:
+        return self.latents[0].kv_dtype if self.latents else None
 
     def write(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
         """Store ``latent`` (``[T, width]``) after the cached tokens; return all latents so far."""
         end = self.length + latent.shape[0]
         if end > self.max_tokens:
             raise ConfigError(f"sequence of {end} tokens exceeds the cache size {self.max_tokens}")
-        self.latents[layer][self.length : end] = latent
-        return self.latents[layer][:end]
+        self.latents[layer].write(self.length, latent)
+        return self.latents[layer].read(end)
 
     def advance(self, num_tokens: int) -> None:
         self.length += num_tokens
@@ -152,16 +168,14 @@ class LatentKVCache(SequenceCache):
         length = self.length if length is None else length
         if not 0 <= length <= min(self.length, max_tokens):
             raise ValueError(f"cannot copy {length} tokens of a {self.length}-token cache into {max_tokens}")
-        first = self.latents[0]
-        clone = LatentKVCache(len(self.latents), max_tokens, first.shape[1], first.dtype, first.device)
-        for src, dst in zip(self.latents, clone.latents, strict=True):
-            dst[:length] = src[:length]
-        clone.length = length
+        clone = LatentKVCache.__new__(LatentKVCache)
+        clone.max_tokens, clone.length = max_tokens, length
+        clone.latents = [rows.copy(max_tokens, length) for rows in self.latents]
         return clone
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.latents)
+        return sum(rows.nbytes for rows in self.latents)
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -398,10 +412,10 @@ class DeepseekV3ForCausalLM(CausalLM):
             cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         )
 
-    def new_cache(self, max_tokens: int) -> LatentKVCache:
+    def new_cache(self, max_tokens: int, kv_dtype: str | None = None) -> LatentKVCache:
         cfg = self.config
-        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        return LatentKVCache(cfg.num_hidden_layers, max_tokens, width, self.dtype, self.device)
+        width, groups = cfg.kv_lora_rank + cfg.qk_rope_head_dim, (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        return LatentKVCache(cfg.num_hidden_layers, max_tokens, width, self.dtype, self.device, kv_dtype, groups)
 
     def forward(
         self,

@@ -13,6 +13,7 @@ import torch
 
 from moetier.errors import ConfigError
 from moetier.models.base import SequenceCache
+from moetier.models.cache import KVRows
 
 
 class SlidingWindowKV:
@@ -39,18 +40,27 @@ class CompressorState:
 
     ``open_kv``/``open_gate`` hold the raw projections of the tokens of the still-open window;
     ``prev_kv``/``prev_gate`` (overlapping CSA windows only) the first half of the last closed window,
-    gate already biased, which the next entry pools; ``entries[:count]`` the emitted entries.
+    gate already biased, which the next entry pools; ``entries`` rows ``[:count]`` the emitted entries.
+    ``kv_dtype`` applies to the entries only, the part that grows with the context (fp8: one scale per
+    entry); the rolling tensors are a few rows and stay in the model dtype.
     """
 
     def __init__(
-        self, rate: int, width: int, dim: int, max_entries: int, dtype: torch.dtype, device: torch.device
+        self,
+        rate: int,
+        width: int,
+        dim: int,
+        max_entries: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_dtype: str | None = None,
     ) -> None:
         self.rate = rate
         self.open_kv = torch.empty(0, width, dtype=dtype, device=device)
         self.open_gate = torch.empty(0, width, dtype=dtype, device=device)
         self.prev_kv: torch.Tensor | None = None
         self.prev_gate: torch.Tensor | None = None
-        self.entries = torch.empty(max_entries, dim, dtype=dtype, device=device)
+        self.entries = KVRows((), max_entries, dim, dtype, device, kv_dtype)
         self.count = 0
 
     def close_windows(self, kv: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -64,14 +74,14 @@ class CompressorState:
 
     def append(self, entries: torch.Tensor) -> None:
         end = self.count + entries.shape[0]
-        if end > self.entries.shape[0]:
-            raise ConfigError(f"{end} compressed entries exceed the cache's {self.entries.shape[0]}")
-        self.entries[self.count : end] = entries
+        if end > self.entries.capacity:
+            raise ConfigError(f"{end} compressed entries exceed the cache's {self.entries.capacity}")
+        self.entries.write(self.count, entries)
         self.count = end
 
     @property
     def emitted(self) -> torch.Tensor:
-        return self.entries[: self.count]
+        return self.entries.read(self.count)
 
     def copy(self, max_entries: int | None = None, count: int | None = None) -> CompressorState:
         """A deep copy with room for ``max_entries`` entries (default: exactly the emitted ones), keeping
@@ -85,8 +95,7 @@ class CompressorState:
         clone.open_kv, clone.open_gate = self.open_kv.clone(), self.open_gate.clone()
         clone.prev_kv = None if self.prev_kv is None else self.prev_kv.clone()
         clone.prev_gate = None if self.prev_gate is None else self.prev_gate.clone()
-        clone.entries = self.entries.new_empty(max_entries, self.entries.shape[1])
-        clone.entries[:count] = self.entries[:count]
+        clone.entries = self.entries.copy(max_entries, count)  # fp8 scales included
         return clone
 
     def rolling_nbytes(self) -> int:
@@ -121,7 +130,7 @@ class LayerCache:
         total = self.window.keys.numel() * self.window.keys.element_size()
         for state in (self.compressor, self.indexer):
             if state is not None:
-                total += state.rolling_nbytes() + state.entries.numel() * state.entries.element_size()
+                total += state.rolling_nbytes() + state.entries.nbytes
         return total
 
 
@@ -173,7 +182,7 @@ class DeepseekV4Cache(SequenceCache):
             for name, count in zip(("compressor", "indexer"), counts, strict=True):
                 state, source = getattr(layer, name), getattr(live, name)
                 if state is not None:  # emitted entries are append-only: the live ones up to the mark's count
-                    state.entries = source.entries[:count].clone()
+                    state.entries = source.entries.copy(count, count)
                     state.count = count
             layers.append(layer)
         snap = DeepseekV4Cache(layers, length)

@@ -202,7 +202,7 @@ class Qwen3MoeForCausalLM(CausalLM):
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         )
 
-    def new_cache(self, max_tokens: int) -> ContiguousKVCache:
+    def new_cache(self, max_tokens: int, kv_dtype: str | None = None) -> ContiguousKVCache:
         cfg = self.config
         return ContiguousKVCache(
             cfg.num_hidden_layers,
@@ -212,6 +212,7 @@ class Qwen3MoeForCausalLM(CausalLM):
             cfg.head_dim,
             self.dtype,
             self.device,
+            kv_dtype,
         )
 
     def forward(

@@ -58,6 +58,7 @@ class ServeConfig:
     ``reasoning_parser`` / ``tool_call_parser``: ``auto`` (by model family), ``none`` or a name.
     ``tiers``: a :class:`moetier.tiers.plan.TierOptions` (``--gpu-memory`` and friends) to load with
     tiered experts; its plan's table is logged at start-up and its counters appear in ``/metrics``.
+    ``kv_dtype``: the KV cache's storage, ``auto`` (the model dtype), ``bf16`` or ``fp8``.
     """
 
     model: str | None = None
@@ -74,6 +75,7 @@ class ServeConfig:
     demo_dir: str | None = None
     log_level: str = "info"
     tiers: Any = None  # moetier.tiers.plan.TierOptions: serve with tiered experts (None: all resident)
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -86,6 +88,8 @@ class ServeConfig:
             )
         if self.api_key == "":
             raise ConfigError("api_key must not be empty (leave it out to serve without a key)")
+        if self.kv_dtype not in ("auto", "bf16", "fp8"):
+            raise ConfigError(f"kv_dtype must be auto, bf16 or fp8, got {self.kv_dtype!r}")
 
 
 # --- loading ----------------------------------------------------------------------------------------
@@ -121,7 +125,7 @@ def load_serving_model(config: ServeConfig) -> ServingModel:
     from moetier.server.tool_calls import tool_call_parser_class
 
     path, name = resolve_model_path(config)
-    engine_config = EngineConfig(max_streams=config.max_streams, max_model_len=config.context)
+    engine_config = EngineConfig(max_streams=config.max_streams, max_model_len=config.context, kv_dtype=config.kv_dtype)
     tokenizer = "auto" if (path / "tokenizer.json").is_file() else None
     engine = Engine.from_path(
         path,

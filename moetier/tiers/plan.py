@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,16 @@ class KvEstimate:
     per_token: float
     per_stream: int
     note: str
+    # fp8 KV (``kv_dtype="fp8"``): float32 scales per token that come with the per-token elements
+    # (one per token per row group: a KV head's keys or values, MLA's latent or rope key, a V4 entry).
+    scales_per_token: float = 0.0
+
+    def token_bytes(self, element: int, kv_dtype: str = "auto") -> float:
+        """Bytes per token of context: the per-token elements at ``element`` bytes (``auto``), 2 (``bf16``)
+        or 1 plus their float32 scales (``fp8``). The per-stream state stays at the load dtype."""
+        if kv_dtype == "fp8":
+            return self.per_token + 4 * self.scales_per_token
+        return self.per_token * (2 if kv_dtype == "bf16" else element)
 
 
 def kv_estimate(config: Any) -> KvEstimate:
@@ -122,15 +132,16 @@ def kv_estimate(config: Any) -> KvEstimate:
         return _v4_kv(config)
     if hasattr(config, "kv_lora_rank"):
         width = config.kv_lora_rank + config.qk_rope_head_dim
-        return KvEstimate(layers * width, 0, f"MLA latent, {width} values per token per layer")
+        return KvEstimate(layers * width, 0, f"MLA latent, {width} values per token per layer", 2 * layers)
     if hasattr(config, "num_key_value_heads") and hasattr(config, "head_dim"):
         width = 2 * config.num_key_value_heads * config.head_dim
-        return KvEstimate(layers * width, 0, f"GQA keys + values, {width} values per token per layer")
+        note = f"GQA keys + values, {width} values per token per layer"
+        return KvEstimate(layers * width, 0, note, 2 * config.num_key_value_heads * layers)
     raise ConfigError(f"cannot estimate the KV cache of {type(config).__name__}; pass kv_bytes_per_token")
 
 
 def _v4_kv(config: Any) -> KvEstimate:
-    per_token, per_stream = 0.0, 0
+    per_token, per_stream, scales = 0.0, 0, 0.0
     for layer in range(config.num_hidden_layers):
         per_stream += (config.sliding_window - 1) * config.head_dim
         rate = config.compress_rate(layer)
@@ -139,11 +150,14 @@ def _v4_kv(config: Any) -> KvEstimate:
         csa = config.layer_types[layer] == "compressed_sparse_attention"
         width = config.head_dim * (2 if csa else 1)
         per_token += config.head_dim / rate
+        scales += 1 / rate
         per_stream += 2 * (rate - 1) * width  # open window: projections and gates
         if csa:
             per_token += config.index_head_dim / rate
+            scales += 1 / rate
             per_stream += 2 * (rate - 1) * 2 * config.index_head_dim
-    return KvEstimate(per_token, per_stream, "V4 compressed entries per token; window + open windows per stream")
+    note = "V4 compressed entries per token; window + open windows per stream"
+    return KvEstimate(per_token, per_stream, note, scales)
 
 
 def workspace_estimate(config: Any, chunk_tokens: int, max_streams: int) -> int:
@@ -213,7 +227,8 @@ class PlanBudget:
     """The inputs of a plan; validated on construction. Sizes are bytes or strings (``24GiB``, ``80%``).
 
     ``device_memory``: the GPU's total bytes, needed only for a percentage ``gpu_memory``.
-    ``workspace`` / ``kv_bytes_per_token``: override the stated estimates.
+    ``workspace`` / ``kv_bytes_per_token``: override the stated estimates. ``kv_dtype``: the KV cache's
+    storage (``auto`` = the load dtype, ``bf16``, ``fp8`` = one byte per element plus per-token scales).
     """
 
     gpu_memory: int | str
@@ -228,6 +243,7 @@ class PlanBudget:
     pcie_gbps: float = DEFAULT_PCIE_GBPS
     device_memory: int | None = None
     prefix_cache: int | str = 0  # VRAM the engine's prefix-cache snapshots may hold
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         self.gpu_memory = parse_size(self.gpu_memory, "--gpu-memory", self.device_memory)
@@ -244,6 +260,8 @@ class PlanBudget:
             raise ConfigError(f"staging_slots must be >= 1, got {self.staging_slots}")
         if self.kv_bytes_per_token is not None and self.kv_bytes_per_token < 0:
             raise ConfigError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
+        if self.kv_dtype not in ("auto", "bf16", "fp8"):
+            raise ConfigError(f"--kv-dtype must be auto, bf16 or fp8, got {self.kv_dtype!r}")
         if self.host_read_gbps <= 0 or self.pcie_gbps <= 0:
             raise ConfigError("bandwidths (host read, PCIe) must be positive GB/s")
 
@@ -386,11 +404,15 @@ def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.b
     cfg, layout = sizes.family_config, sizes.layout
     element = _size_of(dtype)
     kv = kv_estimate(cfg)
+    token_bytes = kv.token_bytes(element, budget.kv_dtype)
+    if budget.kv_dtype != "auto":
+        kv = replace(kv, note=f"{kv.note}; {budget.kv_dtype}")
     if budget.kv_bytes_per_token is not None:
-        kv = KvEstimate(budget.kv_bytes_per_token / element, 0, f"{budget.kv_bytes_per_token} B per token, given")
+        kv = KvEstimate(0, 0, f"{budget.kv_bytes_per_token} B per token, given")
+        token_bytes = budget.kv_bytes_per_token
 
     def kv_bytes(context: int, streams: int) -> int:
-        return int(streams * (context * kv.per_token + kv.per_stream) * element)
+        return int(streams * (context * token_bytes + kv.per_stream * element))
 
     block = layout.block_bytes(dtype)
     staging = budget.staging_slots or layout.top_k
@@ -532,9 +554,11 @@ def plan_for(
     max_streams: int,
     prefill_chunk_tokens: int = 512,
     prefix_cache_bytes: int = 0,
+    kv_dtype: str = "auto",
 ) -> PlacementPlan:
     budget = PlanBudget(
         prefix_cache=prefix_cache_bytes,
+        kv_dtype=kv_dtype,
         gpu_memory=options.gpu_memory,
         host_memory=options.host_memory,
         context=context,
