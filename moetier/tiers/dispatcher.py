@@ -16,9 +16,10 @@ class ExpertDispatcher(ABC):
     Contract: ``dispatch(layer, hidden, topk_ids, topk_weights)`` with ``hidden`` ``[T, H]``,
     ``topk_ids`` ``[T, K]`` (int64 expert indices of that layer) and ``topk_weights`` ``[T, K]``
     returns ``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t])`` as ``[T, H]`` in
-    ``hidden.dtype`` on ``hidden.device``. Implementations may place and run experts anywhere
-    (VRAM, CPU, streamed) but must agree with :func:`swiglu_expert` to the tolerance their tests
-    state. Models call only this; they never learn where an expert lives.
+    ``hidden.dtype`` on ``hidden.device``, the sum taken in float32 (:func:`expert_accumulator`).
+    Implementations may place and run experts anywhere (VRAM, CPU, streamed) but must agree with
+    :func:`swiglu_expert` to the tolerance their tests state. Models call only this; they never
+    learn where an expert lives.
     """
 
     def __init__(self, store: ExpertStore) -> None:
@@ -33,13 +34,23 @@ class ExpertDispatcher(ABC):
     ) -> torch.Tensor: ...
 
 
+def expert_accumulator(hidden: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[T, H]`` buffer the experts' weighted outputs are summed into.
+
+    Summing in float32 makes the result independent (to the final rounding) of the order in which
+    experts are added, so placements that visit experts in different orders (hits first, then
+    misses) give the same ``hidden.dtype`` output.
+    """
+    return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+
+
 class ResidentDispatcher(ExpertDispatcher):
     """All experts live on the compute device; each active expert runs once over its tokens."""
 
     def dispatch(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        out = torch.zeros_like(hidden)
+        out = expert_accumulator(hidden)
         limit = self.store.layout.swiglu_limit
         flat_ids = topk_ids.reshape(-1)
         # Sorting the (token, slot) pairs by expert gives each expert one contiguous run of tokens.
@@ -51,10 +62,10 @@ class ResidentDispatcher(ExpertDispatcher):
         for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
             tokens = token_of_pair[start : start + count]
             weights = weight_of_pair[start : start + count, None]
-            y = swiglu_expert(hidden[tokens], self.store.expert(layer, expert), limit) * weights
-            out.index_add_(0, tokens, y.to(out.dtype))
+            y = swiglu_expert(hidden[tokens], self.store.expert(layer, expert), limit).float() * weights.float()
+            out.index_add_(0, tokens, y)
             start += count
-        return out
+        return out.to(hidden.dtype)
 
 
 def _tiered(store: ExpertStore, **options) -> ExpertDispatcher:

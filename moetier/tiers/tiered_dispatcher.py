@@ -25,7 +25,7 @@ import torch
 
 from moetier.errors import ConfigError
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
-from moetier.tiers.dispatcher import ExpertDispatcher
+from moetier.tiers.dispatcher import ExpertDispatcher, expert_accumulator
 from moetier.tiers.expert_cache import ExpertCache, Slot
 from moetier.tiers.experts import ExpertStore, ExpertWeights, swiglu_expert
 from moetier.tiers.metrics import TierMetrics
@@ -216,9 +216,9 @@ class TieredDispatcher(ExpertDispatcher):
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         self.prepare(hidden.device)
-        out = torch.zeros_like(hidden)
+        out = expert_accumulator(hidden)
         if hidden.shape[0] == 0:
-            return out
+            return out.to(hidden.dtype)
         if layer == self._first_layer:
             self.step += 1
             self.metrics.tokens += hidden.shape[0]
@@ -245,7 +245,7 @@ class TieredDispatcher(ExpertDispatcher):
             rows_dev, values = partial
             out.index_add_(0, rows_dev, values.to(out.dtype))
         self.cache.mark_released(read, self._compute_stream())
-        return out
+        return out.to(hidden.dtype)
 
     def _route(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights) -> _Routing:
         """Sort pairs by expert on the host (one small copy), look each expert up, tell the policy."""
@@ -309,8 +309,8 @@ class TieredDispatcher(ExpertDispatcher):
         # Exactly ResidentDispatcher's per-expert step.
         tokens = routing.tokens_dev[group.pairs]
         gates = routing.gates_dev[group.pairs, None]
-        y = swiglu_expert(hidden[tokens], weights, self.store.layout.swiglu_limit) * gates
-        out.index_add_(0, tokens, y.to(out.dtype))
+        y = swiglu_expert(hidden[tokens], weights, self.store.layout.swiglu_limit).float() * gates.float()
+        out.index_add_(0, tokens, y)
 
     def _start_cpu(self, layer: int, hidden: torch.Tensor, routing: _Routing, groups: list[_Group]):
         """Gather the CPU-routed rows and gates to the host and submit the job; returns (future, rows on device).
