@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels, run the GPU tests, build the scaled
-# DeepSeek-V4-Flash bench model and run the standard decode benchmark; everything lands in $OUT.
+# DeepSeek-V4-Flash bench model, run the standard decode benchmark and the prefill benchmark;
+# everything lands in $OUT.
 # Usage (device tool): MOETIER_GIT_SHA=<sha> bash bench/gpu_suite.sh   (carry: .whl)
-# Stages can be skipped: SKIP_TESTS=1, SKIP_BENCH=1. BENCH_LAYERS (default 3) sets the model depth;
-# GPU_TEST_ARGS adds pytest arguments (e.g. "-k deepseek_v4"); BENCH_ARGS replaces "--profile".
+# Stages can be skipped: SKIP_TESTS=1, SKIP_BENCH=1 (both benchmarks), SKIP_DECODE=1, SKIP_PREFILL=1.
+# BENCH_LAYERS (default 3) sets the model depth; GPU_TEST_ARGS adds pytest arguments (e.g. "-k deepseek_v4");
+# BENCH_ARGS replaces the decode bench's "--profile"; PREFILL_ARGS replaces the prefill bench's
+# "--prompt-lens 8k,32k,128k --chunk-tokens 4096". One command runs at most 10 minutes on the device:
+# split the stages over several calls (e.g. SKIP_TESTS=1 SKIP_DECODE=1 for the prefill receipt).
+# The device returns at most 8 files: every log goes to one suite.log, next to the decode receipt
+# (JSON, Markdown, profile), the prefill receipt (JSON, Markdown) and the tests' two fidelity records.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 export MOETIER_RESULTS=$OUT PYTHONUNBUFFERED=1
+LOG="$OUT/suite.log"
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || exit 1
@@ -15,28 +22,41 @@ else
     export PYTHONPATH=$PWD
 fi
 {
+    echo "=== environment"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
     echo "git ${MOETIER_GIT_SHA:-unknown}"
     df -h /tmp | tail -1
-} > "$OUT/environment.txt" 2>&1
+} > "$LOG" 2>&1
 status=0
 if [ -z "${SKIP_TESTS:-}" ]; then
+    echo "=== gpu tests" >> "$LOG"
     gpu_files=$(grep -l "mark.gpu" tests/test_*.py)
-    timeout 300 python3 -m pytest -q -m gpu $gpu_files ${GPU_TEST_ARGS:-} -p no:cacheprovider 2>&1 \
-        | tee "$OUT/gpu-tests.log"
+    timeout 300 python3 -m pytest -q -m gpu $gpu_files ${GPU_TEST_ARGS:-} -p no:cacheprovider 2>&1 | tee -a "$LOG"
     status=${PIPESTATUS[0]}
-    echo "gpu tests exit status: $status"
+    echo "gpu tests exit status: $status" | tee -a "$LOG"
 fi
+bench() {  # bench KIND SECONDS ARGS...: one benchmark, its log appended, its status folded into $status
+    local kind=$1 seconds=$2
+    shift 2
+    echo "=== bench $kind" >> "$LOG"
+    timeout "$seconds" python3 -m moetier.cli bench "$kind" --model "$model" "$@" --out "$OUT" 2>&1 \
+        | tr '\r' '\n' | grep -v '^\(pinning\|loading\)' | tee -a "$LOG"
+    local code=${PIPESTATUS[0]}
+    echo "bench $kind exit status: $code" | tee -a "$LOG"
+    [ "$code" -eq 0 ] || status=$code
+}
 if [ -z "${SKIP_BENCH:-}" ]; then
     model=/tmp/moetier-bench/v4flash-${BENCH_LAYERS:-3}l
-    # Progress bars are dropped from the log (carriage returns); the device returns at most 8 files.
+    echo "=== make-bench-model" >> "$LOG"
+    # Progress bars are dropped from the log (carriage returns).
     timeout 240 python3 -m moetier.cli make-bench-model --shape deepseek-v4-flash --layers "${BENCH_LAYERS:-3}" \
-        --out "$model" --device cuda --force 2>&1 | tr '\r' '\n' | grep -v '^writing' | tee "$OUT/bench.log"
-    timeout 420 python3 -m moetier.cli bench decode --model "$model" --streams 1,2,4 --cache-fraction 0.05 \
-        --policy lfu ${BENCH_ARGS---profile} --out "$OUT" 2>&1 | tr '\r' '\n' | grep -v '^\(pinning\|loading\)' | tee -a "$OUT/bench.log"
-    bench_status=${PIPESTATUS[0]}
-    echo "bench exit status: $bench_status"
-    [ "$bench_status" -eq 0 ] || status=$bench_status
+        --out "$model" --device cuda --force 2>&1 | tr '\r' '\n' | grep -v '^writing' | tee -a "$LOG"
+    if [ -z "${SKIP_DECODE:-}" ]; then
+        bench decode 420 --streams 1,2,4 --cache-fraction 0.05 --policy lfu ${BENCH_ARGS---profile}
+    fi
+    if [ -z "${SKIP_PREFILL:-}" ]; then
+        bench prefill 420 --cache-fraction 0.05 --policy lfu ${PREFILL_ARGS---prompt-lens 8k,32k,128k --chunk-tokens 4096}
+    fi
 fi
 exit "$status"

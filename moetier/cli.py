@@ -248,12 +248,18 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-@subcommand("bench", "measure decode speed under every expert placement and write a receipt")
+@subcommand("bench", "measure decode, prefill or serving speed and write a receipt")
 def _setup_bench(parser: argparse.ArgumentParser) -> None:
-    from moetier.bench import decode
+    from moetier.bench import decode, prefill, serve
 
     kinds = parser.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
     decode.configure_parser(kinds.add_parser("decode", help="decode tok/s at 1/2/4 streams, all placements"))
+    prefill.configure_parser(
+        kinds.add_parser("prefill", help="TTFT and prefill tok/s of long prompts: resident, sync copy, tiered, bound")
+    )
+    serve.configure_parser(
+        kinds.add_parser("serve", help="TTFT/TPOT/ITL and output tok/s of a running server at several concurrencies")
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,8 +17,6 @@ bytes per step`` computed from bandwidths measured in the same process.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,15 +25,23 @@ from typing import Any
 import torch
 
 from moetier.bench.bandwidth import measure_bounds
+from moetier.bench.common import (
+    fmt,
+    load_checkpoint,
+    parse_int_list,
+    resident_store,
+    stats,
+    sync_device,
+    write_receipt_files,
+)
 from moetier.bench.environment import environment
-from moetier.config import ModelLoadConfig, default_device, parse_dtype
 from moetier.errors import ConfigError
 from moetier.models.base import CausalLM
 from moetier.tiers.dispatcher import ExpertDispatcher, ResidentDispatcher
-from moetier.tiers.experts import ExpertStore, device_allocator
+from moetier.tiers.experts import ExpertStore
 from moetier.tiers.host_store import HostExpertArena
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
-from moetier.weights.loader import LoadedModel, load_model
+from moetier.weights.loader import LoadedModel
 
 MODES = ("resident", "naive", "cpu", "copy", "tiered")
 
@@ -73,15 +79,6 @@ class DecodeBenchConfig:
             raise ConfigError("--prompt-len, --steps and --repeats must be >= 1 and --warmup >= 0")
 
 
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _DecodeRun:
     """Prefill ``streams`` random prompts together, then time greedy decode steps of all streams at once."""
 
@@ -116,12 +113,12 @@ def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[fl
         metrics.reset()
     seconds, first_stream = [], []
     for _ in range(run.cfg.repeats):
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         for _ in range(run.cfg.steps):
             tokens = run.step(tokens)
             first_stream.append(tokens[0])
-        _sync(device)
+        sync_device(device)
         seconds.append(time.perf_counter() - start)
     return seconds, [int(t) for t in first_stream]
 
@@ -136,7 +133,7 @@ def _profile_steps(run: _DecodeRun, steps: int = 3) -> str:
     with profile(activities=activities) as prof:
         for _ in range(steps):
             tokens = run.step(tokens)
-        _sync(run.model.device)
+        sync_device(run.model.device)
     events = prof.key_averages()
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     sort_device = "self_cuda_time_total" if run.model.device.type == "cuda" else "self_cpu_time_total"
@@ -148,23 +145,9 @@ def _profile_steps(run: _DecodeRun, steps: int = 3) -> str:
     )
 
 
-def _resident_store(store: ExpertStore, device: torch.device) -> ExpertStore | None:
-    """A copy of every expert on ``device`` (None when they would not fit in its free memory)."""
-    if device.type != "cuda":
-        return store
-    free, _ = torch.cuda.mem_get_info(device)
-    if store.total_bytes() > 0.9 * free:
-        return None
-    resident = ExpertStore(store.layout, store.dtype, device_allocator(device))
-    for (layer, expert), weights in store.items():
-        resident.block_for_loading(layer, expert).block.copy_(weights.block, non_blocking=True)
-    _sync(device)
-    return resident
-
-
 def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: torch.device, slots: int):
     if mode == "resident":
-        resident = _resident_store(store, device)
+        resident = resident_store(store, device)
         return None if resident is None else ResidentDispatcher(resident)
     options: dict[str, Any] = {"policy": cfg.policy, "cpu_threads": cfg.cpu_threads}
     if mode == "naive":
@@ -199,7 +182,7 @@ def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams
 
 def _result(mode, streams, seconds, traffic, cfg, bounds) -> dict[str, Any]:
     tok_s = [streams * cfg.steps / s for s in seconds]
-    result = {"mode": mode, "streams": streams, "tok_s": _stats(tok_s), "seconds": seconds, **traffic}
+    result = {"mode": mode, "streams": streams, "tok_s": stats(tok_s), "seconds": seconds, **traffic}
     missed = traffic.get("missed_bytes_per_step")
     if missed:
         result["bound_dram_tok_s"] = streams * bounds["host_read_gbps"] * 1e9 / missed
@@ -220,12 +203,8 @@ def _add_ratios(results: list[dict[str, Any]]) -> None:
 
 
 def load_for_bench(cfg: DecodeBenchConfig) -> tuple[LoadedModel, torch.device, HostExpertArena]:
-    device = torch.device(cfg.device) if cfg.device else default_device()
-    dtype = parse_dtype(cfg.dtype)
-    arena = HostExpertArena.for_checkpoint(cfg.model, dtype)
     # The backbone loads onto the compute device; the experts' home copy into the (pinned) host arena.
-    loaded = load_model(cfg.model, ModelLoadConfig(dtype=dtype, device=device), expert_allocator=arena)
-    return loaded, device, arena
+    return load_checkpoint(cfg.model, cfg.dtype, cfg.device)
 
 
 def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
@@ -314,25 +293,16 @@ def markdown_table(receipt: dict[str, Any]) -> str:
         t = r["tok_s"]
         lines.append(
             f"| {r['mode']} | {r['streams']} | {t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}] "
-            f"| {_fmt(r.get('ratio_to_naive'))} | {_fmt(r.get('ratio_to_resident'))} | {_fmt(r.get('hit_rate'))} "
-            f"| {_fmt(r.get('bound_dram_tok_s'), 1)} | {_fmt(r.get('ratio_to_dram_bound'))} |"
+            f"| {fmt(r.get('ratio_to_naive'))} | {fmt(r.get('ratio_to_resident'))} | {fmt(r.get('hit_rate'))} "
+            f"| {fmt(r.get('bound_dram_tok_s'), 1)} | {fmt(r.get('ratio_to_dram_bound'))} |"
         )
     lines += [f"- {note}" for note in receipt["notes"]]
     return "\n".join(lines) + "\n"
 
 
-def _fmt(value, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def write_receipt(receipt: dict[str, Any], out_dir: Path) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = out_dir / f"decode-{stamp}.json"
-    profiles = receipt.get("profiles") or {}
-    path.write_text(json.dumps({k: v for k, v in receipt.items() if k != "profiles"}, indent=2, default=str))
-    path.with_suffix(".md").write_text(markdown_table(receipt))
-    if profiles:
+    path = write_receipt_files(receipt, out_dir, markdown_table, omit=("profiles",))
+    if profiles := receipt.get("profiles"):
         text = "".join(f"=== {mode} (1 stream) ===\n{table}\n" for mode, table in profiles.items())
         path.with_name(path.stem + "-profile.txt").write_text(text)
     return path
@@ -358,10 +328,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        streams = [int(s) for s in str(args.streams).split(",") if s]
-    except ValueError:
-        raise ConfigError(f"--streams must be comma-separated integers, got {args.streams!r}") from None
+    streams = parse_int_list(args.streams, "--streams")
     cfg = DecodeBenchConfig(
         model=args.model,
         streams=streams,

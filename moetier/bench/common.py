@@ -1,0 +1,98 @@
+"""Helpers every ``moetier bench`` kind shares: statistics, device sync, loading, receipts on disk."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetier.config import ModelLoadConfig, default_device, parse_dtype
+from moetier.errors import ConfigError
+from moetier.tiers.experts import ExpertStore, device_allocator
+from moetier.tiers.host_store import HostExpertArena
+from moetier.weights.loader import LoadedModel, load_model
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    """min / median / max of a non-empty list."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def percentiles(values: list[float], points: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
+    """``{"p50": ..., "p90": ..., "p99": ...}`` by linear interpolation (None for an empty list)."""
+    if not values:
+        return {f"p{p}": None for p in points}
+    ordered = sorted(values)
+    out = {}
+    for p in points:
+        rank = (len(ordered) - 1) * p / 100
+        low = int(rank)
+        high = min(low + 1, len(ordered) - 1)
+        out[f"p{p}"] = ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return out
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for queued device work (a no-op off CUDA), so wall-clock timings cover it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def parse_int_list(text: str, flag: str) -> list[int]:
+    """``"1,2,4"`` or ``"8k,32k"`` (k = 1024) -> ints; one-line ConfigError otherwise."""
+    out = []
+    for item in str(text).split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        scale = 1024 if item.endswith("k") else 1
+        try:
+            out.append(int(item.removesuffix("k")) * scale)
+        except ValueError:
+            raise ConfigError(f"{flag} must be comma-separated integers (8k = 8192), got {text!r}") from None
+    if not out or min(out) < 1:
+        raise ConfigError(f"{flag} must list positive integers, got {text!r}")
+    return out
+
+
+def load_checkpoint(model: Path, dtype: str, device: str | None) -> tuple[LoadedModel, torch.device, HostExpertArena]:
+    """Backbone on the compute device, experts' home copy in a (pinned) host arena."""
+    target = torch.device(device) if device else default_device()
+    torch_dtype = parse_dtype(dtype)
+    arena = HostExpertArena.for_checkpoint(model, torch_dtype)
+    loaded = load_model(model, ModelLoadConfig(dtype=torch_dtype, device=target), expert_allocator=arena)
+    return loaded, target, arena
+
+
+def resident_store(store: ExpertStore, device: torch.device) -> ExpertStore | None:
+    """A copy of every expert on ``device`` (None when they would not fit in its free memory)."""
+    if device.type != "cuda":
+        return store
+    free, _ = torch.cuda.mem_get_info(device)
+    if store.total_bytes() > 0.9 * free:
+        return None
+    resident = ExpertStore(store.layout, store.dtype, device_allocator(device))
+    for (layer, expert), weights in store.items():
+        resident.block_for_loading(layer, expert).block.copy_(weights.block, non_blocking=True)
+    sync_device(device)
+    return resident
+
+
+def write_receipt_files(
+    receipt: dict[str, Any], out_dir: Path, markdown: Callable[[dict[str, Any]], str], omit: tuple[str, ...] = ()
+) -> Path:
+    """``<kind>-<stamp>.json`` (without the ``omit`` keys) and the same name ``.md``; returns the JSON path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{receipt['kind']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({k: v for k, v in receipt.items() if k not in omit}, indent=2, default=str))
+    path.with_suffix(".md").write_text(markdown(receipt))
+    return path
