@@ -67,6 +67,15 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--miss-route", default="auto", choices=["auto", "cpu", "copy"], help="where cache misses run (default auto)"
     )
+    parser.add_argument(
+        "--kv-reserve-streams",
+        type=int,
+        default=None,
+        help="reserve KV for this many streams (default all); the others borrow expert-cache slots while they run",
+    )
+    parser.add_argument(
+        "--min-cache-slots", type=int, default=None, help="the expert cache never shrinks below this (default top_k)"
+    )
 
 
 def tier_options(args: argparse.Namespace):
@@ -75,7 +84,15 @@ def tier_options(args: argparse.Namespace):
         return None
     from moetier.tiers.plan import TierOptions
 
-    return TierOptions(args.gpu_memory, args.host_memory, args.expert_policy, args.cpu_threads, args.miss_route)
+    return TierOptions(
+        args.gpu_memory,
+        args.host_memory,
+        args.expert_policy,
+        args.cpu_threads,
+        args.miss_route,
+        kv_reserve_streams=args.kv_reserve_streams,
+        min_cache_slots=args.min_cache_slots,
+    )
 
 
 @subcommand("generate", "generate a completion for one prompt and print it")
@@ -226,7 +243,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     import torch
 
     from moetier.config import default_device
-    from moetier.engine.engine import checkpoint_config, resolve_dtype, resolve_window
+    from moetier.engine.types import checkpoint_config, resolve_dtype, resolve_window
     from moetier.tiers import plan
 
     path = Path(args.model).expanduser()

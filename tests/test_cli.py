@@ -94,3 +94,14 @@ def test_subcommands_are_registered_in_one_table():
     with pytest.raises(SystemExit) as info:
         cli.main(["--version"])
     assert info.value.code == 0
+
+
+def test_tier_flags_reach_the_tier_options():
+    from moetier.cli import build_parser, tier_options
+
+    args = build_parser().parse_args(
+        ["serve", "--gpu-memory", "24GiB", "--kv-reserve-streams", "1", "--min-cache-slots", "8", "--miss-route", "cpu"]
+    )
+    options = tier_options(args)
+    assert (options.kv_reserve_streams, options.min_cache_slots, options.miss_route) == (1, 8, "cpu")
+    assert tier_options(build_parser().parse_args(["serve"])) is None  # no budget: every expert resident

@@ -2,12 +2,15 @@
 
 Every scheduled chunk of a step runs in one ``model.forward`` (rows concatenated, attention per
 sequence), each sequence with its own contiguous cache sized at admission; the paged runner
-replaces this class behind the same ``execute``/``free`` contract.
+replaces this class behind the same ``execute``/``free`` contract. Every cache the runner takes on
+(allocated, rebuilt or adopted) and every one it drops is reported to ``kv_listener`` (the elastic
+expert budget, :mod:`moetier.engine.elastic`) with its ``nbytes``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -32,6 +35,14 @@ class RunnerOutput:
     failures: dict[str, BaseException] = field(default_factory=dict)
 
 
+class KvListener(Protocol):
+    """Told about every per-sequence cache the runner holds (bytes of device memory)."""
+
+    def allocated(self, key: str, nbytes: int) -> None: ...
+
+    def freed(self, key: str) -> None: ...
+
+
 class ModelRunner:
     """Runs a whole plan as ONE forward over every chunk's tokens, one contiguous cache per sequence.
 
@@ -49,6 +60,7 @@ class ModelRunner:
         # Prefix caching: after a forward, a cache whose length is a multiple of this records its
         # rolling state (SequenceCache.mark), so a non-truncatable cache can be snapshotted there later.
         self.mark_every = mark_every
+        self.kv_listener: KvListener | None = None
 
     def execute(self, plan: StepPlan) -> RunnerOutput:
         out = RunnerOutput()
@@ -74,7 +86,7 @@ class ModelRunner:
         request_id = chunk.seq.request_id
         cache = self._caches.get(request_id)
         if cache is None:
-            cache = self._caches[request_id] = self._new_cache(chunk.seq.kv_tokens)
+            cache = self._store(request_id, self.new_cache(chunk.seq.kv_tokens))
         if cache.length == chunk.start:
             return True
         out.failures[request_id] = RuntimeError(
@@ -83,7 +95,8 @@ class ModelRunner:
         self.free(request_id)
         return False
 
-    def _new_cache(self, max_tokens: int) -> SequenceCache:
+    def new_cache(self, max_tokens: int) -> SequenceCache:
+        """An empty cache of ``max_tokens`` as this runner allocates it (not tracked until stored)."""
         if self.kv_dtype is None:  # the plain call: a family without kv_dtype support still works
             return self.model.new_cache(max_tokens)
         return self.model.new_cache(max_tokens, kv_dtype=self.kv_dtype)
@@ -100,7 +113,7 @@ class ModelRunner:
         for chunk in chunks:
             request_id = chunk.seq.request_id
             try:
-                cache = self._caches[request_id] = self._new_cache(chunk.seq.kv_tokens)
+                cache = self._store(request_id, self.new_cache(chunk.seq.kv_tokens))
                 if chunk.start:
                     history = chunk.seq.token_slice(0, chunk.start)
                     self.model(torch.tensor(history, device=self.device), cache)
@@ -126,14 +139,21 @@ class ModelRunner:
 
     def adopt(self, request_id: str, cache: SequenceCache) -> None:
         """Start ``request_id`` from ``cache`` (a copy of a cached prefix) instead of an empty cache."""
+        self._store(request_id, cache)
+
+    def _store(self, request_id: str, cache: SequenceCache) -> SequenceCache:
         self._caches[request_id] = cache
+        if self.kv_listener is not None:
+            self.kv_listener.allocated(request_id, cache.nbytes)
+        return cache
 
     def cache_of(self, request_id: str) -> SequenceCache | None:
         return self._caches.get(request_id)
 
     def free(self, request_id: str) -> None:
         """Drop a sequence's cache (finished, aborted or failed)."""
-        self._caches.pop(request_id, None)
+        if self._caches.pop(request_id, None) is not None and self.kv_listener is not None:
+            self.kv_listener.freed(request_id)
 
     @property
     def num_caches(self) -> int:

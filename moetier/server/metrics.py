@@ -3,9 +3,9 @@
 Latencies are measured by the server per request (``time_to_first_token_seconds`` from arrival to
 the first generated token, queueing included; ``inter_token_latency_seconds`` between successive
 token-carrying updates; ``e2e_request_latency_seconds``). Engine state (running and waiting
-requests, KV-cache use, token and prefix-cache counters) is read from the engine's ``stats()`` at
-scrape time, so the numbers cannot drift from the engine's own. Each app owns its registry, so
-several servers (tests) can live in one process.
+requests, KV-cache use, token and prefix-cache counters, the elastic expert cache's size) is read from
+the engine's ``stats()`` at scrape time, so the numbers cannot drift from the engine's own. Each app owns
+its registry, so several servers (tests) can live in one process.
 """
 
 from __future__ import annotations
@@ -122,6 +122,14 @@ class _EngineStatsCollector(Collector):
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
         )
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        if getattr(stats, "expert_cache_slots", None) is not None:  # tiered experts: the elastic cache
+            yield gauge("tier_expert_cache_slots", "Expert slots in the VRAM cache now.", stats.expert_cache_slots)
+            yield gauge("tier_expert_cache_bytes", "Bytes of the VRAM expert cache now.", stats.expert_cache_bytes)
+            yield gauge("tier_expert_cache_max_slots", "The plan's expert-cache size.", stats.expert_cache_max_slots)
+            yield counter(
+                "tier_expert_cache_resizes", "Elastic resizes of the expert cache for KV.", stats.expert_cache_resizes
+            )
+            yield gauge("kv_cache_bytes", "Bytes the running sequences' KV caches hold.", stats.kv_cache_bytes)
 
 
 def dispatcher_metrics(engine: Any) -> Any | None:

@@ -6,7 +6,8 @@ and lays the GPU budget out in this order:
 1. the backbone (every tensor that is not a routed expert), at the load dtype (fp32 where the
    family keeps it), exactly as the loader materialises it;
 2. the KV cache for ``context`` tokens x ``max_streams`` streams (bytes per token from the family's
-   attention, see :func:`kv_estimate`);
+   attention, see :func:`kv_estimate`), or for only ``kv_reserve_streams`` of them: the other streams'
+   KV then borrows from the expert cache at run time (:mod:`moetier.engine.elastic`);
 3. an activation workspace (an *estimate*, see :func:`workspace_estimate`; overridable);
 4. the staging slots the tiered dispatcher copies missed experts through (``top_k`` by default);
 5. the elastic expert cache: every remaining byte, in whole expert blocks.
@@ -244,6 +245,8 @@ class PlanBudget:
     device_memory: int | None = None
     prefix_cache: int | str = 0  # VRAM the engine's prefix-cache snapshots may hold
     kv_dtype: str = "auto"
+    # Streams whose KV is reserved up front (None = all ``max_streams``); the others borrow expert-cache slots.
+    kv_reserve_streams: int | None = None
 
     def __post_init__(self) -> None:
         self.gpu_memory = parse_size(self.gpu_memory, "--gpu-memory", self.device_memory)
@@ -258,12 +261,23 @@ class PlanBudget:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if self.staging_slots is not None and self.staging_slots < 1:
             raise ConfigError(f"staging_slots must be >= 1, got {self.staging_slots}")
+        _check_reserve_streams(self.kv_reserve_streams)
         if self.kv_bytes_per_token is not None and self.kv_bytes_per_token < 0:
             raise ConfigError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
         if self.kv_dtype not in ("auto", "bf16", "fp8"):
             raise ConfigError(f"--kv-dtype must be auto, bf16 or fp8, got {self.kv_dtype!r}")
         if self.host_read_gbps <= 0 or self.pcie_gbps <= 0:
             raise ConfigError("bandwidths (host read, PCIe) must be positive GB/s")
+
+    @property
+    def reserved_streams(self) -> int:
+        """Streams whose KV the plan reserves: ``kv_reserve_streams`` capped by ``max_streams``."""
+        return min(self.kv_reserve_streams or self.max_streams, self.max_streams)
+
+
+def _check_reserve_streams(value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"--kv-reserve-streams must be an integer >= 1, got {value!r}")
 
 
 @dataclass
@@ -292,6 +306,8 @@ class PlacementPlan:
     stored_backbone_bytes: int
     stored_expert_bytes: int
     warnings: list[str] = field(default_factory=list)
+    # Of ``kv_bytes``, the state each stream holds whatever its length (V4's window and open windows).
+    kv_stream_bytes: int = 0
 
     def __post_init__(self) -> None:
         if min(self.backbone_bytes, self.kv_bytes, self.workspace_bytes, self.cache_slots) < 0:
@@ -351,12 +367,18 @@ class PlacementPlan:
         """Options of the tiered dispatcher that realise this plan (plus ``extra``: policy, route, threads)."""
         return {"cache_slots": self.cache_slots, "staging_slots": self.staging_slots, **extra}
 
+    def _kv_streams(self) -> str:
+        b = self.budget
+        if b.reserved_streams == b.max_streams:
+            return f"{b.max_streams} stream(s)"
+        return f"{b.reserved_streams} of {b.max_streams} streams reserved (the rest borrow expert-cache slots)"
+
     def table(self) -> str:
         """A readable table of the placement and the predicted decode bound."""
         b = self.budget
         rows = [
             ("backbone (attention, norms, routers, shared experts, embeddings)", self.backbone_bytes, "VRAM"),
-            (f"KV cache: {b.max_streams} stream(s) x {b.context} tokens ({self.kv_note})", self.kv_bytes, "VRAM"),
+            (f"KV cache: {self._kv_streams()} x {b.context} tokens ({self.kv_note})", self.kv_bytes, "VRAM"),
             ("activation workspace (estimate)", self.workspace_bytes, "VRAM"),
             ("prefix cache (snapshots of earlier prompts)", int(b.prefix_cache), "VRAM"),
             (f"staging slots for prefill / copied misses: {self.staging_slots}", self.staging_bytes, "VRAM"),
@@ -430,7 +452,7 @@ def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.b
             "raise --gpu-memory (or use a smaller model or dtype)"
         )
     fixed = sizes.backbone + workspace + staging * block + int(budget.prefix_cache)
-    wanted = kv_bytes(budget.context, budget.max_streams)
+    wanted = kv_bytes(budget.context, budget.reserved_streams)
     if fixed + wanted > gpu:
         raise ConfigError(_kv_shortfall(gpu, fixed, wanted, budget, kv_bytes))
     total_experts = len(layout.moe_layers) * layout.num_experts
@@ -452,6 +474,7 @@ def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.b
         cache_slots=slots,
         stored_backbone_bytes=sizes.stored_backbone,
         stored_expert_bytes=sizes.stored_experts,
+        kv_stream_bytes=kv_bytes(0, 1),
     )
     plan.warnings.extend(_host_warnings(plan, budget))
     return plan
@@ -459,7 +482,7 @@ def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.b
 
 def _kv_shortfall(gpu: int, fixed: int, wanted: int, budget: PlanBudget, kv_bytes) -> str:
     room = gpu - fixed
-    streams, context = budget.max_streams, budget.context
+    streams, context = budget.reserved_streams, budget.context
     fit_context = _largest(context, lambda c: kv_bytes(c, streams) <= room)
     fit_streams = _largest(streams, lambda s: kv_bytes(context, s) <= room)
     hints = [f"raise --gpu-memory by {gib(fixed + wanted - gpu)} GiB"]
@@ -523,8 +546,17 @@ class TierOptions:
     workspace: int | str | None = None
     host_read_gbps: float = DEFAULT_HOST_READ_GBPS
     pcie_gbps: float = DEFAULT_PCIE_GBPS
+    # Elastic expert cache (moetier.engine.elastic): KV reserved for this many streams (None = all), the
+    # others borrow whole expert-cache slots while they run; the cache never shrinks below
+    # ``min_cache_slots`` (None = the model's top_k), and admissions wait instead.
+    kv_reserve_streams: int | None = None
+    min_cache_slots: int | None = None
 
     def __post_init__(self) -> None:
+        _check_reserve_streams(self.kv_reserve_streams)
+        floor = self.min_cache_slots
+        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int) or floor < 0):
+            raise ConfigError(f"min_cache_slots must be an integer >= 0, got {floor!r}")
         parse_size(self.gpu_memory, "--gpu-memory", total=100)  # syntax now; percentages resolve on the device
         if self.host_memory is not None:
             parse_size(self.host_memory, "--host-memory")
@@ -568,6 +600,7 @@ def plan_for(
         host_read_gbps=options.host_read_gbps,
         pcie_gbps=options.pcie_gbps,
         device_memory=device_memory(device),
+        kv_reserve_streams=options.kv_reserve_streams,
     )
     return make_plan(path, budget, dtype)
 

@@ -1,0 +1,169 @@
+"""The engine's settings, its per-step outputs, its statistics, and the checkpoint facts it reads first."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetier.config import parse_dtype
+from moetier.engine.sampling import TokenLogprob
+from moetier.errors import CheckpointError, ConfigError, MoetierError
+from moetier.models.cache import KV_DTYPES
+
+_CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class EngineBusyError(MoetierError):
+    """The waiting queue is full; retry later (the server answers 503)."""
+
+
+def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Engine limits, validated on construction.
+
+    - ``max_streams``: sequences running (prefilling or decoding) together.
+    - ``max_model_len``: longest sequence, prompt + output; ``None`` = the model's window.
+    - ``prefill_chunk_tokens``: prefill tokens per step, so a long prompt never freezes the streams.
+    - ``max_waiting``: bound of the waiting queue; beyond it ``add_request`` raises EngineBusyError.
+    - ``kv_token_budget``: KV tokens all running sequences may reserve together; ``None`` =
+      ``max_streams * max_model_len``.
+    - ``enable_prefix_caching``: start requests from cached snapshots of earlier requests' prefixes
+      (:mod:`moetier.engine.prefix_cache`); ``prefix_cache_bytes`` bounds the snapshots' memory (on
+      the model's device; LRU eviction) and ``prefix_block_tokens`` is the hashing granularity.
+    - ``kv_dtype``: storage of the KV cache (the state that grows with the context): ``auto`` (the
+      model dtype), ``bf16``, or ``fp8`` (e4m3 with per-token scales; :mod:`moetier.models.cache`).
+    """
+
+    max_streams: int = 4
+    max_model_len: int | None = None
+    prefill_chunk_tokens: int = 512
+    max_waiting: int = 256
+    kv_token_budget: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_cache_bytes: int = 1 << 30
+    prefix_block_tokens: int = 16
+    kv_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        _positive_int("max_streams", self.max_streams)
+        _positive_int("max_model_len", self.max_model_len, allow_none=True)
+        _positive_int("prefill_chunk_tokens", self.prefill_chunk_tokens)
+        _positive_int("max_waiting", self.max_waiting)
+        _positive_int("kv_token_budget", self.kv_token_budget, allow_none=True)
+        _positive_int("prefix_block_tokens", self.prefix_block_tokens)
+        budget = self.prefix_cache_bytes
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ConfigError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+
+    @property
+    def cache_kv_dtype(self) -> str | None:
+        """``kv_dtype`` as ``CausalLM.new_cache`` takes it (``None``: the model dtype)."""
+        return None if self.kv_dtype == "auto" else self.kv_dtype
+
+
+@dataclass
+class RequestUpdate:
+    """What one step produced for one request.
+
+    ``new_text`` is the incremental text (stop strings cut, never half a character, never the start
+    of a possible stop string). ``finish_reason``: ``"stop"``, ``"length"``, ``"abort"`` or None.
+    ``logprobs``: one per new token when ``params.logprobs`` is set. ``prompt_logprobs``: once, on the
+    first update, when ``params.prompt_logprobs`` is set (``None`` for the first prompt token).
+    ``error``: why the engine gave up on the request (with ``finish_reason == "abort"``).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_tokens_used: int = 0
+    kv_tokens_capacity: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    # prefix_cache_queries/hits count prompt tokens (looked up / served from the cache, as vLLM's metrics
+    # do); these count requests, and the memory the snapshots hold.
+    prefix_cache_lookups: int = 0
+    prefix_cache_lookup_hits: int = 0
+    prefix_cache_bytes: int = 0
+    prefix_cache_entries: int = 0
+    # Tiered experts only (None otherwise): the elastic VRAM expert cache now, its bounds, how often it was
+    # resized, and the KV bytes the running sequences hold against the plan's reservation.
+    expert_cache_slots: int | None = None
+    expert_cache_bytes: int | None = None
+    expert_cache_max_slots: int | None = None
+    expert_cache_min_slots: int | None = None
+    expert_cache_resizes: int | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_reserved_bytes: int | None = None
+
+
+# --- loading helpers ----------------------------------------------------------------------------
+
+
+def checkpoint_config(path: Path) -> dict[str, Any]:
+    """``config.json`` read before loading, to pick the dtype and window (the loader validates the rest)."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a model folder (expected config.json and *.safetensors)")
+    config_path = path / "config.json"
+    try:
+        return json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{config_path}: config.json is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config_path}: config.json is not valid JSON ({exc})") from None
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's own float dtype, else bf16 on CUDA and fp32 on CPU."""
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    stored = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    if isinstance(stored, str) and stored in _CHECKPOINT_DTYPES:
+        return _CHECKPOINT_DTYPES[stored]
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def resolve_window(hf_config: dict[str, Any], requested: int | None) -> int:
+    """``max_model_len``: the requested one, at most the model's ``max_position_embeddings`` (the default)."""
+    limit = hf_config.get("max_position_embeddings")
+    if requested is None:
+        if limit is None:
+            raise ConfigError("config.json has no max_position_embeddings; pass max_model_len")
+        return int(limit)
+    if limit is not None and requested > limit:
+        raise ConfigError(f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}")
+    return requested
+
+
+def token_id_set(value: Any) -> set[int]:
+    """An ``eos_token_id`` field (int, list of ints or absent) as a set."""
+    items = value if isinstance(value, list) else [value]
+    return {int(i) for i in items if isinstance(i, int) and not isinstance(i, bool)}
