@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -96,3 +97,30 @@ def write_receipt_files(
     path.write_text(json.dumps({k: v for k, v in receipt.items() if k not in omit}, indent=2, default=str))
     path.with_suffix(".md").write_text(markdown(receipt))
     return path
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser, modes: tuple[str, ...], policy_help: str) -> None:
+    """Arguments every placement benchmark shares: the checkpoint, the modes, the cache and the run."""
+    parser.add_argument("--model", required=True, type=Path, help="checkpoint folder (e.g. from make-bench-model)")
+    parser.add_argument("--modes", default=",".join(modes), help=f"comma-separated subset of {','.join(modes)}")
+    parser.add_argument("--cache-fraction", type=float, default=0.05, help="VRAM expert cache, share of all experts")
+    parser.add_argument("--policy", default="lfu", help=policy_help)
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--cpu-threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON + Markdown receipt")
+
+
+def placement_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields :func:`add_placement_arguments` parsed."""
+    return {
+        "model": args.model,
+        "modes": [m for m in args.modes.split(",") if m],
+        "cache_fraction": args.cache_fraction,
+        "policy": args.policy,
+        "dtype": args.dtype,
+        "device": args.device,
+        "cpu_threads": args.cpu_threads,
+        "seed": args.seed,
+    }

@@ -26,9 +26,11 @@ import torch
 
 from moetier.bench.bandwidth import measure_bounds
 from moetier.bench.common import (
+    add_placement_arguments,
     fmt,
     load_checkpoint,
     parse_int_list,
+    placement_options,
     resident_store,
     stats,
     sync_device,
@@ -309,40 +311,24 @@ def write_receipt(receipt: dict[str, Any], out_dir: Path) -> Path:
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, type=Path, help="checkpoint folder (e.g. from make-bench-model)")
+    add_placement_arguments(parser, MODES, "expert cache policy (lru, lfu, static)")
     parser.add_argument("--streams", default="1,2,4", help="comma-separated stream counts")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    parser.add_argument("--cache-fraction", type=float, default=0.05, help="VRAM expert cache, share of all experts")
-    parser.add_argument("--policy", default="lfu", help="expert cache policy (lru, lfu, static)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--cpu-threads", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="also write a torch.profiler summary per mode")
-    parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON + Markdown receipt")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    streams = parse_int_list(args.streams, "--streams")
     cfg = DecodeBenchConfig(
-        model=args.model,
-        streams=streams,
-        modes=[m for m in args.modes.split(",") if m],
-        cache_fraction=args.cache_fraction,
-        policy=args.policy,
+        **placement_options(args),
+        streams=parse_int_list(args.streams, "--streams"),
         prompt_len=args.prompt_len,
         warmup=args.warmup,
         steps=args.steps,
         repeats=args.repeats,
-        dtype=args.dtype,
-        device=args.device,
-        cpu_threads=args.cpu_threads,
-        seed=args.seed,
         profile=args.profile,
     )
     receipt = run_decode_bench(cfg)

@@ -27,9 +27,11 @@ import torch
 
 from moetier.bench.bandwidth import measure_bounds
 from moetier.bench.common import (
+    add_placement_arguments,
     fmt,
     load_checkpoint,
     parse_int_list,
+    placement_options,
     resident_store,
     stats,
     sync_device,
@@ -427,35 +429,20 @@ def write_receipt(receipt: dict[str, Any], out_dir: Path) -> Path:
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, type=Path, help="checkpoint folder (e.g. from make-bench-model)")
+    add_placement_arguments(parser, MODES, "expert cache policy of the tiered mode (lru, lfu, static)")
     parser.add_argument("--prompt-lens", default="8k,32k", help="comma-separated prompt lengths (8k = 8192)")
     parser.add_argument("--chunk-tokens", type=int, default=512, help="prefill tokens per forward")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    parser.add_argument("--cache-fraction", type=float, default=0.05, help="VRAM expert cache, share of all experts")
-    parser.add_argument("--policy", default="lfu", help="expert cache policy of the tiered mode (lru, lfu, static)")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--cpu-threads", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick-bounds", action="store_true", help="measure bandwidths on small buffers (smoke runs)")
-    parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON + Markdown receipt")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = PrefillBenchConfig(
-        model=args.model,
+        **placement_options(args),
         prompt_lens=parse_int_list(args.prompt_lens, "--prompt-lens"),
         chunk_tokens=args.chunk_tokens,
-        modes=[m for m in args.modes.split(",") if m],
-        cache_fraction=args.cache_fraction,
-        policy=args.policy,
         repeats=args.repeats,
-        dtype=args.dtype,
-        device=args.device,
-        cpu_threads=args.cpu_threads,
-        seed=args.seed,
         quick_bounds=args.quick_bounds,
     )
     receipt = run_prefill_bench(cfg)
