@@ -267,7 +267,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 @subcommand("bench", "measure decode, prefill or serving speed and write a receipt")
 def _setup_bench(parser: argparse.ArgumentParser) -> None:
-    from moetier.bench import decode, prefill, serve
+    from moetier.bench import decode, plots, prefill, serve
 
     kinds = parser.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
     decode.configure_parser(kinds.add_parser("decode", help="decode tok/s at 1/2/4 streams, all placements"))
@@ -277,6 +277,7 @@ def _setup_bench(parser: argparse.ArgumentParser) -> None:
     serve.configure_parser(
         kinds.add_parser("serve", help="TTFT/TPOT/ITL and output tok/s of a running server at several concurrencies")
     )
+    plots.configure_parser(kinds.add_parser("plot", help="PNG plots of decode receipts (needs matplotlib)"))
 
 
 def build_parser() -> argparse.ArgumentParser:
