@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from moetier.errors import ConfigError
+from moetier.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -89,25 +89,9 @@ class ReasoningParser(ABC):
         """One-shot: ``(reasoning or None when there is no reasoning block, content)``."""
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {}
-
-
-def register_reasoning_parser(*names: str):
-    """Class decorator: register a reasoning parser under the model-family names it serves."""
-
-    def wrap(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-        for name in names:
-            REASONING_PARSERS[name] = cls
-        return cls
-
-    return wrap
-
-
-def reasoning_parser_class(name: str) -> type[ReasoningParser]:
-    """The reasoning parser registered as ``name``; ``ConfigError`` names the known ones otherwise."""
-    if name not in REASONING_PARSERS:
-        raise ConfigError(f"unknown reasoning parser {name!r}; known: {sorted(REASONING_PARSERS)}")
-    return REASONING_PARSERS[name]
+REASONING_PARSERS: Registry[type[ReasoningParser]] = Registry("reasoning parser")
+register_reasoning_parser = REASONING_PARSERS.register
+reasoning_parser_class = REASONING_PARSERS.lookup
 
 
 # States of ThinkTagParser.

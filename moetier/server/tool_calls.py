@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from moetier.errors import ConfigError
+from moetier.registry import Registry
 from moetier.server.reasoning import hold_start, rstrip_index
 
 
@@ -136,25 +136,9 @@ class ToolCallParser(ABC):
         return bool(name) and (self.allowed_names is None or name in self.allowed_names)
 
 
-TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {}
-
-
-def register_tool_call_parser(*names: str):
-    """Class decorator: register a tool-call parser under the model-family names it serves."""
-
-    def wrap(cls: type[ToolCallParser]) -> type[ToolCallParser]:
-        for name in names:
-            TOOL_CALL_PARSERS[name] = cls
-        return cls
-
-    return wrap
-
-
-def tool_call_parser_class(name: str) -> type[ToolCallParser]:
-    """The tool-call parser registered as ``name``; ``ConfigError`` names the known ones otherwise."""
-    if name not in TOOL_CALL_PARSERS:
-        raise ConfigError(f"unknown tool-call parser {name!r}; known: {sorted(TOOL_CALL_PARSERS)}")
-    return TOOL_CALL_PARSERS[name]
+TOOL_CALL_PARSERS: Registry[type[ToolCallParser]] = Registry("tool-call parser")
+register_tool_call_parser = TOOL_CALL_PARSERS.register
+tool_call_parser_class = TOOL_CALL_PARSERS.lookup
 
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
