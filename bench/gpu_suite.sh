@@ -6,7 +6,8 @@
 # Stages can be skipped: SKIP_TESTS=1, SKIP_BENCH=1 (both benchmarks), SKIP_DECODE=1, SKIP_PREFILL=1.
 # BENCH_LAYERS (default 3) sets the model depth; GPU_TEST_ARGS adds pytest arguments (e.g. "-k deepseek_v4");
 # BENCH_ARGS replaces the decode bench's "--profile"; PREFILL_ARGS replaces the prefill bench's
-# "--prompt-lens 8k,32k,128k --chunk-tokens 4096". One command runs at most 10 minutes on the device:
+# "--prompt-lens 8k,32k,128k --profile"; the prefill bench runs once per chunk size in PREFILL_CHUNKS
+# (default "4096 16384"). One command runs at most 10 minutes on the device:
 # split the stages over several calls (e.g. SKIP_TESTS=1 SKIP_DECODE=1 for the prefill receipt).
 # The device returns at most 8 files: every log goes to one suite.log, next to the decode receipt
 # (JSON, Markdown, profile), the prefill receipt (JSON, Markdown) and the tests' two fidelity records.
@@ -56,7 +57,10 @@ if [ -z "${SKIP_BENCH:-}" ]; then
         bench decode 420 --streams 1,2,4 --cache-fraction 0.05 --policy lfu ${BENCH_ARGS---profile}
     fi
     if [ -z "${SKIP_PREFILL:-}" ]; then
-        bench prefill 420 --cache-fraction 0.05 --policy lfu ${PREFILL_ARGS---prompt-lens 8k,32k,128k --chunk-tokens 4096}
+        for chunk in ${PREFILL_CHUNKS:-4096 16384}; do
+            bench prefill 420 --cache-fraction 0.05 --policy lfu --chunk-tokens "$chunk" \
+                ${PREFILL_ARGS---prompt-lens 8k,32k,128k --profile}
+        done
     fi
 fi
 exit "$status"

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from moetier.bench import make_model
+from moetier.bench.overlap import intersection_length, overlap_summary
 from moetier.bench.prefill import (
-    MODES,
+    DEFAULT_MODES,
     PrefillBenchConfig,
     SyncCopyDispatcher,
     attention_bytes,
@@ -92,11 +93,12 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
         repeats=2,
         quick_bounds=True,
         memory_budget_bytes=budget,
+        profile=True,
     )
     receipt = run_prefill_bench(cfg)
     by_key = {(r["mode"], r["prompt_len"]): r for r in receipt["results"]}
-    assert set(by_key) == {(m, n) for m in MODES for n in (5, 48, 96)}
-    assert {(s["mode"], s["prompt_len"]) for s in receipt["skipped"]} == {(m, TOO_LONG) for m in MODES}
+    assert set(by_key) == {(m, n) for m in DEFAULT_MODES for n in (5, 48, 96)}
+    assert {(s["mode"], s["prompt_len"]) for s in receipt["skipped"]} == {(m, TOO_LONG) for m in DEFAULT_MODES}
     assert any(f"{TOO_LONG} tokens: skipped" in note for note in receipt["notes"])
     assert receipt["environment"]["versions"]["torch"] and receipt["bounds"]["host_read_gbps"] > 0
     bandwidth = receipt["bounds"][receipt["bounds"]["streaming_bound_uses"]]
@@ -111,6 +113,8 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
         touched = sum(block * sum(c.values()) for c in chunks)
         assert r["bound_tok_s"] == pytest.approx(length * bandwidth * 1e9 / touched)
         assert r["ratio_to_bound"] == pytest.approx(r["tok_s"]["median"] / r["bound_tok_s"])
+        overlap_bound = min(r["bound_tok_s"], by_key["resident", length]["tok_s"]["median"])
+        assert r["ratio_to_overlap_bound"] == pytest.approx(r["tok_s"]["median"] / overlap_bound)
         assert r["ratio_to_sync"] == pytest.approx(r["tok_s"]["median"] / by_key["sync", length]["tok_s"]["median"])
         assert r["ratio_to_resident"] == pytest.approx(
             r["tok_s"]["median"] / by_key["resident", length]["tok_s"]["median"]
@@ -126,6 +130,9 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
         assert sync["hit_rate"] == 0.0 and sync["copy_wait_seconds"] > 0
         assert 0 <= tiered["hit_rate"] <= 1 and tiered["copy_bytes"] <= sync["copy_bytes"]
         assert by_key["resident", length]["coverage_from"] == "sync"
+    # Off CUDA the profile sees no device copies or kernels, but it ran both profiled modes over two chunks.
+    assert set(receipt["profile"]) == {"sync", "tiered"}
+    assert all(p["tokens"] == 64 and p["copies"] == 0 for p in receipt["profile"].values())
     path = write_receipt(receipt, tmp_path)
     assert json.loads(path.read_text())["kind"] == "prefill"
     assert "| tiered | 96 |" in markdown_table(receipt) and path.with_suffix(".md").exists()
@@ -150,3 +157,25 @@ def test_cli_writes_one_json_and_one_markdown(bench_model, tmp_path):
     assert [(r["mode"], r["chunks"]) for r in results] == [("sync", 3), ("tiered", 3)]
     assert results[1]["ratio_to_sync"] == pytest.approx(results[1]["tok_s"]["median"] / results[0]["tok_s"]["median"])
     assert main(["bench", "prefill", "--model", str(bench_model), "--prompt-lens", "8q"]) == 2  # one-line error
+
+
+def test_overlap_summary_measures_hidden_copy_time():
+    def event(cat: str, name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {
+        "traceEvents": [
+            event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 100),
+            event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 50, 100),  # overlaps the first copy
+            event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 0, 400),  # not an expert copy
+            event("kernel", "gemm", 120, 60),  # 30 us under copies
+            event("kernel", "gemm", 170, 100),  # 0 us more under copies (its first 10 us are the previous kernel's)
+            event("cpu_op", "aten::mm", 0, 1000),  # host events do not count
+        ]
+    }
+    summary = overlap_summary(trace)
+    assert summary["copies"] == 2 and summary["kernels"] == 2
+    assert summary["copy_busy_s"] == pytest.approx(150e-6) and summary["kernel_busy_s"] == pytest.approx(150e-6)
+    assert summary["overlap_s"] == pytest.approx(30e-6)
+    assert summary["copy_hidden_share"] == pytest.approx(0.2) and summary["window_s"] == pytest.approx(270e-6)
+    assert intersection_length([(0, 10), (20, 30)], [(5, 25)]) == 10

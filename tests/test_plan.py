@@ -21,6 +21,7 @@ from moetier.tiers.plan import (
     make_plan,
     parse_size,
 )
+from moetier.tiers.tiered_dispatcher import default_staging_slots
 from moetier.weights.checkpoint import Checkpoint
 
 # The tiny Qwen3-MoE of tests/test_qwen3_moe.py: 4 layers (layer 1 dense), 8 experts of width 32, top-2.
@@ -75,7 +76,7 @@ def _hand_numbers(context: int, streams: int, dtype_bytes: int) -> dict[str, int
         "block": block,
         "kv": streams * context * LAYERS * 2 * KV_HEADS * HEAD_DIM * dtype_bytes,
         "workspace": 512 * HIDDEN * WORKSPACE_HIDDEN_ROWS * 4 + streams * VOCAB * 4,
-        "staging": TOP_K * block,
+        "staging": default_staging_slots(TOP_K) * block,
     }
 
 
@@ -87,7 +88,7 @@ def test_plan_numbers_by_hand(checkpoint):
     plan = make_plan(checkpoint, PlanBudget(budget, context=256, max_streams=2), torch.float32)
     assert plan.expert_block_bytes == hand["block"]
     assert plan.kv_bytes == hand["kv"] and plan.workspace_bytes == hand["workspace"]
-    assert plan.staging_slots == TOP_K and plan.staging_bytes == hand["staging"]
+    assert plan.staging_slots == default_staging_slots(TOP_K) and plan.staging_bytes == hand["staging"]
     assert plan.total_experts == MOE_LAYERS * EXPERTS == 24
     assert plan.cache_slots == (budget - fixed) // hand["block"] == 5
     assert plan.vram_used_bytes == budget - 100
@@ -98,7 +99,11 @@ def test_plan_numbers_by_hand(checkpoint):
     assert plan.routed_bytes_per_token == routed
     assert plan.decode_bound_dram == pytest.approx(DEFAULT_HOST_READ_GBPS * 1e9 / ((1 - 5 / 24) * routed))
     assert plan.decode_bound_pcie == pytest.approx(DEFAULT_PCIE_GBPS * 1e9 / ((1 - 5 / 24) * routed))
-    assert plan.dispatcher_options(policy="lfu") == {"cache_slots": 5, "staging_slots": TOP_K, "policy": "lfu"}
+    assert plan.dispatcher_options(policy="lfu") == {
+        "cache_slots": 5,
+        "staging_slots": default_staging_slots(TOP_K),
+        "policy": "lfu",
+    }
     table = plan.table()
     for fragment in ["backbone", "KV cache: 2 stream(s) x 256 tokens", "expert cache: 5 of 24 experts (20.8%)"]:
         assert fragment in table

@@ -19,7 +19,7 @@ from moetier.tiers.policies import (
     make_policy,
     save_routing_stats,
 )
-from moetier.tiers.tiered_dispatcher import RouteCosts, split_misses
+from moetier.tiers.route_costs import RouteCosts, split_misses
 
 LAYOUT = ExpertLayout(moe_layers=(0, 2), num_experts=6, hidden_size=16, intermediate_size=8, top_k=2)
 

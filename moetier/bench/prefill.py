@@ -6,11 +6,19 @@ prompt (seeded token ids) per length, fed through the model in chunks of ``chunk
 - ``resident``: every expert in VRAM (skipped when they do not fit);
 - ``sync``: per MoE layer call, every used expert is copied to the device first, the copy is waited
   for, and only then do the experts compute: no overlap (how KTransformers and llama.cpp prefill);
-- ``tiered``: the :class:`TieredDispatcher` with a ``cache_fraction`` VRAM cache and its miss routing.
+- ``tiered``: the :class:`TieredDispatcher` with a ``cache_fraction`` VRAM cache and its miss routing
+  (streaming prefill: fat experts stream through the staging ring with cross-layer prefetch, thin
+  ones run on the CPU tier);
+- ``copy`` / ``cpu``: the same with every miss copied / on the CPU tier (the pure paths that
+  CPU-assisted short turns must beat; not in the default set).
 
 Each result carries the distinct experts touched per layer per chunk, the bytes copied, and its ratio
 to ``sync``, to ``resident`` and to the streaming bound ``sum over chunks of bytes_touched(chunk) /
-PCIe_bw`` (host DRAM bandwidth stands in off CUDA), all from the same run. A prompt length whose
+PCIe_bw`` (host DRAM bandwidth stands in off CUDA), all from the same run; where ``resident`` ran at
+that length, also to the overlap bound ``min(PCIe bound, resident)`` (streaming cannot beat the
+compute either). ``--profile`` adds, per profiled mode, a torch-profiler summary of two chunks: how
+long the copy engine and the kernels were busy and how much of the copy time the kernels hid
+(:mod:`moetier.bench.overlap`). A prompt length whose
 attention workspace would not fit the free memory (an estimate, see :func:`attention_bytes`) is
 skipped with a note rather than crashing the run.
 """
@@ -40,12 +48,15 @@ from moetier.bench.common import (
 from moetier.bench.environment import environment
 from moetier.errors import ConfigError
 from moetier.models.base import CausalLM
+from moetier.models.deepseek_v4_attention import workspace_bytes as v4_workspace_bytes
 from moetier.tiers.dispatcher import ExpertDispatcher, ResidentDispatcher
 from moetier.tiers.experts import ExpertStore, ExpertWeights, swiglu_expert
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
 
-MODES = ("resident", "sync", "tiered")
+MODES = ("resident", "sync", "tiered", "copy", "cpu")
+DEFAULT_MODES = ("resident", "sync", "tiered")
+PROFILED_MODES = ("sync", "tiered")
 
 
 @dataclass
@@ -55,7 +66,7 @@ class PrefillBenchConfig:
     model: Path
     prompt_lens: list[int] = field(default_factory=lambda: [8192, 32768])
     chunk_tokens: int = 512
-    modes: list[str] = field(default_factory=lambda: list(MODES))
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
     cache_fraction: float = 0.05
     policy: str = "lfu"
     repeats: int = 1
@@ -65,6 +76,8 @@ class PrefillBenchConfig:
     seed: int = 0
     quick_bounds: bool = False
     memory_budget_bytes: int | None = None  # replaces the measured free memory in the skip check (tests)
+    staging_slots: int | None = None  # tiered modes' staging ring (default: the dispatcher's)
+    profile: bool = False
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -166,27 +179,25 @@ class SyncCopyDispatcher(ExpertDispatcher):
 def attention_bytes(config: Any, prompt_len: int, chunk: int, elem: int) -> int:
     """Estimated peak bytes of the attention path for the last chunk of a ``prompt_len`` prompt.
 
-    DeepSeek-V4 (per sequence): per-query sliding windows ``[C, W, D]``, fp32 logits over window +
-    compressed entries (HCA: all ``L / rate``; CSA: ``index_topk`` gathered entries, the indexer
-    scoring all ``L / rate``), plus the compressed-entry cache. Other families (eager attention):
-    fp32 logits ``[C, heads, L]`` plus the KV cache. Temporaries are counted three times over
-    (scores, masked copy, softmax) - an estimate for the skip decision, not an accounting.
+    DeepSeek-V4 (per sequence): queries run in blocks of bounded workspace, so the transients are the
+    largest layer's :func:`~moetier.models.deepseek_v4_attention.workspace_bytes` (one attention or
+    indexer block, about ``QUERY_BLOCK_BYTES``, plus tensors linear in the chunk), and what grows with
+    the prompt is the cache: every layer's window, compressed entries and (CSA) indexer entries.
+    Other families (eager attention): fp32 logits ``[C, heads, L]`` counted three times over (scores,
+    masked copy, softmax) plus the KV cache. An estimate for the skip decision, not an accounting.
     """
     heads = getattr(config, "num_attention_heads", 1)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     layers = getattr(config, "num_hidden_layers", 1)
     if hasattr(config, "compress_rates") and hasattr(config, "layer_types"):
-        window, peak, cache = config.sliding_window, 0, 0
+        peak, cache = 0, 0
         for layer, kind in enumerate(config.layer_types):
+            peak = max(peak, v4_workspace_bytes(config, layer, chunk, prompt_len, elem))
             rate = config.compress_rate(layer)
             entries = prompt_len // rate if rate else 0
-            keys = window + (min(config.index_topk, entries) if kind.startswith("compressed") else entries)
-            logits = 3 * chunk * heads * (keys + 1) * 4
-            gathered = chunk * keys * head_dim * elem if kind.startswith("compressed") else 0
-            indexer = 2 * chunk * config.index_n_heads * entries * 4 if kind.startswith("compressed") else 0
-            peak = max(peak, logits + gathered + indexer + chunk * window * head_dim * elem)
-            cache += entries * head_dim * elem * (4 if kind.startswith("compressed") else 1)
-        return peak + 4 * chunk * heads * head_dim * elem + cache
+            index_dim = config.index_head_dim if kind == "compressed_sparse_attention" else 0
+            cache += ((config.sliding_window - 1) * head_dim + entries * (head_dim + index_dim)) * elem
+        return peak + cache
     kv_heads = getattr(config, "num_key_value_heads", heads)
     return 3 * chunk * heads * prompt_len * 4 + 2 * layers * kv_heads * head_dim * prompt_len * elem
 
@@ -235,6 +246,28 @@ def _prefill_once(model: CausalLM, ids: torch.Tensor, chunk: int, metrics: TierM
     return _Prefill(time.perf_counter() - start, token, coverage)
 
 
+def _profile_chunks(model: CausalLM, ids: torch.Tensor, chunk: int) -> dict[str, Any]:
+    """Profile a prefill of ``ids`` (two chunks): copy-engine and kernel busy time and their overlap."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from moetier.bench.overlap import summarise_trace_file
+
+    cuda = model.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        _prefill_once(model, ids, chunk, None)
+        sync_device(model.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        summary = summarise_trace_file(trace)
+    summary["tokens"] = int(ids.shape[0])
+    summary["chunk_tokens"] = chunk
+    return summary
+
+
 def _grown(before: dict[int, int], after: dict[int, int]) -> int:
     return sum(1 for expert, count in after.items() if count > before.get(expert, 0))
 
@@ -245,7 +278,14 @@ def _dispatcher(mode: str, store: ExpertStore, cfg: PrefillBenchConfig, device: 
         return None if resident is None else ResidentDispatcher(resident)
     if mode == "sync":
         return SyncCopyDispatcher(store)
-    dispatcher = TieredDispatcher(store, cache_slots=slots, policy=cfg.policy, cpu_threads=cfg.cpu_threads)
+    dispatcher = TieredDispatcher(
+        store,
+        cache_slots=slots,
+        policy=cfg.policy,
+        cpu_threads=cfg.cpu_threads,
+        staging_slots=cfg.staging_slots,
+        miss_route="auto" if mode == "tiered" else mode,
+    )
     dispatcher.prepare(device)
     return dispatcher
 
@@ -276,6 +316,11 @@ def _measure(model: CausalLM, dispatcher, prompt: torch.Tensor, cfg: PrefillBenc
             "copy_bytes": snap["copy_bytes"],
             "admit_bytes": snap["admit_bytes"],
             "cpu_seconds": snap["cpu_seconds"],
+            "cpu_pairs": snap["totals"]["cpu_pairs"],
+            "copy_pairs": snap["totals"]["copy_pairs"],
+            "prefetch_used": snap["totals"]["prefetch_used"],
+            "prefetch_wasted": snap["totals"]["prefetch_wasted"],
+            "admissions": snap["totals"]["admissions"],
             "distinct_experts_per_chunk": [{str(k): v for k, v in c.items()} for c in last.distinct_per_chunk],
         }
     if isinstance(dispatcher, SyncCopyDispatcher):
@@ -314,6 +359,10 @@ def _add_ratios(results: list[dict[str, Any]], block_bytes: int, bandwidth_gbps:
         median = r["tok_s"]["median"]
         if r.get("bound_tok_s"):
             r["ratio_to_bound"] = median / r["bound_tok_s"]
+            resident = by_key.get(("resident", r["prompt_len"]))
+            if resident is not None:
+                r["overlap_bound_tok_s"] = min(r["bound_tok_s"], resident["tok_s"]["median"])
+                r["ratio_to_overlap_bound"] = median / r["overlap_bound_tok_s"]
         for base in ("sync", "resident"):
             if (base, r["prompt_len"]) in by_key:
                 r[f"ratio_to_{base}"] = median / by_key[(base, r["prompt_len"])]["tok_s"]["median"]
@@ -336,6 +385,7 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> dict[str, Any]:
     prompts = {n: torch.randint(0, model.config.vocab_size, (n,), generator=generator) for n in cfg.prompt_lens}
     elem = torch.empty((), dtype=store.dtype).element_size()
     results, skipped, notes = [], [], []
+    profiles: dict[str, dict[str, Any]] = {}
     for mode in cfg.modes:
         dispatcher = _dispatcher(mode, store, cfg, device, slots)
         if dispatcher is None:
@@ -361,6 +411,9 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> dict[str, Any]:
                 warmed = True
             result = {"mode": mode, "prompt_len": length, "chunk_tokens": chunk, "chunks": -(-length // chunk)}
             results.append(result | _measure(model, dispatcher, prompts[length].to(device), cfg))
+            # Profiled once, at the first length with two full chunks (a steady-state picture).
+            if cfg.profile and mode in PROFILED_MODES and mode not in profiles and length >= 2 * chunk:
+                profiles[mode] = _profile_chunks(model, prompts[length][: 2 * chunk].to(device), chunk)
         if hasattr(dispatcher, "close"):
             dispatcher.close()
         del dispatcher
@@ -386,6 +439,7 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> dict[str, Any]:
         },
         "results": results,
         "skipped": skipped,
+        "profile": profiles,
         "notes": notes,
         "wall_seconds": time.time() - started,
     }
@@ -402,8 +456,8 @@ def markdown_table(receipt: dict[str, Any]) -> str:
         f"bound from {bounds['streaming_bound_uses']} = {bandwidth:.1f} GB/s, git {receipt['environment']['git_sha']}",
         "",
         "| mode | prompt | TTFT s (median) | tok/s (median [min-max]) | distinct experts/layer/chunk | GB copied "
-        "| bound tok/s | x bound | x sync | x resident |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| bound tok/s | x bound | x overlap bound | x sync | x resident |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in receipt["results"]:
         t = r["tok_s"]
@@ -418,7 +472,14 @@ def markdown_table(receipt: dict[str, Any]) -> str:
             f"| {r['mode']} | {r['prompt_len']} | {r['ttft_s']['median']:.3f} "
             f"| {t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}] | {coverage} "
             f"| {fmt(None if copied is None else copied / 1e9, 3)} | {fmt(r.get('bound_tok_s'), 1)} "
-            f"| {fmt(r.get('ratio_to_bound'))} | {fmt(r.get('ratio_to_sync'))} | {fmt(r.get('ratio_to_resident'))} |"
+            f"| {fmt(r.get('ratio_to_bound'))} | {fmt(r.get('ratio_to_overlap_bound'))} "
+            f"| {fmt(r.get('ratio_to_sync'))} | {fmt(r.get('ratio_to_resident'))} |"
+        )
+    for mode, prof in (receipt.get("profile") or {}).items():
+        lines.append(
+            f"- profile {mode} ({prof['tokens']} tokens): copies busy {prof['copy_busy_s']:.3f} s, kernels busy "
+            f"{prof['kernel_busy_s']:.3f} s, overlapped {prof['overlap_s']:.3f} s "
+            f"({100 * prof['copy_hidden_share']:.0f}% of copy time hidden) in a {prof['window_s']:.3f} s window"
         )
     lines += [f"- {note}" for note in receipt["notes"]]
     return "\n".join(lines) + "\n"
@@ -430,10 +491,13 @@ def write_receipt(receipt: dict[str, Any], out_dir: Path) -> Path:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     add_placement_arguments(parser, MODES, "expert cache policy of the tiered mode (lru, lfu, static)")
+    parser.set_defaults(modes=",".join(DEFAULT_MODES))
     parser.add_argument("--prompt-lens", default="8k,32k", help="comma-separated prompt lengths (8k = 8192)")
     parser.add_argument("--chunk-tokens", type=int, default=512, help="prefill tokens per forward")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--quick-bounds", action="store_true", help="measure bandwidths on small buffers (smoke runs)")
+    parser.add_argument("--staging-slots", type=int, default=None, help="staging ring of the tiered modes")
+    parser.add_argument("--profile", action="store_true", help="profile two chunks of sync and tiered: copy overlap")
     parser.set_defaults(handler=run)
 
 
@@ -444,6 +508,8 @@ def run(args: argparse.Namespace) -> int:
         chunk_tokens=args.chunk_tokens,
         repeats=args.repeats,
         quick_bounds=args.quick_bounds,
+        staging_slots=args.staging_slots,
+        profile=args.profile,
     )
     receipt = run_prefill_bench(cfg)
     path = write_receipt(receipt, args.out)

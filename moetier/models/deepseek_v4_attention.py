@@ -6,6 +6,7 @@ CSA layers pool overlapping windows (width ``2 * rate``, stride ``rate``) and a 
 keeps only the ``index_topk`` best entries per query. One shared head serves as key and value
 (K = V), each head has a learned sink logit, and the output goes through a grouped projection.
 RoPE in V4 rotates *interleaved* channel pairs of the trailing ``rope_head_dim`` channels.
+Long prefills run the indexer and the attention in blocks of queries (:data:`QUERY_BLOCK_BYTES`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.models.deepseek_v4_cache import CompressorState, LayerCache
-from moetier.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
+from moetier.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from moetier.models.layers import RMSNorm
 
 
@@ -75,6 +76,79 @@ def visible_entries(positions: torch.Tensor, count: int, rate: int) -> torch.Ten
     return torch.arange(count, device=positions.device)[None, :] < ready[:, None]
 
 
+# Prefill workspace: the query-side temporaries of one block (indexer scores, attention logits,
+# gathered keys) are sized to stay within this many bytes, so a long prompt's attention needs a
+# bounded workspace instead of O(chunk x context): 24 GB GPUs serve 100k+ token contexts.
+QUERY_BLOCK_BYTES = 256 << 20
+
+
+def query_blocks(tokens: int, bytes_per_query: int) -> list[slice]:
+    """Consecutive row ranges covering ``tokens`` queries, each needing at most :data:`QUERY_BLOCK_BYTES`
+    at ``bytes_per_query`` (but at least one query); a single range when everything fits (decode).
+
+    Blocks differ in size by at most one query: no small tail block (an inefficient GEMM, and one
+    whose BLAS kernel may round differently from its neighbours').
+    """
+    size = max(1, QUERY_BLOCK_BYTES // max(bytes_per_query, 1))
+    if tokens <= size:
+        return [slice(0, tokens)]
+    count = -(-tokens // size)
+    base, extra = divmod(tokens, count)
+    stops = [(i + 1) * base + min(i + 1, extra) for i in range(count)]
+    return [slice(start, stop) for start, stop in zip([0, *stops[:-1]], stops, strict=True)]
+
+
+def indexer_query_bytes(heads: int, dim: int, entries: int, elem: int) -> int:
+    """Estimated workspace of one indexer query over ``entries`` keys: its fp32 ``[heads, entries]``
+    scores, the head-summed/masked rows and visibility, and its projected query."""
+    return 4 * entries * (heads + 3) + heads * dim * (elem + 8)
+
+
+def attention_query_bytes(heads: int, head_dim: int, keys: int, per_query_keys: int, elem: int) -> int:
+    """Estimated workspace of one attention query over ``keys`` keys (window + compressed).
+
+    fp32 logits over the keys and the sink, counted for its concatenated, masked and softmaxed copies
+    plus the cast probabilities (16 bytes per logit); ``per_query_keys`` keys of its own (the sliding
+    window, CSA's gathered entries) at ``head_dim``; the query and output rows (fp32 while normalised).
+    """
+    return 16 * heads * (keys + 1) + per_query_keys * head_dim * elem + heads * head_dim * (3 * elem + 8)
+
+
+def workspace_bytes(cfg: DeepseekV4Config, layer: int, queries: int, context: int, elem: int) -> int:
+    """Estimated peak transient bytes of ``layer``'s attention for ``queries`` new tokens ending at ``context``
+    tokens, with ``elem``-byte activations. The cache's own tensors are not included.
+
+    A stated estimate from the formulas that size the query blocks: the larger of one attention block
+    and one indexer block (each at most :data:`QUERY_BLOCK_BYTES` unless one query alone needs more),
+    plus the tensors held for all queries (projections, window keys, compressor temporaries, block
+    outputs and their concatenation, indexer ids, HCA visibility) and the entries read as keys.
+    """
+    kind, rate = cfg.layer_types[layer], cfg.compress_rate(layer)
+    entries = context // rate if rate else 0
+    heads, dim, window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+    compressed = min(cfg.index_topk, entries) if kind == CSA else entries
+    gathered = compressed if kind == CSA else 0
+    per_query = attention_query_bytes(heads, dim, window + compressed, window + gathered, elem)
+    peak = _block_bytes(queries, per_query)
+    held = queries * elem * (2 * cfg.hidden_size + cfg.q_lora_rank + 2 * dim)
+    if kind != SLIDING:
+        width = 2 * dim if kind == CSA else dim
+        held += queries * width * (2 * elem + 8) + entries * dim * elem  # compressor; entries (fp8: dequantised)
+    if kind == HCA:
+        held += queries * entries  # visibility mask
+    if kind == CSA:
+        index = indexer_query_bytes(cfg.index_n_heads, cfg.index_head_dim, entries, elem)
+        peak = max(peak, _block_bytes(queries, index))
+        held += queries * (compressed * 9 + 2 * cfg.index_head_dim * (2 * elem + 8) + cfg.index_n_heads * 4)
+        held += entries * cfg.index_head_dim * (elem + 4)  # the indexer's keys and their fp32 copy
+    return peak + held
+
+
+def _block_bytes(queries: int, per_query: int) -> int:
+    """Bytes of the largest block :func:`query_blocks` makes of ``queries`` queries."""
+    return min(queries, max(1, QUERY_BLOCK_BYTES // max(per_query, 1))) * per_query
+
+
 class Compressor(nn.Module):
     """Pools every ``rate`` tokens into one entry of ``dim`` channels (HCA; CSA with ``overlap``).
 
@@ -126,6 +200,8 @@ class Indexer(nn.Module):
     """Lightning indexer: scores ``sum_h w_h * relu(q_h . k)`` over its own compressed keys, keeps the top-k.
 
     Its compressor pools the same (overlapping) windows as the CSA compressor at ``index_head_dim``.
+    Queries are scored in blocks (:func:`query_blocks`): the ``[queries, heads, entries]`` fp32 scores
+    would otherwise grow with chunk x context (32 GiB for 4096 queries over 131072 tokens).
     """
 
     def __init__(self, cfg: DeepseekV4Config, rate: int) -> None:
@@ -138,21 +214,70 @@ class Indexer(nn.Module):
     def forward(
         self, x: torch.Tensor, q_residual: torch.Tensor, rope: StepRope, state: CompressorState
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Selected entry ids ``[T, k]`` and whether each may be attended (``[T, k]`` bool)."""
-        keys = self.compressor(x, state, rope.compress)
+        """Selected entry ids ``[T, k]`` and whether each may be attended (``[T, k]`` bool).
+
+        Every query row goes through the same operations whatever the block size, which only bounds
+        the workspace (BLAS may round a row's dot products differently for another row count; ties
+        fall as ``torch.topk`` breaks them within one row).
+        """
+        keys = self.compressor(x, state, rope.compress).float()
         cos, sin = rope.token["compress"]
-        q = self.wq_b(q_residual).view(x.shape[0], self.heads, self.dim)
-        q = apply_interleaved_rope(q, cos[:, None], sin[:, None])
-        scores = F.relu(torch.einsum("thd,cd->thc", q.float(), keys.float())) * self.dim**-0.5
         head_weights = self.weights_proj(x).float() * self.heads**-0.5
-        scores = (scores * head_weights[..., None]).sum(dim=1)
-        visible = visible_entries(rope.positions, keys.shape[0], self.compressor.rate)
-        ids = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        per_query = indexer_query_bytes(self.heads, self.dim, keys.shape[0], x.element_size())
+        picked = [
+            self._select(q_residual[rows], cos[rows], sin[rows], head_weights[rows], rope.positions[rows], keys)
+            for rows in query_blocks(x.shape[0], per_query)
+        ]
+        if len(picked) == 1:
+            return picked[0]
+        return torch.cat([ids for ids, _ in picked]), torch.cat([valid for _, valid in picked])
+
+    def _select(
+        self,
+        q_residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        head_weights: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k entry ids and their visibility for one block of queries (``keys`` fp32 ``[C, dim]``)."""
+        q = self.wq_b(q_residual).view(q_residual.shape[0], self.heads, self.dim)
+        q = apply_interleaved_rope(q, cos[:, None], sin[:, None])
+        # In place: one [block, heads, C] fp32 tensor alive, the same element-wise ops as relu(s) * c * w.
+        scores = torch.einsum("thd,cd->thc", q.float(), keys)
+        scores = scores.relu_().mul_(self.dim**-0.5).mul_(head_weights[..., None]).sum(dim=1)
+        visible = visible_entries(positions, keys.shape[0], self.compressor.rate)
+        ids = scores.masked_fill_(~visible, float("-inf")).topk(min(self.topk, keys.shape[0]), dim=-1).indices
         return ids, visible.gather(1, ids)
 
 
 # One attended key set: keys shared by all queries ([S, D]) or per query ([T, S, D]), and a [T, S] mask.
 KeySet = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class CompressedKeys:
+    """The compressed entries ``[C, D]`` a layer's queries attend, gathered per block of queries.
+
+    HCA: every entry, ``mask`` ``[T, C]`` marks the complete ones. CSA: ``ids`` ``[T, k]`` are each
+    query's top-k entries and ``mask`` ``[T, k]`` whether each may be attended; the ``[T, k, D]``
+    gather happens per block (2 GiB for 4096 queries of V4-Flash if done at once).
+    """
+
+    entries: torch.Tensor
+    mask: torch.Tensor
+    ids: torch.Tensor | None = None
+
+    @property
+    def per_query(self) -> int:
+        """Compressed keys each query attends."""
+        return self.mask.shape[1]
+
+    def rows(self, rows: slice) -> KeySet:
+        if self.ids is None:
+            return self.entries, self.mask[rows]
+        return self.entries[self.ids[rows]], self.mask[rows]
 
 
 def sliding_keys(keys: torch.Tensor, num_queries: int, window: int) -> KeySet:
@@ -216,29 +341,51 @@ class DeepseekV4Attention(nn.Module):
             self.indexer = Indexer(cfg, cfg.compress_rate(layer))
 
     def forward(self, x: torch.Tensor, rope: StepRope, state: LayerCache) -> torch.Tensor:
-        """``x`` ``[T, hidden]`` (normed) at ``rope.positions`` -> ``[T, hidden]``; appends to ``state``."""
+        """``x`` ``[T, hidden]`` (normed) at ``rope.positions`` -> ``[T, hidden]``; appends to ``state``.
+
+        Keys, compressors and the indexer see all ``T`` tokens at once (they roll the cache forward);
+        queries then run in blocks (:func:`query_blocks`), one block when all fit, as in decode.
+        """
         tokens = x.shape[0]
         cos, sin = rope.token[self.rope_kind]
         q_residual = self.q_norm(self.wq_a(x))
-        q = rms_unweighted(self.wq_b(q_residual).view(tokens, self.heads, self.head_dim), self.eps)
-        q = apply_interleaved_rope(q, cos[:, None], sin[:, None])
         kv = apply_interleaved_rope(self.kv_norm(self.wkv(x)), cos, sin)
-        key_sets = [sliding_keys(state.window.extend(kv), tokens, self.window)]
-        if self.compressor is not None:
-            key_sets.append(self._compressed_keys(x, q_residual, rope, state))
+        windows, window_mask = sliding_keys(state.window.extend(kv), tokens, self.window)
+        compressed = None if self.compressor is None else self._compressed_keys(x, q_residual, rope, state)
+        outs = []
+        for rows in query_blocks(tokens, self._query_bytes(compressed, x.element_size())):
+            key_sets = [(windows[rows], window_mask[rows])]
+            if compressed is not None:
+                key_sets.append(compressed.rows(rows))
+            outs.append(self._attend(q_residual[rows], cos[rows], sin[rows], key_sets))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _attend(
+        self, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_sets: list[KeySet]
+    ) -> torch.Tensor:
+        """One block of queries: project, attend over ``key_sets``, project out -> ``[block, hidden]``."""
+        q = self.wq_b(q_residual).view(q_residual.shape[0], self.heads, self.head_dim)
+        q = apply_interleaved_rope(rms_unweighted(q, self.eps), cos[:, None], sin[:, None])
         out = sink_attention(q, key_sets, self.attn_sink, self.head_dim**-0.5)
         # K = V carries rope on its trailing channels: rotate the output back by the query's angle.
         out = apply_interleaved_rope(out, cos[:, None], -sin[:, None])
         return self._project_out(out)
 
-    def _compressed_keys(self, x: torch.Tensor, q_residual: torch.Tensor, rope: StepRope, state: LayerCache) -> KeySet:
+    def _query_bytes(self, compressed: CompressedKeys | None, elem: int) -> int:
+        per_query = 0 if compressed is None else compressed.per_query
+        gathered = 0 if compressed is None or compressed.ids is None else per_query
+        return attention_query_bytes(self.heads, self.head_dim, self.window + per_query, self.window + gathered, elem)
+
+    def _compressed_keys(
+        self, x: torch.Tensor, q_residual: torch.Tensor, rope: StepRope, state: LayerCache
+    ) -> CompressedKeys:
         entries = self.compressor(x, state.compressor, rope.compress)
         if self.indexer is None:  # HCA: every completed entry
-            return entries, visible_entries(rope.positions, entries.shape[0], self.compressor.rate)
+            return CompressedKeys(entries, visible_entries(rope.positions, entries.shape[0], self.compressor.rate))
         ids, valid = self.indexer(x, q_residual, rope, state.indexer)
         if state.indexer.count != state.compressor.count:
             raise RuntimeError("CSA compressor and indexer disagree on the number of compressed entries")
-        return entries[ids], valid  # per query: only its top-k entries are gathered
+        return CompressedKeys(entries, valid, ids)
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Grouped output projection: each head group maps to ``o_lora_rank`` channels, then one mix."""

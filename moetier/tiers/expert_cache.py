@@ -7,10 +7,16 @@ Ordering on CUDA (all no-ops on the CPU, where copies are synchronous):
   read before its copy lands; after the reads of one dispatch the dispatcher records ``released``.
 The experts a dispatch reads are passed as ``protected``: the policy never offers them as victims,
 so an expert in use by the current step is never evicted.
+
+Staging slots (experts computed without being admitted, and cross-layer prefetches) form a FIFO
+ring: a slot is taken for a copy only after the compute that last read it was enqueued (and its
+``released`` event recorded), so the copy stream runs at most ``n_staging`` experts ahead of the
+compute and never overwrites a slot a kernel still reads; no host thread ever waits for it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +44,9 @@ class ExpertCache:
     """Maps ``(layer, expert)`` to device slots; the policy ranks, the cache moves bytes.
 
     ``n_slots`` may change at run time with :meth:`resize`; ``n_staging`` extra slots hold
-    experts that are copied in for one dispatch without being admitted.
+    experts that are copied in for one dispatch without being admitted (:meth:`take_staging` /
+    :meth:`return_staging`), or prefetched before the dispatch that needs them (:meth:`prefetch` /
+    :meth:`claim_prefetched`).
     """
 
     def __init__(
@@ -61,7 +69,8 @@ class ExpertCache:
         self._free: list[Slot] = []
         self._map: dict[Key, Slot] = {}
         self._staging = [self._new_slot() for _ in range(n_staging)]
-        self._next_staging = 0
+        self._staging_free: deque[Slot] = deque(self._staging)  # oldest release first
+        self._prefetched: dict[Key, Slot] = {}
         self.resize(n_slots)
 
     # --- lookups ------------------------------------------------------------------------------
@@ -171,11 +180,55 @@ class ExpertCache:
         """Fill free slots with the policy's preferred experts (the static set); returns how many were loaded."""
         return sum(self.load(key) for key in self.policy.preferred(self.n_slots))
 
+    # --- staging ring and prefetch --------------------------------------------------------------
+
+    def take_staging(self) -> Slot | None:
+        """The free staging slot released longest ago, or None when all are in flight or prefetched."""
+        return self._staging_free.popleft() if self._staging_free else None
+
+    def return_staging(self, slot: Slot) -> None:
+        """Give a staging slot back once the compute reading it is enqueued (after :meth:`mark_released`)."""
+        slot.key, slot.filled = None, False
+        self._staging_free.append(slot)
+
     def staging_slot(self) -> Slot:
-        """The next staging slot, round robin (its writer waits for its last reader on CUDA)."""
-        slot = self._staging[self._next_staging]
-        self._next_staging = (self._next_staging + 1) % len(self._staging)
+        """A staging slot for a use that returns it at once (round robin; calibration and simple callers)."""
+        slot = self.take_staging()
+        if slot is None:
+            raise ConfigError("no free staging slot: return the slots taken before asking for another")
+        self._staging_free.append(slot)
         return slot
+
+    @property
+    def free_staging(self) -> int:
+        return len(self._staging_free)
+
+    def prefetch(self, key: Key) -> bool:
+        """Start copying ``key`` into a free staging slot now; False when none is free or it is there already."""
+        if key in self._prefetched or self.get(key) is not None:
+            return False
+        slot = self.take_staging()
+        if slot is None:
+            return False
+        self.fill(slot, self.store.expert(*key).block)
+        slot.key = key
+        self._prefetched[key] = slot
+        return True
+
+    def is_prefetched(self, key: Key) -> bool:
+        return key in self._prefetched
+
+    def claim_prefetched(self, key: Key) -> Slot | None:
+        """The staging slot a prefetch filled with ``key`` (the caller returns it after use), or None."""
+        return self._prefetched.pop(key, None)
+
+    def drop_prefetched(self) -> list[Key]:
+        """Give every unclaimed prefetched slot back to the ring; returns the wasted keys."""
+        wasted = list(self._prefetched)
+        for slot in self._prefetched.values():
+            self.return_staging(slot)
+        self._prefetched.clear()
+        return wasted
 
     # --- elasticity ------------------------------------------------------------------------------
 

@@ -18,7 +18,9 @@ class LayerCounters:
     ``cpu_pairs`` / ``copy_pairs`` split the missed pairs by the route that computed them. Bytes over
     PCIe: ``copy_bytes`` for experts copied in to compute a miss (into a staging slot, or straight
     into the cache slot that admits it), ``admit_bytes`` for copies that only fill the cache (a
-    CPU-computed miss being admitted, warm-up).
+    CPU-computed miss being admitted, warm-up). ``prefetch_bytes`` (part of ``copy_bytes``) were
+    copied ahead by a streaming call of the previous MoE layer; ``prefetch_used`` / ``prefetch_wasted``
+    count the prefetched experts this layer computed / never needed.
     """
 
     calls: int = 0
@@ -34,6 +36,9 @@ class LayerCounters:
     admit_bytes: int = 0
     admissions: int = 0
     evictions: int = 0
+    prefetch_bytes: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -9,7 +9,7 @@ and lays the GPU budget out in this order:
    attention, see :func:`kv_estimate`), or for only ``kv_reserve_streams`` of them: the other streams'
    KV then borrows from the expert cache at run time (:mod:`moetier.engine.elastic`);
 3. an activation workspace (an *estimate*, see :func:`workspace_estimate`; overridable);
-4. the staging slots the tiered dispatcher copies missed experts through (``top_k`` by default);
+4. the staging ring the tiered dispatcher streams missed experts through (:func:`default_staging_slots`);
 5. the elastic expert cache: every remaining byte, in whole expert blocks.
 
 Every routed expert's home copy lives in pinned host RAM. The predicted decode bound is DESIGN.md's
@@ -35,6 +35,7 @@ from moetier.errors import ConfigError
 from moetier.models.base import ExpertTarget, IgnoreTarget
 from moetier.tiers.dispatcher import make_dispatcher
 from moetier.tiers.experts import ExpertLayout, ExpertStore
+from moetier.tiers.tiered_dispatcher import default_staging_slots
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.formats import format_for
 
@@ -437,7 +438,7 @@ def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.b
         return int(streams * (context * token_bytes + kv.per_stream * element))
 
     block = layout.block_bytes(dtype)
-    staging = budget.staging_slots or layout.top_k
+    staging = budget.staging_slots or default_staging_slots(layout.top_k)
     if budget.workspace is not None:
         workspace = int(budget.workspace)
     else:

@@ -3,12 +3,20 @@
 Per call:
 1. group the (token, expert) pairs by expert; a group is a hit when its expert is resident;
 2. tell the policy what the layer used, then split the misses between the CPU tier and the copy
-   path by a cost model (measured at start-up on CUDA, or a fixed ``cpu_share``), fat groups first;
+   path by a cost model (measured at start-up on CUDA, or a fixed ``cpu_share``): groups of at
+   least ``fat_threshold`` tokens always go to the device, the rest by longest-processing-time;
 3. reserve cache slots for the misses the policy admits (never evicting an expert this call reads);
-4. start the CPU worker, enqueue the copy-path copies (into their cache slot when admitted, into a
-   staging slot otherwise) on the copy stream, run hits then copied experts on the device;
+4. start the CPU worker, enqueue the copy-path copies (into their cache slot when admitted, into the
+   staging ring otherwise, prefetched ones first) on the copy stream, run hits then copied experts;
 5. copy the CPU-routed admitted experts into their slots off the critical path, add the CPU tier's
    fp32 partial sums on the device.
+
+A *streaming* call (at least ``stream_min_tokens`` tokens: a prefill chunk) leaves the decode cache
+alone: the policy does not see its routing and nothing is admitted, so decode after a long prompt
+finds the cache it had before. Its fat misses stream through the staging ring, and before it
+returns it prefetches the next MoE layer's likely experts (the ones that layer used last chunk,
+fat ones first; for a first chunk that covers most experts, all of them in id order) into the free
+staging slots, so the copy engine keeps moving while attention runs between the two MoE layers.
 The math is :func:`swiglu_expert` everywhere, as in :class:`ResidentDispatcher`; only the order of
 the final sums differs.
 """
@@ -16,10 +24,10 @@ the final sums differs.
 from __future__ import annotations
 
 import logging
-import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -30,10 +38,21 @@ from moetier.tiers.expert_cache import ExpertCache, Slot
 from moetier.tiers.experts import ExpertStore, ExpertWeights, swiglu_expert
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.policies import make_policy
+from moetier.tiers.route_costs import MissRoute, RouteCosts, split_misses
 
 log = logging.getLogger(__name__)
 
-MissRoute = Literal["auto", "cpu", "copy"]
+# The seed's measured crossover: from 32 tokens an expert is a GEMM the device runs for the price
+# of its copy, while host cores would spend many times the copy time on it.
+DEFAULT_FAT_THRESHOLD = 32
+# Enough ring to keep PCIe busy through the attention between two MoE layers of a prefill chunk
+# (at ~55 GB/s a 50 MB expert lands every ~0.9 ms); the plan charges it against the expert cache.
+MIN_STAGING_SLOTS = 16
+
+
+def default_staging_slots(top_k: int) -> int:
+    """Staging ring size when not configured: a decode step's misses, and at least ``MIN_STAGING_SLOTS``."""
+    return max(top_k, MIN_STAGING_SLOTS)
 
 
 @dataclass
@@ -43,7 +62,10 @@ class TieredConfig:
     Exactly one of ``cache_slots`` / ``cache_bytes`` sizes the VRAM cache. ``miss_route`` sends
     every miss to the CPU tier, every miss through the copy path, or (``auto``) splits them by
     the routes' costs: measured at start-up on CUDA unless ``cpu_share`` (the fraction of miss
-    throughput the CPU tier provides, 0..1) fixes the ratio. ``staging_slots`` defaults to top_k.
+    throughput the CPU tier provides, 0..1) fixes the ratio; ``auto`` never sends a group of
+    ``fat_threshold`` or more tokens to the CPU. ``staging_slots`` sizes the staging ring
+    (default :func:`default_staging_slots`). Calls of ``stream_min_tokens`` or more tokens are
+    streaming calls (module docstring); ``prefetch`` turns their cross-layer prefetch on.
     """
 
     cache_slots: int | None = None
@@ -55,6 +77,9 @@ class TieredConfig:
     cpu_share: float | None = None
     staging_slots: int | None = None
     calibrate: bool = True
+    fat_threshold: int = DEFAULT_FAT_THRESHOLD
+    stream_min_tokens: int = 64
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if (self.cache_slots is None) == (self.cache_bytes is None):
@@ -67,53 +92,10 @@ class TieredConfig:
             raise ConfigError(f"cpu_share must be in [0, 1], got {self.cpu_share}")
         if self.staging_slots is not None and self.staging_slots < 1:
             raise ConfigError(f"staging_slots must be >= 1, got {self.staging_slots}")
-
-
-@dataclass
-class RouteCosts:
-    """Seconds to run one missed expert over ``n`` tokens on each route: ``fixed + per_token * n``."""
-
-    cpu_fixed: float = 1.0
-    cpu_per_token: float = 0.0
-    copy_fixed: float = 1.0
-    copy_per_token: float = 0.0
-
-    @classmethod
-    def from_share(cls, cpu_share: float) -> RouteCosts:
-        """Costs under which the CPU tier takes ``cpu_share`` of the miss work (per-token cost ignored)."""
-        cpu = 1.0 / cpu_share if cpu_share > 0 else math.inf
-        copy = 1.0 / (1.0 - cpu_share) if cpu_share < 1 else math.inf
-        return cls(cpu_fixed=cpu, copy_fixed=copy)
-
-    def cpu(self, tokens: int) -> float:
-        return self.cpu_fixed + self.cpu_per_token * tokens
-
-    def copy(self, tokens: int) -> float:
-        return self.copy_fixed + self.copy_per_token * tokens
-
-
-def split_misses(tokens: list[int], route: MissRoute, costs: RouteCosts) -> tuple[list[int], list[int]]:
-    """Indices of missed groups (``tokens[i]`` tokens each) for the CPU tier and for the copy path.
-
-    ``auto`` assigns groups, most tokens first, to the route that would finish its queue sooner
-    (longest-processing-time scheduling over two workers running concurrently); ties go to the CPU.
-    """
-    everyone = list(range(len(tokens)))
-    if route == "cpu":
-        return everyone, []
-    if route == "copy":
-        return [], everyone
-    cpu, copy = [], []
-    cpu_load = copy_load = 0.0
-    for i in sorted(everyone, key=lambda i: -tokens[i]):
-        cpu_finish, copy_finish = cpu_load + costs.cpu(tokens[i]), copy_load + costs.copy(tokens[i])
-        if cpu_finish <= copy_finish:
-            cpu.append(i)
-            cpu_load = cpu_finish
-        else:
-            copy.append(i)
-            copy_load = copy_finish
-    return sorted(cpu), sorted(copy)
+        if self.fat_threshold < 1 or self.stream_min_tokens < 1:
+            raise ConfigError(
+                f"fat_threshold and stream_min_tokens must be >= 1, got {self.fat_threshold}, {self.stream_min_tokens}"
+            )
 
 
 @dataclass
@@ -161,6 +143,10 @@ class TieredDispatcher(ExpertDispatcher):
         self.device: torch.device | None = None
         self.step = 0
         self._first_layer = min(store.layout.moe_layers)
+        moe = sorted(store.layout.moe_layers)
+        # The MoE layer after each one; the last wraps to the first (the next chunk's first layer).
+        self._next_layer = dict(zip(moe, moe[1:] + moe[:1], strict=True))
+        self._stream_history: dict[int, list[int]] = {}  # layer -> experts its last streaming call used, fat first
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -176,14 +162,19 @@ class TieredDispatcher(ExpertDispatcher):
         self._check_home(device)
         cfg, layout = self.config, self.store.layout
         n_slots = cfg.cache_slots if cfg.cache_slots is not None else cfg.cache_bytes // self.block_bytes
-        self.cache = ExpertCache(
-            self.store, device, n_slots, self.policy, cfg.staging_slots or layout.top_k, self.metrics
-        )
+        staging = cfg.staging_slots or default_staging_slots(layout.top_k)
+        self.cache = ExpertCache(self.store, device, n_slots, self.policy, staging, self.metrics)
         self.cpu_tier = CpuExpertTier(layout.swiglu_limit, cfg.cpu_threads)
         self.device = device
         if device.type == "cuda" and cfg.miss_route == "auto" and cfg.cpu_share is None and cfg.calibrate:
             self.costs = self._calibrate()
-        log.info("tiered experts: %d cache slots, policy %s, route costs %s", n_slots, cfg.policy, self.costs)
+        log.info(
+            "tiered experts: %d cache slots, %d staging slots, policy %s, route costs %s",
+            n_slots,
+            staging,
+            cfg.policy,
+            self.costs,
+        )
 
     @property
     def block_bytes(self) -> int:
@@ -222,19 +213,28 @@ class TieredDispatcher(ExpertDispatcher):
         if layer == self._first_layer:
             self.step += 1
             self.metrics.tokens += hidden.shape[0]
-        routing = self._route(layer, hidden, topk_ids, topk_weights)
+        streaming = hidden.shape[0] >= self.config.stream_min_tokens
+        routing = self._route(layer, hidden, topk_ids, topk_weights, streaming)
         hits = [g for g in routing.groups if g.slot is not None]
         misses = [g for g in routing.groups if g.slot is None]
         self._count(layer, hits, misses)
-        cpu_idx, copy_idx = split_misses([g.count for g in misses], self.config.miss_route, self.costs)
-        cpu_groups, copy_groups = [misses[i] for i in cpu_idx], [misses[i] for i in copy_idx]
-        protected = {(layer, g.expert) for g in routing.groups}
-        for group in sorted(misses, key=lambda g: -g.count):
-            group.slot = self.cache.plan_admission((layer, group.expert), protected)
+        # A prefetched miss is already on its way to the device: it is not the CPU's any more.
+        prefetched = [g for g in misses if self.cache.is_prefetched((layer, g.expert))]
+        others = [g for g in misses if not self.cache.is_prefetched((layer, g.expert))]
+        cpu_idx, copy_idx = split_misses(
+            [g.count for g in others], self.config.miss_route, self.costs, self.config.fat_threshold
+        )
+        cpu_groups, copy_groups = [others[i] for i in cpu_idx], prefetched + [others[i] for i in copy_idx]
+        if not streaming:  # a prefill chunk never reshapes the decode cache
+            protected = {(layer, g.expert) for g in routing.groups}
+            for group in sorted(misses, key=lambda g: -g.count):
+                group.slot = self.cache.plan_admission((layer, group.expert), protected)
 
         started = self._start_cpu(layer, hidden, routing, cpu_groups) if cpu_groups else None
         try:
             read = self._run_on_device(layer, out, hidden, routing, hits, copy_groups)
+            if streaming and self.config.prefetch:
+                self._prefetch_next(layer, routing)
             for group in cpu_groups:  # admitted CPU-routed misses: copy in behind the critical path
                 if group.slot is not None:
                     self.cache.fill(group.slot, self.store.expert(layer, group.expert).block)
@@ -247,7 +247,9 @@ class TieredDispatcher(ExpertDispatcher):
         self.cache.mark_released(read, self._compute_stream())
         return out.to(hidden.dtype)
 
-    def _route(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights) -> _Routing:
+    def _route(
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights, streaming: bool
+    ) -> _Routing:
         """Sort pairs by expert on the host (one small copy), look each expert up, tell the policy."""
         ids_host = topk_ids.reshape(-1).cpu()
         order_host = torch.argsort(ids_host, stable=True)
@@ -259,7 +261,10 @@ class TieredDispatcher(ExpertDispatcher):
         for expert, count in zip(experts_l, counts_l, strict=True):
             groups.append(_Group(expert, start, count, self.cache.get((layer, expert))))
             start += count
-        self.policy.record(layer, experts_l, counts_l, self.step)
+        if streaming:
+            self._remember_streamed(layer, experts_l, counts_l)
+        else:
+            self.policy.record(layer, experts_l, counts_l, self.step)
         self.metrics.record_routing(layer, experts_l, counts_l)
         return _Routing(
             groups=groups,
@@ -274,29 +279,82 @@ class TieredDispatcher(ExpertDispatcher):
         """Copy-path copies are enqueued before the hits run, so they land while the hits compute.
 
         Admitted misses are copied straight into their cache slot; the others go through the
-        staging slots, at most ``n_staging`` ahead: a staging slot is refilled only after the
-        compute that read it has been enqueued (on CUDA the refill also waits for its event).
+        staging ring, prefetched ones first (their copies were issued earliest). A ring slot is
+        refilled only after the compute that read it has been enqueued (on CUDA the refill also
+        waits for its event), so at most ``n_staging`` copies run ahead of the compute.
         """
         stream = self._compute_stream()
         direct = [g for g in copy_groups if g.slot is not None]
-        staged = [g for g in copy_groups if g.slot is None]
-        ahead = min(len(staged), self.cache.n_staging)
         for group in direct:
             self._copy_in(layer, group, group.slot)
-        staging = [self._copy_in(layer, group, self.cache.staging_slot()) for group in staged[:ahead]]
+        staged: list[tuple[_Group, Slot]] = []
+        waiting: deque[_Group] = deque()
+        counters = self.metrics.layer(layer)
+        for group in copy_groups:
+            if group.slot is not None:
+                continue
+            slot = self.cache.claim_prefetched((layer, group.expert))
+            if slot is None:
+                waiting.append(group)
+            else:
+                staged.append((group, slot))
+                counters.copy_pairs += group.count
+                counters.prefetch_used += 1
+        counters.prefetch_wasted += len(self.cache.drop_prefetched())
+        self._refill(layer, waiting, staged)
         read = []
         for group in hits + direct:
             self.cache.wait_ready(group.slot, stream)
             self._expert_on_device(out, hidden, routing, group, group.slot.weights)
             read.append(group.slot)
-        for i, group in enumerate(staged):
-            slot = staging[i]
+        done = 0
+        while done < len(staged):
+            group, slot = staged[done]
             self.cache.wait_ready(slot, stream)
             self._expert_on_device(out, hidden, routing, group, slot.weights)
             self.cache.mark_released([slot], stream)
-            if i + ahead < len(staged):
-                staging.append(self._copy_in(layer, staged[i + ahead], self.cache.staging_slot()))
+            self.cache.return_staging(slot)
+            done += 1
+            self._refill(layer, waiting, staged)
         return read
+
+    def _refill(self, layer: int, waiting: deque[_Group], staged: list[tuple[_Group, Slot]]) -> None:
+        """Copy waiting groups into free staging slots (oldest release first) until either runs out."""
+        while waiting:
+            slot = self.cache.take_staging()
+            if slot is None:
+                return
+            group = waiting.popleft()
+            staged.append((group, self._copy_in(layer, group, slot)))
+
+    def _remember_streamed(self, layer: int, experts: list[int], counts: list[int]) -> None:
+        """Keep the experts this streaming call will send to the device, most tokens first: next chunk's guess."""
+        cfg = self.config
+        if cfg.miss_route == "cpu":
+            self._stream_history[layer] = []
+            return
+        floor = cfg.fat_threshold if cfg.miss_route == "auto" else 1
+        ranked = sorted(zip(counts, experts, strict=True), reverse=True)
+        self._stream_history[layer] = [expert for count, expert in ranked if count >= floor]
+
+    def _prefetch_next(self, layer: int, routing: _Routing) -> None:
+        """Start copying the next MoE layer's likely experts into the free staging slots (streaming calls)."""
+        if self.config.miss_route == "cpu":
+            return
+        nxt = self._next_layer[layer]
+        guess = self._stream_history.get(nxt)
+        if guess is None:
+            pairs = int(routing.tokens_host.numel())
+            if pairs < 4 * self.store.layout.num_experts:
+                return  # a small first chunk touches few experts: a guess would mostly waste PCIe
+            guess = range(self.store.layout.num_experts)
+        counters = self.metrics.layer(nxt)
+        for expert in guess:
+            if self.cache.free_staging == 0:
+                return
+            if self.cache.prefetch((nxt, expert)):
+                counters.copy_bytes += self.block_bytes
+                counters.prefetch_bytes += self.block_bytes
 
     def _copy_in(self, layer: int, group: _Group, slot: Slot) -> Slot:
         self.cache.fill(slot, self.store.expert(layer, group.expert).block)
