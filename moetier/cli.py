@@ -191,6 +191,14 @@ def _setup_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reasoning-parser", default="auto", help="auto (by model family), none, or a parser name")
     parser.add_argument("--tool-call-parser", default="auto", help="auto (by model family), none, or a parser name")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="a streamed request waiting for its first token (long prefill) gets an SSE comment with the prefill's "
+        "progress this often (default 5; 0: off)",
+    )
     add_kv_dtype_argument(parser)
     add_tier_arguments(parser)
     parser.set_defaults(handler=_run_serve)
@@ -213,6 +221,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         log_level=args.log_level,
         kv_dtype=args.kv_dtype,
+        keepalive_seconds=args.sse_keepalive,
         tiers=tier_options(args),
     )
     return serve(config)
@@ -267,7 +276,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 @subcommand("bench", "measure decode, prefill or serving speed and write a receipt")
 def _setup_bench(parser: argparse.ArgumentParser) -> None:
-    from moetier.bench import decode, plots, prefill, serve
+    from moetier.bench import decode, hf_baseline, plots, prefill, serve
 
     kinds = parser.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
     decode.configure_parser(kinds.add_parser("decode", help="decode tok/s at 1/2/4 streams, all placements"))
@@ -278,6 +287,9 @@ def _setup_bench(parser: argparse.ArgumentParser) -> None:
         kinds.add_parser("serve", help="TTFT/TPOT/ITL and output tok/s of a running server at several concurrencies")
     )
     plots.configure_parser(kinds.add_parser("plot", help="PNG plots of decode receipts (needs matplotlib)"))
+    hf_baseline.configure_parser(
+        kinds.add_parser("hf", help="decode tok/s of transformers + accelerate device_map=auto (comparison point)")
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,9 @@ The same loaded model (one pinned home copy of the experts) is measured with eac
 
 Each result carries its expert coverage (distinct experts touched per layer), its traffic, and
 ratios to the naive baseline, to the resident run and to the bound ``streams * DRAM_bw / missed
-bytes per step`` computed from bandwidths measured in the same process.
+bytes per step`` computed from bandwidths measured in the same process. With ``hf_baseline``,
+transformers + accelerate ``device_map="auto"`` under the ``gpu_memory`` budget is measured first
+(in a subprocess, see :mod:`moetier.bench.hf_baseline`) and every result gets ``ratio_to_hf``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from moetier.bench import hf_baseline
 from moetier.bench.bandwidth import measure_bounds
 from moetier.bench.common import (
     add_placement_arguments,
@@ -67,6 +70,10 @@ class DecodeBenchConfig:
     seed: int = 0
     quick_bounds: bool = False
     profile: bool = False  # add a torch.profiler summary of a few 1-stream decode steps per mode
+    hf_baseline: bool = False  # also measure transformers + accelerate device_map="auto" (a subprocess)
+    gpu_memory: str = "24GiB"  # the VRAM budget of that baseline
+    host_memory: str | None = None
+    hf_args: str = ""  # extra ``moetier bench hf`` flags
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -86,8 +93,7 @@ class _DecodeRun:
 
     def __init__(self, model: CausalLM, streams: int, cfg: DecodeBenchConfig, vocab: int) -> None:
         self.model, self.streams, self.cfg = model, streams, cfg
-        generator = torch.Generator().manual_seed(cfg.seed + streams)
-        self.prompts = [torch.randint(0, vocab, (cfg.prompt_len,), generator=generator) for _ in range(streams)]
+        self.prompts = hf_baseline.bench_prompts(cfg.seed, streams, cfg.prompt_len, vocab)
         capacity = cfg.prompt_len + cfg.warmup + cfg.steps * cfg.repeats + 2
         self.caches = [model.new_cache(capacity) for _ in range(streams)]
 
@@ -212,6 +218,8 @@ def load_for_bench(cfg: DecodeBenchConfig) -> tuple[LoadedModel, torch.device, H
 def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
     """Measure every mode at every stream count; return the receipt (not yet written)."""
     started = time.time()
+    # Before our own load: the baseline's host copy of the weights must be gone when ours is made.
+    hf = hf_baseline.run_subprocess(cfg) if cfg.hf_baseline else None
     bounds = measure_bounds(quick=cfg.quick_bounds)
     load_start = time.perf_counter()
     loaded, device, arena = load_for_bench(cfg)
@@ -241,7 +249,9 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
         del dispatcher
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    hf_baseline.merge_into_decode(results, notes, hf)
     _add_ratios(results)
+    hf_baseline.add_hf_ratios(results)
     return {
         "kind": "decode",
         "environment": environment(),
@@ -264,6 +274,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
         "greedy_tokens_agree": _agreement(tokens_by_mode),
         "notes": notes,
         "profiles": profiles,
+        "hf_baseline": hf,
         "wall_seconds": time.time() - started,
     }
 
@@ -288,14 +299,16 @@ def markdown_table(receipt: dict[str, Any]) -> str:
         f"({100 * plan['cache_share_of_experts']:.1f}% of experts), host read {bounds['host_read_gbps']:.1f} GB/s, "
         f"H2D {bounds['h2d_pinned_gbps'] or 0:.1f} GB/s, git {receipt['environment']['git_sha']}",
         "",
-        "| mode | streams | tok/s (median [min-max]) | x naive | x resident | hit rate | DRAM bound tok/s | x bound |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | streams | tok/s (median [min-max]) | x naive | x resident | x hf | hit rate | DRAM bound tok/s "
+        "| x bound |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in receipt["results"]:
         t = r["tok_s"]
         lines.append(
             f"| {r['mode']} | {r['streams']} | {t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}] "
-            f"| {fmt(r.get('ratio_to_naive'))} | {fmt(r.get('ratio_to_resident'))} | {fmt(r.get('hit_rate'))} "
+            f"| {fmt(r.get('ratio_to_naive'))} | {fmt(r.get('ratio_to_resident'))} | {fmt(r.get('ratio_to_hf'))} "
+            f"| {fmt(r.get('hit_rate'))} "
             f"| {fmt(r.get('bound_dram_tok_s'), 1)} | {fmt(r.get('ratio_to_dram_bound'))} |"
         )
     lines += [f"- {note}" for note in receipt["notes"]]
@@ -318,6 +331,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also write a torch.profiler summary per mode")
+    hf_baseline.add_decode_arguments(parser)
     parser.set_defaults(handler=run)
 
 
@@ -330,6 +344,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         repeats=args.repeats,
         profile=args.profile,
+        **hf_baseline.decode_options(args),
     )
     receipt = run_decode_bench(cfg)
     path = write_receipt(receipt, args.out)

@@ -126,6 +126,13 @@ class AsyncEngine:
             stats.waiting += self._pending_adds
         return stats
 
+    def prefill_progress(self, request_id: str) -> tuple[int, int] | None:
+        """(prompt tokens prefilled, prompt tokens) of a running request still prefilling, as of the last
+        step; None when it waits, decodes or is unknown."""
+        with self._lock:
+            stream = self._active.get(request_id)
+            return None if stream is None else self._stats.prefill_progress.get(stream.engine_id)
+
     async def shutdown(self) -> None:
         """Stop the thread; requests still in flight are aborted and end with an ``"abort"`` update."""
         with self._lock:

@@ -15,11 +15,16 @@ a conversation). Aborted and failed requests publish nothing further.
 With tiered experts the VRAM expert cache is elastic (:mod:`moetier.engine.elastic`): it shrinks by
 whole slots between steps when the running sequences' KV outgrows the plan's reservation, and grows
 back when they finish; the KV-token budget is lowered so that the cache's floor is never crossed.
+
+Prefill is metered (:mod:`moetier.engine.prefill_meter`): a completed prefill logs one INFO line
+(tokens, prefix-cache hit, seconds, tok/s), a long one logs its progress every ``log_interval``
+seconds, and ``stats()`` carries the prefill counters and each prefilling request's progress.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +35,7 @@ from moetier.config import ModelLoadConfig, default_device
 from moetier.engine.detokenizer import IncrementalText
 from moetier.engine.elastic import ElasticExpertBudget
 from moetier.engine.model_runner import ModelRunner
+from moetier.engine.prefill_meter import PrefillMeter
 from moetier.engine.prefix_cache import PrefixCache, chain_hashes
 from moetier.engine.sampling import (
     PenaltyState,
@@ -134,6 +140,7 @@ class Engine:
         self._notices: list[RequestUpdate] = []  # abort updates, delivered by the next step
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self.prefill_meter = PrefillMeter()  # prefill progress lines and counters (log_interval: seconds)
 
     @classmethod
     def from_path(cls, path: str | Path, **kwargs: Any) -> Engine:
@@ -280,9 +287,21 @@ class Engine:
             kv_tokens_capacity=self.scheduler.kv_token_budget,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            **self._prefill_stats(),
             **self._prefix_stats(),
             **(self.elastic.stats() if self.elastic is not None else {}),
         )
+
+    def _prefill_stats(self) -> dict[str, Any]:
+        meter = self.prefill_meter
+        progress = {s.request_id: (s.num_computed, s.num_prompt) for s in self.scheduler.running if s.prefilling}
+        return {
+            "prefill_seconds_total": meter.seconds_total,
+            "prefill_computed_tokens_total": meter.computed_tokens_total,
+            "prefill_tokens_per_second": meter.tokens_per_second,
+            "prefill_remaining_tokens": sum(total - done for done, total in progress.values()),
+            "prefill_progress": progress,
+        }
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -293,14 +312,23 @@ class Engine:
         self._fit_experts()  # before the runner allocates the newly admitted sequences' caches
         if not plan:
             return updates
+        started = time.perf_counter()
+        for chunk in plan.chunks:
+            if chunk.start < chunk.seq.num_prompt:
+                self.prefill_meter.begin(chunk.seq.request_id, chunk.start, chunk.seq.num_prompt, started)
+        prefilled = 0
         with torch.inference_mode():
             out = self.runner.execute(plan)
+            computed = time.perf_counter()
             for chunk in plan.chunks:
                 request = self._requests[chunk.seq.request_id]
                 error = out.failures.get(chunk.seq.request_id)
                 if error is None:
                     try:
-                        self._account_chunk(request, chunk.start, chunk.num_tokens, out.prompt_logits)
+                        prompt_tokens = self._account_chunk(request, chunk.start, chunk.num_tokens, out.prompt_logits)
+                        prefilled += prompt_tokens
+                        if prompt_tokens:
+                            self.prefill_meter.advance(chunk.seq.request_id, prompt_tokens, computed)
                         self._publish_prompt(chunk)
                     except Exception as exc:  # noqa: BLE001 - fails this request only
                         error = exc
@@ -310,17 +338,22 @@ class Engine:
             if live and out.logits is not None:
                 requests = [self._requests[out.sampled[i].request_id] for i in live]
                 self._sample_and_emit(requests, out.logits[live], updates)
+        if prefilled:
+            self.prefill_meter.step(time.perf_counter() - started, prefilled)
         return updates
 
-    def _account_chunk(self, request: _Request, start: int, count: int, prompt_logits: dict) -> None:
+    def _account_chunk(self, request: _Request, start: int, count: int, prompt_logits: dict) -> int:
+        """Record a computed chunk; returns how many prompt tokens it computed."""
         seq = request.seq
         seq.num_computed += count
-        self._prompt_tokens_total += max(0, min(start + count, seq.num_prompt) - start)
+        prompt_tokens = max(0, min(start + count, seq.num_prompt) - start)
+        self._prompt_tokens_total += prompt_tokens
         rows = prompt_logits.get(seq.request_id)
         if rows is not None:
             targets = torch.tensor(seq.prompt_ids[start + 1 : start + 1 + rows.shape[0]], device=rows.device)
             top = [seq.params.prompt_logprobs or 0] * rows.shape[0]
             seq.prompt_logprobs.extend(token_logprobs(rows, targets, top))
+        return prompt_tokens
 
     def _sample_and_emit(self, requests: list[_Request], logits: torch.Tensor, updates: list[RequestUpdate]) -> None:
         generators = [r.generator for r in requests]
@@ -507,6 +540,7 @@ class Engine:
 
     def _release(self, request: _Request) -> None:
         self.scheduler.finish(request.seq)
+        self.prefill_meter.drop(request.seq.request_id)
         self.runner.free(request.seq.request_id)
         self._requests.pop(request.seq.request_id, None)
         if not self.scheduler.waiting:  # nobody to hand the freed KV to: the experts take it back now

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,15 @@ class EngineStats:
     kv_tokens_capacity: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    # Prefill (moetier.engine.prefill_meter): wall seconds of steps that computed prompt tokens, the prompt
+    # tokens computed (prefix-cache hits excluded), their ratio over the last ~30 s of prefill work, the
+    # prompt tokens the running requests have still to prefill, and per running request still prefilling
+    # (by engine request id): (prompt tokens in its cache, prompt tokens).
+    prefill_seconds_total: float = 0.0
+    prefill_computed_tokens_total: int = 0
+    prefill_tokens_per_second: float = 0.0
+    prefill_remaining_tokens: int = 0
+    prefill_progress: dict[str, tuple[int, int]] = field(default_factory=dict)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     # prefix_cache_queries/hits count prompt tokens (looked up / served from the cache, as vLLM's metrics

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -39,7 +40,7 @@ from moetier.server.openai_errors import (
 )
 from moetier.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from moetier.server.serving_chat import ChatServing
-from moetier.server.serving_common import ServingModel, log_unknown_fields
+from moetier.server.serving_common import DEFAULT_KEEPALIVE_SECONDS, ServingModel, log_unknown_fields
 from moetier.server.serving_completions import CompletionServing
 
 logger = logging.getLogger("moetier.server")
@@ -59,6 +60,8 @@ class ServeConfig:
     ``tiers``: a :class:`moetier.tiers.plan.TierOptions` (``--gpu-memory`` and friends) to load with
     tiered experts; its plan's table is logged at start-up and its counters appear in ``/metrics``.
     ``kv_dtype``: the KV cache's storage, ``auto`` (the model dtype), ``bf16`` or ``fp8``.
+    ``keepalive_seconds``: a streamed request still waiting for its first token (a long prefill) gets an
+    SSE comment this often, with the prefill's progress when known; 0 sends none.
     """
 
     model: str | None = None
@@ -76,6 +79,7 @@ class ServeConfig:
     log_level: str = "info"
     tiers: Any = None  # moetier.tiers.plan.TierOptions: serve with tiered experts (None: all resident)
     kv_dtype: str = "auto"
+    keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -90,6 +94,9 @@ class ServeConfig:
             raise ConfigError("api_key must not be empty (leave it out to serve without a key)")
         if self.kv_dtype not in ("auto", "bf16", "fp8"):
             raise ConfigError(f"kv_dtype must be auto, bf16 or fp8, got {self.kv_dtype!r}")
+        keepalive = self.keepalive_seconds
+        if isinstance(keepalive, bool) or not isinstance(keepalive, int | float) or not 0 <= keepalive < math.inf:
+            raise ConfigError(f"keepalive_seconds must be a number >= 0 (0: off), got {keepalive!r}")
 
 
 # --- loading ----------------------------------------------------------------------------------------
@@ -194,8 +201,9 @@ class ServerState:
             else:
                 logger.error("loading the model failed: %s", exc)
             return
-        self.chat = ChatServing(model, self.metrics)
-        self.completions = CompletionServing(model, self.metrics)
+        keepalive = self.config.keepalive_seconds
+        self.chat = ChatServing(model, self.metrics, keepalive)
+        self.completions = CompletionServing(model, self.metrics, keepalive)
         self.model = model
         logger.info("serving %s (window %d tokens)", model.name, model.max_model_len)
 

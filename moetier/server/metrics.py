@@ -3,7 +3,7 @@
 Latencies are measured by the server per request (``time_to_first_token_seconds`` from arrival to
 the first generated token, queueing included; ``inter_token_latency_seconds`` between successive
 token-carrying updates; ``e2e_request_latency_seconds``). Engine state (running and waiting
-requests, KV-cache use, token and prefix-cache counters, the elastic expert cache's size) is read from
+requests, KV-cache use, token, prefill and prefix-cache counters, the elastic expert cache's size) is read from
 the engine's ``stats()`` at scrape time, so the numbers cannot drift from the engine's own. Each app owns
 its registry, so several servers (tests) can live in one process.
 """
@@ -118,6 +118,24 @@ class _EngineStatsCollector(Collector):
         yield gauge("kv_cache_usage_perc", "KV-cache use, 0 to 1 (1 = full).", used / capacity if capacity else 0.0)
         yield counter("prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
+        yield counter(
+            "prefill_seconds", "Wall seconds of engine steps that computed prompt tokens.", stats.prefill_seconds_total
+        )
+        yield counter(
+            "prefill_computed_tokens",
+            "Prompt tokens computed by the model (prefix-cache hits excluded).",
+            stats.prefill_computed_tokens_total,
+        )
+        yield gauge(
+            "prefill_tokens_per_second",
+            "Prefill throughput over the last ~30 s of prefill work (kept while idle).",
+            stats.prefill_tokens_per_second,
+        )
+        yield gauge(
+            "prefill_in_progress_tokens",
+            "Prompt tokens the running requests have still to prefill.",
+            stats.prefill_remaining_tokens,
+        )
         yield counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
         )

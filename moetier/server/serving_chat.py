@@ -35,6 +35,7 @@ from moetier.server.metrics import ServerMetrics
 from moetier.server.openai_errors import invalid
 from moetier.server.protocol import ChatCompletionRequest, NamedToolChoice
 from moetier.server.serving_common import (
+    DEFAULT_KEEPALIVE_SECONDS,
     ClientDisconnected,
     ClosingStreamingResponse,
     ServingModel,
@@ -46,6 +47,7 @@ from moetier.server.serving_common import (
     log_unknown_fields,
     merge,
     new_id,
+    progress_of,
     sampling_params,
     sse,
     sse_stream,
@@ -53,6 +55,7 @@ from moetier.server.serving_common import (
     unless_disconnected,
     usage,
     validate_with_engine,
+    with_keepalives,
 )
 from moetier.server.tool_calls import (
     CALL_BEGIN,
@@ -195,10 +198,16 @@ class ChatChoice:
 
 
 class ChatServing:
-    """The handler of ``/v1/chat/completions`` for one loaded model."""
+    """The handler of ``/v1/chat/completions`` for one loaded model (``keepalive_seconds``: see
+    :func:`~moetier.server.serving_common.with_keepalives`)."""
 
-    def __init__(self, model: ServingModel, metrics: ServerMetrics | None = None) -> None:
-        self.model, self.metrics = model, metrics
+    def __init__(
+        self,
+        model: ServingModel,
+        metrics: ServerMetrics | None = None,
+        keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS,
+    ) -> None:
+        self.model, self.metrics, self.keepalive_seconds = model, metrics, keepalive_seconds
         self.text_of = TokenText(model.tokenizer)
 
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
@@ -429,7 +438,12 @@ class _ChatRun:
             if forced:
                 yield self._chunk([self._choice_chunk(choice, forced, None)])
         pending: dict[int, list[dict[str, Any]]] = {c.index: [] for c in self.choices}
-        async for index, update in self._updates():
+        progress = progress_of(self.model, f"{self.id}-0")
+        async for item in with_keepalives(self._updates(), self.serving.keepalive_seconds, progress):
+            if isinstance(item, str):  # an SSE comment while the prompt is prefilled
+                yield item
+                continue
+            index, update = item
             delta, entries = self._process(index, update)
             choice = self.choices[index]
             pending[index].extend(entries)

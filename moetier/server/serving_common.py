@@ -1,5 +1,6 @@
 """What chat and text completions share: the loaded model, sampling parameters, running engine
-requests (fan-out of ``n``, abort on early exit, client disconnects), logprobs and SSE framing."""
+requests (fan-out of ``n``, abort on early exit, client disconnects), logprobs and SSE framing
+(with keep-alive comments while a streamed request waits for its first token)."""
 
 from __future__ import annotations
 
@@ -385,6 +386,59 @@ def sse(payload: dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+# Seconds a stream waits for its first token before it sends SSE comments (``moetier serve --sse-keepalive``).
+DEFAULT_KEEPALIVE_SECONDS = 5.0
+_END = object()
+
+
+def keepalive_comment(progress: tuple[int, int] | None) -> str:
+    """An SSE comment line (clients and EventSource ignore it): the prefill's progress when known."""
+    return ": keep-alive\n\n" if progress is None else f": prefill {progress[0]}/{progress[1]} tokens\n\n"
+
+
+def progress_of(model: ServingModel, request_id: str) -> Callable[[], tuple[int, int] | None] | None:
+    """A reader of the engine request's prefill progress, when the engine offers one (AsyncEngine does)."""
+    lookup = getattr(model.engine, "prefill_progress", None)
+    return None if lookup is None else (lambda: lookup(request_id))
+
+
+async def _next_or_end(items: AsyncIterator[T]) -> T | object:
+    try:
+        return await anext(items)
+    except StopAsyncIteration:
+        return _END
+
+
+async def with_keepalives(
+    items: AsyncIterator[T], seconds: float, progress: Callable[[], tuple[int, int] | None] | None = None
+) -> AsyncIterator[T | str]:
+    """``items``, with an SSE comment (:func:`keepalive_comment`) every ``seconds`` while the FIRST item is
+    awaited, so proxies and clients see a long prefill alive. ``seconds`` 0 sends none.
+
+    Only the first item is raced against a timer; after it the items pass straight through (no timer
+    on the token path). Closing this generator (client gone) cancels a pending first item and closes
+    ``items``, which aborts its engine requests.
+    """
+    try:
+        if seconds > 0:
+            first = asyncio.ensure_future(_next_or_end(items))
+            try:
+                while not (await asyncio.wait({first}, timeout=seconds))[0]:
+                    yield keepalive_comment(progress() if progress is not None else None)
+            finally:
+                if not first.done():
+                    first.cancel()
+                    with anyio.CancelScope(shield=True), contextlib.suppress(asyncio.CancelledError, Exception):
+                        await first
+            item = first.result()
+            if item is _END:
+                return
+            yield item  # type: ignore[misc]
+        async for item in items:
+            yield item
+    finally:
+        with anyio.CancelScope(shield=True):
+            await items.aclose()
 
 
 async def sse_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:

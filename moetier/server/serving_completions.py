@@ -23,6 +23,7 @@ from moetier.server.metrics import ServerMetrics
 from moetier.server.openai_errors import invalid
 from moetier.server.protocol import CompletionRequest
 from moetier.server.serving_common import (
+    DEFAULT_KEEPALIVE_SECONDS,
     ClientDisconnected,
     ClosingStreamingResponse,
     CompletionLogprobs,
@@ -35,6 +36,7 @@ from moetier.server.serving_common import (
     log_unknown_fields,
     merge,
     new_id,
+    progress_of,
     sampling_params,
     sse,
     sse_stream,
@@ -42,6 +44,7 @@ from moetier.server.serving_common import (
     unless_disconnected,
     usage,
     validate_with_engine,
+    with_keepalives,
 )
 
 
@@ -113,10 +116,16 @@ class CompletionChoice:
 
 
 class CompletionServing:
-    """The handler of ``/v1/completions`` for one loaded model."""
+    """The handler of ``/v1/completions`` for one loaded model (``keepalive_seconds``: see
+    :func:`~moetier.server.serving_common.with_keepalives`)."""
 
-    def __init__(self, model: ServingModel, metrics: ServerMetrics | None = None) -> None:
-        self.model, self.metrics = model, metrics
+    def __init__(
+        self,
+        model: ServingModel,
+        metrics: ServerMetrics | None = None,
+        keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS,
+    ) -> None:
+        self.model, self.metrics, self.keepalive_seconds = model, metrics, keepalive_seconds
         self.text_of = TokenText(model.tokenizer)
 
     async def create(self, request: CompletionRequest, raw: Request) -> Response:
@@ -266,7 +275,12 @@ class _CompletionRun:
                 yield self._chunk(choice, choice.text, None if choice.logprobs is None else choice.logprobs.since(0))
         if self.jobs:
             timers = [timer(self.serving.metrics, self.arrival) for _ in self.jobs]
-            async for k, update in self._updates():
+            progress = progress_of(self.model, self.jobs[0][1])
+            async for item in with_keepalives(self._updates(), self.serving.keepalive_seconds, progress):
+                if isinstance(item, str):  # an SSE comment while the prompt is prefilled
+                    yield item
+                    continue
+                k, update = item
                 check_update(update)
                 choice = self.jobs[k][0]
                 now = time.monotonic()
