@@ -250,6 +250,10 @@ def test_cli_is_deterministic_and_rejects_bad_input(tmp_path, capsys):
     args = ["--shape", "qwen3-235b", "--layers", "2", "--vocab-size", "256", "--experts-per-layer", "8"]
     args += ["--hidden-size", "64", "--moe-intermediate-size", "32", "--quiet", "--device", "cpu"]
     args += ["--set", "num_attention_heads=4", "--set", "num_key_value_heads=2", "--set", "head_dim=16"]
+    # 256 ids cannot hold a byte-level tokenizer: asked for one, the writer fails before writing anything.
+    assert main([*args, "--out", str(tmp_path / "small")]) == 2
+    assert "--no-tokenizer" in capsys.readouterr().err and not (tmp_path / "small").exists()
+    args.append("--no-tokenizer")
 
     def digest(folder):
         return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()

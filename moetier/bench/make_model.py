@@ -2,8 +2,14 @@
 
 The folder holds ``config.json`` (loadable by transformers and by moetier), ``generation_config.json``,
 safetensors shards of ~4.5 GB with ``model.safetensors.index.json``, ``bench_model.json`` (how it was
-made and how fast) and, with ``--routing-skew``, ``routing_skew.json``. No tokenizer: benchmarks
-feed token ids.
+made and how fast), with ``--routing-skew`` ``routing_skew.json``, and (unless ``--no-tokenizer``)
+``tokenizer.json`` + ``tokenizer_config.json``, so ``moetier serve --model`` can serve the folder.
+
+The tokenizer covers the whole vocabulary (a random model samples any id): a byte-level BPE trained
+on a built-in word list, DeepSeek's BOS/EOS at the ids ``config.json`` names, the chat, reasoning and
+tool-call markers, and printable filler tokens for the remaining ids (see
+:func:`moetier.tokenizer_training.full_vocabulary_tokenizer`). Prompts use the built-in DeepSeek
+chat template.
 
 Weights follow the reference init (normal with ``initializer_range`` for projections and
 embeddings, ones for norms, zeros for biases, sinks and compressor offsets, mHC as transformers
@@ -28,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from moetier.bench.routers import RouterFactory
@@ -43,12 +50,21 @@ from moetier.bench.safetensors_out import (
 from moetier.bench.shapes import SHAPES, Fill, Normal, Router, TensorSpec, build_config, tensor_plan
 from moetier.config import parse_dtype
 from moetier.errors import ConfigError, MoetierError
+from moetier.tokenizer_training import full_vocabulary_tokenizer, write_tokenizer_folder
 
 DEFAULT_SHARD_BYTES = 4_500_000_000
 DEFAULT_CHUNK_BYTES = 32 << 20
 _POOL_BUFFERS = 3  # one being filled, up to two queued for the disk
 _DISK_MARGIN = 64 << 20
-_OUR_FILES = ("config.json", "generation_config.json", INDEX_FILE, "routing_skew.json", "bench_model.json")
+_OUR_FILES = (
+    "config.json",
+    "generation_config.json",
+    INDEX_FILE,
+    "routing_skew.json",
+    "bench_model.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -65,6 +81,7 @@ class WriteOptions:
     force: bool = False
     progress: bool = True
     sync: bool = True  # fsync each shard, so throughput numbers include the disk
+    tokenizer: bool = True  # write a full-vocabulary tokenizer, so the folder can be served
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -95,6 +112,7 @@ class WriteSummary:
     seconds: float
     device: str
     skew: dict[str, Any] | None = field(default=None, repr=False)
+    tokenizer: dict[str, Any] | None = None  # ids per kind and build seconds; None without a tokenizer
 
     @property
     def gb_per_s(self) -> float:
@@ -196,6 +214,28 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
+def _special_id(value: Any, default: int) -> int:
+    """A config's ``bos_token_id`` / ``eos_token_id``: an int, the first of a list, else ``default``."""
+    if isinstance(value, list) and value and isinstance(value[0], int):
+        return value[0]
+    return value if isinstance(value, int) else default
+
+
+def build_bench_tokenizer(cfg: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]]:
+    """The full-vocabulary tokenizer for ``cfg`` (BOS/EOS at its ids) and a summary with build seconds.
+
+    Raises ConfigError when the vocabulary is too small for a byte-level tokenizer.
+    """
+    started = time.perf_counter()
+    bos, eos = _special_id(cfg.get("bos_token_id"), 0), _special_id(cfg.get("eos_token_id"), 1)
+    try:
+        tok, counts = full_vocabulary_tokenizer(cfg["vocab_size"], bos_id=bos, eos_id=eos)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; pass --no-tokenizer to write the checkpoint without one") from None
+    summary = {"vocab_size": cfg["vocab_size"], "bos_token_id": bos, "eos_token_id": eos, **counts}
+    return tok, summary | {"seconds": round(time.perf_counter() - started, 3)}
+
+
 def write_bench_model(cfg: dict[str, Any], out: str | Path, options: WriteOptions | None = None) -> WriteSummary:
     """Write ``cfg``'s checkpoint (random weights, real names and shapes) into the folder ``out``."""
     options = options or WriteOptions()
@@ -203,6 +243,8 @@ def write_bench_model(cfg: dict[str, Any], out: str | Path, options: WriteOption
     specs = tensor_plan(cfg)
     stored = [StoredTensor(s.name, _stored_dtype(s, options.dtype), s.shape) for s in specs]
     total = sum(t.nbytes for t in stored)
+    # Built before anything is written: a vocabulary too small for it fails fast.
+    tokenizer, tokenizer_summary = build_bench_tokenizer(cfg) if options.tokenizer else (None, None)
     _prepare_folder(out, total, options.force)
     started = time.perf_counter()
 
@@ -212,6 +254,8 @@ def write_bench_model(cfg: dict[str, Any], out: str | Path, options: WriteOption
         out / "generation_config.json",
         {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id")},
     )
+    if tokenizer is not None:
+        write_tokenizer_folder(out, tokenizer, model_max_length=cfg.get("max_position_embeddings", 4096))
 
     source = RandomSource(device, options.seed)
     routers = RouterFactory(
@@ -240,7 +284,7 @@ def write_bench_model(cfg: dict[str, Any], out: str | Path, options: WriteOption
     skew_summary = routers.skew_summary() if options.routing_skew is not None else None
     if skew_summary is not None:
         _write_json(out / "routing_skew.json", skew_summary)
-    summary = WriteSummary(out, total, len(stored), names, seconds, device.type, skew_summary)
+    summary = WriteSummary(out, total, len(stored), names, seconds, device.type, skew_summary, tokenizer_summary)
     _write_json(out / "bench_model.json", _receipt(cfg, options, summary))
     return summary
 
@@ -258,6 +302,7 @@ def _receipt(cfg: dict[str, Any], options: WriteOptions, summary: WriteSummary) 
         "shards": summary.shards,
         "seconds": round(summary.seconds, 3),
         "write_gb_per_s": round(summary.gb_per_s, 3),
+        "tokenizer": summary.tokenizer,
         "torch": torch.__version__,
     }
 
@@ -306,6 +351,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / 2**20, help="generation chunk (MiB)")
     parser.add_argument("--force", action="store_true", help="replace a previous benchmark model in --out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-tokenizer", dest="tokenizer", action="store_false", help="write no tokenizer (then it cannot be served)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -329,6 +377,7 @@ def run(args: argparse.Namespace) -> int:
             chunk_bytes=int(args.chunk_mb * 2**20),
             force=args.force,
             progress=not args.quiet,
+            tokenizer=args.tokenizer,
         )
         summary = write_bench_model(cfg, args.out, options)
     except MoetierError as exc:
@@ -338,6 +387,12 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {summary.total_bytes / 1e9:.2f} GB ({summary.tensors} tensors, {len(summary.shards)} shards) "
         f"to {summary.path} in {summary.seconds:.1f} s ({summary.gb_per_s:.2f} GB/s, weights drawn on {summary.device})"
     )
+    if summary.tokenizer is not None:
+        tok = summary.tokenizer
+        print(
+            f"tokenizer: {tok['vocab_size']} ids ({tok['trained']} trained, {tok['filler']} filler, "
+            f"{tok['reserved']} special) in {tok['seconds']:.2f} s"
+        )
     if summary.skew is not None:
         tv, rho = summary.skew["worst_total_variation"], summary.skew["worst_spearman"]
         print(
