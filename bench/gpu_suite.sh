@@ -3,11 +3,15 @@
 # DeepSeek-V4-Flash bench model, run the standard decode benchmark and the prefill benchmark;
 # everything lands in $OUT.
 # Usage (device tool): MOETIER_GIT_SHA=<sha> bash bench/gpu_suite.sh   (carry: .whl)
-# Stages can be skipped: SKIP_TESTS=1, SKIP_BENCH=1 (both benchmarks), SKIP_DECODE=1, SKIP_PREFILL=1.
+# Stages can be skipped: SKIP_TESTS=1, SKIP_BENCH=1 (all benchmarks), SKIP_DECODE=1, SKIP_PREFILL=1, SKIP_SERVE=1.
 # BENCH_LAYERS (default 3) sets the model depth; GPU_TEST_ARGS adds pytest arguments (e.g. "-k deepseek_v4");
 # BENCH_ARGS replaces the decode bench's "--profile"; PREFILL_ARGS replaces the prefill bench's
 # "--prompt-lens 8k,32k,128k --profile"; the prefill bench runs once per chunk size in PREFILL_CHUNKS
-# (default "4096 16384"). One command runs at most 10 minutes on the device:
+# (default "4096 16384"); SHORT_TURNS=1 adds the short-turn prefill (512/2048 tokens, pure CPU and copy
+# paths against the split). HF_BASELINE=1 adds transformers + accelerate to the decode bench (HF_ARGS:
+# its extra flags). The serve stage starts `moetier serve` on the bench model with SERVE_GPU_MEMORY
+# (default 6GiB: the backbone, KV and ~3% of the experts) and drives it at 1/2/4 streams.
+# One command runs at most 10 minutes on the device:
 # split the stages over several calls (e.g. SKIP_TESTS=1 SKIP_DECODE=1 for the prefill receipt).
 # The device returns at most 8 files: every log goes to one suite.log, next to the decode receipt
 # (JSON, Markdown, profile), the prefill receipt (JSON, Markdown) and the tests' two fidelity records.
@@ -54,13 +58,31 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     timeout 240 python3 -m moetier.cli make-bench-model --shape deepseek-v4-flash --layers "${BENCH_LAYERS:-3}" \
         --out "$model" --device cuda --force 2>&1 | tr '\r' '\n' | grep -v '^writing' | tee -a "$LOG"
     if [ -z "${SKIP_DECODE:-}" ]; then
-        bench decode 420 --streams 1,2,4 --cache-fraction 0.05 --policy lfu ${BENCH_ARGS---profile}
+        hf=()
+        [ -n "${HF_BASELINE:-}" ] && hf=(--hf-baseline --hf-args "${HF_ARGS---fallback autocast --steps 3 --max-seconds 60}")
+        bench decode 480 --streams 1,2,4 --cache-fraction 0.05 --policy lfu ${BENCH_ARGS---profile} "${hf[@]}"
     fi
     if [ -z "${SKIP_PREFILL:-}" ]; then
         for chunk in ${PREFILL_CHUNKS:-4096 16384}; do
             bench prefill 420 --cache-fraction 0.05 --policy lfu --chunk-tokens "$chunk" \
                 ${PREFILL_ARGS---prompt-lens 8k,32k,128k --profile}
         done
+        if [ -n "${SHORT_TURNS:-}" ]; then
+            bench prefill 240 --cache-fraction 0.05 --policy lfu --chunk-tokens 2048 --prompt-lens 512,2048 \
+                --modes sync,copy,cpu,tiered
+        fi
+    fi
+    if [ -z "${SKIP_SERVE:-}" ]; then
+        serve_args="--gpu-memory ${SERVE_GPU_MEMORY:-6GiB} --context 16384 --max-streams 4"
+        echo "=== plan" >> "$LOG"
+        python3 -m moetier.cli plan --model "$model" $serve_args 2>&1 | tee -a "$LOG"
+        echo "=== bench serve" >> "$LOG"
+        timeout 420 python3 -m moetier.cli bench serve --start-model "$model" --serve-args "$serve_args" \
+            --concurrency 1,2,4 --requests 4 --prompt-tokens 512 --max-tokens 32 --out "$OUT" 2>&1 \
+            | tr '\r' '\n' | grep -v '^\(pinning\|loading\)' | tee -a "$LOG"
+        code=${PIPESTATUS[0]}
+        echo "bench serve exit status: $code" | tee -a "$LOG"
+        [ "$code" -eq 0 ] || status=$code
     fi
 fi
 exit "$status"

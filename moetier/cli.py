@@ -53,6 +53,18 @@ def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_prefill_chunk_argument(parser: argparse.ArgumentParser) -> None:
+    """--prefill-chunk: prefill tokens per step, shared by ``serve``, ``generate`` and ``plan``."""
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="prefill tokens per step (default auto: with --gpu-memory the plan picks up to 8192 from the VRAM "
+        "left, larger chunks amortise streaming the experts; else 512). Decodes wait while a chunk runs",
+    )
+
+
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     """--gpu-memory and the tiered-expert options, shared by ``serve`` and ``generate``."""
     parser.add_argument(
@@ -110,6 +122,7 @@ def _setup_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     add_kv_dtype_argument(parser)
+    add_prefill_chunk_argument(parser)
     add_tier_arguments(parser)
     parser.set_defaults(handler=_run_generate)
 
@@ -143,6 +156,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         cpu_threads=args.cpu_threads,
         miss_route=args.miss_route,
         kv_dtype=args.kv_dtype,
+        prefill_chunk_tokens=args.prefill_chunk,
     )
     # Options left out keep the checkpoint's generation_config defaults.
     params = replace(llm.get_default_sampling_params(), **chosen)
@@ -200,6 +214,7 @@ def _setup_serve(parser: argparse.ArgumentParser) -> None:
         "progress this often (default 5; 0: off)",
     )
     add_kv_dtype_argument(parser)
+    add_prefill_chunk_argument(parser)
     add_tier_arguments(parser)
     parser.set_defaults(handler=_run_serve)
 
@@ -222,6 +237,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         kv_dtype=args.kv_dtype,
         keepalive_seconds=args.sse_keepalive,
+        prefill_chunk_tokens=args.prefill_chunk,
         tiers=tier_options(args),
     )
     return serve(config)
@@ -234,7 +250,6 @@ def _setup_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-memory", default=None, help="host RAM budget for the experts' pinned home copy")
     parser.add_argument("--context", type=int, default=None, help="tokens per stream (default: the model's window)")
     parser.add_argument("--max-streams", type=int, default=4, help="streams decoding together (KV cache)")
-    parser.add_argument("--prefill-chunk", type=int, default=512, help="prefill tokens per step (workspace)")
     parser.add_argument("--workspace", default=None, help="activation workspace (default: a stated estimate)")
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32"]
@@ -243,6 +258,7 @@ def _setup_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-read-gbps", type=float, default=None, help="host DRAM read GB/s (default: H200 box)")
     parser.add_argument("--pcie-gbps", type=float, default=None, help="PCIe host->device GB/s (default: H200 box)")
     add_kv_dtype_argument(parser)
+    add_prefill_chunk_argument(parser)
     parser.set_defaults(handler=_run_plan)
 
 

@@ -73,7 +73,9 @@ class LLM:
     experts: a placement plan sizes the VRAM expert cache, every expert's home copy sits in pinned
     host RAM (``host_memory`` is checked against it), misses run per ``miss_route`` (``auto``, ``cpu``,
     ``copy``) on ``cpu_threads`` threads and the cache follows ``expert_policy``. ``kv_dtype``
-    (``auto``, ``bf16``, ``fp8``), when given, overrides the engine config's KV cache storage.
+    (``auto``, ``bf16``, ``fp8``), when given, overrides the engine config's KV cache storage, and
+    ``prefill_chunk_tokens`` its prefill tokens per step (left as ``None`` in both, the placement plan
+    picks the chunk with ``gpu_memory``; ``self.engine.config.prefill_chunk_tokens`` is the one used).
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class LLM:
         cpu_threads: int | None = None,
         miss_route: str = "auto",
         kv_dtype: str | None = None,
+        prefill_chunk_tokens: int | None = None,
     ) -> None:
         self.path = Path(model).expanduser()
         config = engine_config or EngineConfig()
@@ -98,6 +101,8 @@ class LLM:
             config = replace(config, max_model_len=max_model_len)
         if kv_dtype is not None:
             config = replace(config, kv_dtype=kv_dtype)  # validated by EngineConfig
+        if prefill_chunk_tokens is not None:
+            config = replace(config, prefill_chunk_tokens=prefill_chunk_tokens)
         tiers = None
         if gpu_memory is not None:
             from moetier.tiers.plan import TierOptions

@@ -14,6 +14,7 @@ from moetier.tiers.plan import (
     DEFAULT_HOST_READ_GBPS,
     DEFAULT_PCIE_GBPS,
     WORKSPACE_HIDDEN_ROWS,
+    PlacementPlan,
     PlanBudget,
     TierOptions,
     checkpoint_sizes,
@@ -22,6 +23,14 @@ from moetier.tiers.plan import (
     parse_size,
 )
 from moetier.tiers.tiered_dispatcher import default_staging_slots
+from moetier.tiers.workspace import (
+    DECODE_COST_SHARE,
+    MAX_AUTO_CHUNK,
+    auto_chunk_limit,
+    choose_prefill_chunk,
+    workspace_allowance,
+    workspace_estimate,
+)
 from moetier.weights.checkpoint import Checkpoint
 
 # The tiny Qwen3-MoE of tests/test_qwen3_moe.py: 4 layers (layer 1 dense), 8 experts of width 32, top-2.
@@ -162,6 +171,9 @@ def test_plan_cli_prints_the_table(checkpoint, capsys):
     assert cli.main([*args, "--device", "cpu", "--dtype", "fp32", "--host-read-gbps", "50"]) == 0
     out = capsys.readouterr().out
     assert "placement plan for" in out and "expert cache:" in out and "host read 50 GB/s" in out
+    assert "prefill chunk: 512 tokens (auto: workspace" in out  # 256 x 2 tokens in flight at most
+    assert cli.main([*args, "--device", "cpu", "--dtype", "fp32", "--prefill-chunk", "384"]) == 0
+    assert "prefill chunk: 384 tokens (given)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -188,3 +200,92 @@ def test_prefix_cache_memory_is_reserved_before_the_expert_cache(checkpoint):
     plan = make_plan(checkpoint, PlanBudget(budget, context=256, max_streams=2, prefix_cache=reserved), torch.float32)
     assert plan.cache_slots == 2 and plan.vram_used_bytes == budget
     assert "prefix cache" in plan.table()
+
+
+# --- the prefill chunk ------------------------------------------------------------------------------
+
+CHUNK_CONTEXT, CHUNK_STREAMS = 4096, 2  # 8192 prompt tokens in flight at most: every chunk up to 8192 is useful
+
+
+def _workspace(chunk: int, streams: int = CHUNK_STREAMS) -> int:
+    """The tiny Qwen3's workspace by hand: 32 fp32 hidden rows per chunk token, fp32 logits per stream."""
+    return chunk * HIDDEN * WORKSPACE_HIDDEN_ROWS * 4 + streams * VOCAB * 4
+
+
+def _chunk_plan(checkpoint, room: int, **budget) -> PlacementPlan:
+    """A plan whose workspace and expert cache share ``room`` bytes (everything else fixed, by hand)."""
+    sizes = checkpoint_sizes(checkpoint, torch.float32)
+    hand = _hand_numbers(CHUNK_CONTEXT, CHUNK_STREAMS, dtype_bytes=4)
+    gpu = sizes.backbone + hand["kv"] + hand["staging"] + room
+    return make_plan(
+        checkpoint, PlanBudget(gpu, context=CHUNK_CONTEXT, max_streams=CHUNK_STREAMS, **budget), torch.float32
+    )
+
+
+def test_plan_picks_the_prefill_chunk_from_the_room_left(checkpoint):
+    experts = MOE_LAYERS * EXPERTS * 3 * MOE_INTER * HIDDEN * 4  # 24 blocks of 24 KiB: the cache's whole use
+    # Room for every expert and an 8192-token workspace: spare room is free, 8192 is the cap.
+    plan = _chunk_plan(checkpoint, experts + _workspace(8192) + 1000)
+    assert plan.prefill_chunk_tokens == 8192 and plan.workspace_bytes == _workspace(8192) == 64 * 2**20 + 2560
+    assert plan.cache_slots == 24
+    line = next(x for x in plan.table().splitlines() if x.startswith("prefill chunk:"))
+    assert line.startswith("prefill chunk: 8192 tokens (auto: workspace 0.06 GiB of 0.06 GiB allowed; capped at 8192")
+    # Room for every expert and the 1024-token workspace, but not for 2048's: 1024 (the cache still fills).
+    plan = _chunk_plan(checkpoint, experts + _workspace(1024) + _workspace(1024) // 2)
+    assert plan.prefill_chunk_tokens == 1024 and plan.workspace_bytes == _workspace(1024)
+    assert plan.cache_slots == 24 and "prefill chunk: 1024 tokens (auto: workspace 0.007815 GiB of" in plan.table()
+    # Given chunks are honoured, above the automatic cap too, and sized by the same estimate.
+    for given in (2048, 3 * MAX_AUTO_CHUNK):
+        plan = _chunk_plan(checkpoint, experts + _workspace(3 * MAX_AUTO_CHUNK), prefill_chunk_tokens=given)
+        assert plan.prefill_chunk_tokens == given and plan.workspace_bytes == _workspace(given)
+        assert f"prefill chunk: {given} tokens (given)" in plan.table()
+    # A given workspace: the automatic chunk grows to fill it, and the workspace stays as given.
+    plan = _chunk_plan(checkpoint, experts + _workspace(8192), workspace=_workspace(2048) + 5)
+    assert plan.prefill_chunk_tokens == 2048 and plan.workspace_bytes == _workspace(2048) + 5
+    # Few prompt tokens can be in flight (256 x 2): no chunk beyond 512 is worth its workspace.
+    small = make_plan(checkpoint, PlanBudget("1GiB", context=256, max_streams=2), torch.float32)
+    assert small.prefill_chunk_tokens == 512 and "no more prompt tokens fit context x streams" in small.table()
+
+
+def test_too_small_room_keeps_512_and_the_usual_error(checkpoint):
+    with pytest.raises(ConfigError, match=r"the KV cache of 2 stream\(s\) x 4096 tokens needs .* raise --gpu-memory"):
+        _chunk_plan(checkpoint, _workspace(512) - 1024)  # not even 512 tokens' workspace: nothing shrinks it
+    plan = _chunk_plan(checkpoint, _workspace(512) + 100)  # 512 fits, the cache gets nothing
+    assert plan.prefill_chunk_tokens == 512 and plan.cache_slots == 0
+
+
+def test_workspace_allowance_prices_the_decode_bound():
+    gib = 2**30
+    # The cache would hold 2 of 16 GiB of experts: W <= (16 - 2) / 7 = 2 GiB keeps 7/8 of the decode bound.
+    assert workspace_allowance(2 * gib, 16 * gib) == 2 * gib
+    assert workspace_allowance(10 * gib, 16 * gib) == 6 * gib // 7
+    allowed = workspace_allowance(10 * gib, 16 * gib)  # check the promise itself on the uniform decode bound
+    before, after = 1 - 10 / 16, 1 - (10 * gib - allowed) / (16 * gib)
+    assert before / after == pytest.approx(1 - 1 / DECODE_COST_SHARE, rel=1e-6)
+    assert workspace_allowance(20 * gib, 16 * gib) == 4 * gib  # every expert fits: only the spare 4 GiB
+    assert workspace_allowance(1 * gib, 100 * gib) == 1 * gib and workspace_allowance(-5, 100) == 0
+    assert [auto_chunk_limit(n) for n in (1, 512, 513, 3000, 8192, 10**6)] == [512, 512, 1024, 4096, 8192, 8192]
+
+    def linear(tokens: int) -> int:
+        return 100 * 2**20 + tokens * 2**20  # 100 MiB fixed, 1 MiB per token
+
+    assert choose_prefill_chunk(linear, 4196 * 2**20).tokens == 4096  # 4096 needs exactly 4196 MiB
+    assert choose_prefill_chunk(linear, 4196 * 2**20 - 1).tokens == 2048
+    assert choose_prefill_chunk(linear, 4196 * 2**20, limit=1024).tokens == 1024
+    tight = choose_prefill_chunk(linear, 10 * 2**20)
+    assert tight.tokens == 512 and tight.workspace == linear(512) and "even this chunk" in tight.note
+
+
+def test_v4_workspace_counts_the_prefill_attention():
+    from test_deepseek_v4 import tiny_v4_config
+
+    from moetier.models import deepseek_v4_attention as attention
+    from moetier.models.deepseek_v4_config import DeepseekV4Config
+
+    cfg = DeepseekV4Config.from_hf(tiny_v4_config().to_dict())
+    rows = 1024 * cfg.hidden_size * WORKSPACE_HIDDEN_ROWS * 4 + 2 * cfg.vocab_size * 4
+    layers = range(cfg.num_hidden_layers)
+    for context in (1024, 65536):
+        peak = max(attention.workspace_bytes(cfg, layer, 1024, context, 2) for layer in layers)
+        assert peak > 0 and workspace_estimate(cfg, 1024, 2, context, 2) == rows + peak
+    assert workspace_estimate(cfg, 1024, 2, 65536, 2) > workspace_estimate(cfg, 1024, 2, 1024, 2)  # more entries

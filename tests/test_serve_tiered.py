@@ -1,6 +1,9 @@
 """Serving with tiered experts: ``gpu_memory`` small enough that most expert uses miss must not change the
-greedy completion (server, LLM and CLI), and ``/metrics`` exports the tier counters."""
+greedy completion (server, LLM and CLI), ``/metrics`` exports the tier counters, and the plan's prefill
+chunk is the one the engine runs."""
 
+import asyncio
+import logging
 import re
 
 import httpx
@@ -12,7 +15,8 @@ from test_qwen3_moe import tiny_qwen3_config
 from tiny_tokenizer import write_test_tokenizer
 
 from moetier import cli
-from moetier.server.app import ServeConfig
+from moetier.errors import ConfigError
+from moetier.server.app import ServeConfig, load_serving_model
 from moetier.tiers.plan import PlanBudget, TierOptions, make_plan
 
 CONTEXT, STREAMS, SLOTS = 256, 2, 1
@@ -29,11 +33,12 @@ def checkpoint(tmp_path_factory):
 
 def budget_for(checkpoint, slots: int, streams: int) -> int:
     """A GPU budget that leaves room for exactly ``slots`` cached experts of 24 (the engine also reserves
-    its default prefix-cache memory, so that is part of the budget)."""
+    its default prefix-cache memory, so that is part of the budget) with 512-token prefill chunks."""
     from moetier.engine.engine import EngineConfig
 
     prefix = EngineConfig().prefix_cache_bytes
-    roomy = make_plan(checkpoint, PlanBudget("3GiB", context=CONTEXT, max_streams=streams), torch.float32)
+    budget = PlanBudget("3GiB", context=CONTEXT, max_streams=streams, prefill_chunk_tokens=512)
+    roomy = make_plan(checkpoint, budget, torch.float32)
     fixed = roomy.backbone_bytes + roomy.kv_bytes + roomy.workspace_bytes + roomy.staging_bytes
     return fixed + prefix + slots * roomy.expert_block_bytes
 
@@ -123,7 +128,71 @@ def test_llm_and_cli_generate_with_gpu_memory(checkpoint, budget, capsys):
     args = ["generate", "--model", str(checkpoint), "--prompt", PROMPT, "--max-tokens", "16", "--temperature", "0"]
     args += ["--device", "cpu", "--dtype", "fp32", "--max-model-len", str(CONTEXT)]
     args += ["--gpu-memory", str(budget_for(checkpoint, 3, streams=4))]  # generate decodes 4 streams by default
+    args += ["--prefill-chunk", "512"]  # the budget's chunk (auto would trade those 3 slots for a bigger one)
     assert cli.main([*args, "--miss-route", "copy", "--expert-policy", "lru"]) == 0
     assert capsys.readouterr().out == expected + "\n"
-    assert cli.main([*args[:-1], "12XB"]) == 2
+    assert cli.main([*args[:-3], "12XB"]) == 2
     assert "unknown unit 'XB'" in capsys.readouterr().err
+
+
+def _engine_of(config: ServeConfig):
+    """The engine ``moetier serve`` would run for ``config`` (loaded, then its thread stopped)."""
+    model = load_serving_model(config)
+    asyncio.run(model.engine.shutdown())
+    return model.engine.engine
+
+
+def test_serve_runs_the_plans_prefill_chunk(checkpoint, caplog):
+    base = {"model": str(checkpoint), "device": "cpu", "dtype": "fp32", "context": CONTEXT, "max_streams": 4}
+    tiers = TierOptions("3GiB", miss_route="cpu", cpu_threads=1)  # every expert fits: spare room is free
+    with caplog.at_level(logging.INFO, logger="moetier.server"):
+        engine = _engine_of(ServeConfig(**base, tiers=tiers))
+    # 4 streams x 256 tokens: at most 1024 prompt tokens in flight, so the plan stops there.
+    assert engine.plan.prefill_chunk_tokens == 1024
+    assert engine.config.prefill_chunk_tokens == engine.scheduler.prefill_chunk_tokens == 1024
+    assert "prefill chunk: 1024 tokens (placement plan, auto: workspace" in caplog.text
+    assert "prefill chunk: 1024 tokens (auto: workspace" in engine.plan.table()  # the table the engine logs
+
+    given = _engine_of(ServeConfig(**base, tiers=tiers, prefill_chunk_tokens=96))
+    assert given.plan.prefill_chunk_tokens == given.scheduler.prefill_chunk_tokens == 96
+    assert given.plan.workspace_bytes < engine.plan.workspace_bytes  # sized for the given chunk
+    resident = _engine_of(ServeConfig(**base))
+    assert resident.plan is None and resident.scheduler.prefill_chunk_tokens == 512
+    with pytest.raises(ConfigError, match="prefill_chunk_tokens"):
+        ServeConfig(**base, prefill_chunk_tokens=0)
+
+
+def test_llm_runs_the_plans_prefill_chunk_unless_given(checkpoint):
+    from moetier import LLM
+    from moetier.engine.engine import EngineConfig
+
+    common = {"device": "cpu", "dtype": "fp32", "max_model_len": CONTEXT, "load_progress": False}
+    common |= {"engine_config": EngineConfig(max_streams=4), "gpu_memory": "3GiB", "skip_tokenizer_init": True}
+    auto = LLM(checkpoint, **common)
+    assert auto.plan.prefill_chunk_tokens == auto.engine.scheduler.prefill_chunk_tokens == 1024
+    given = LLM(checkpoint, **common, prefill_chunk_tokens=200)
+    assert given.plan.prefill_chunk_tokens == given.engine.scheduler.prefill_chunk_tokens == 200
+
+
+def test_cli_passes_prefill_chunk_to_serve_and_generate(monkeypatch):
+    import moetier.llm
+    import moetier.server.app
+
+    seen = {}
+
+    def fake_serve(config: ServeConfig) -> int:
+        seen["serve"] = config
+        return 0
+
+    def fake_llm(*args, **kwargs):
+        seen["generate"] = kwargs
+        raise ConfigError("stop before loading")
+
+    monkeypatch.setattr(moetier.server.app, "serve", fake_serve)
+    monkeypatch.setattr(moetier.llm, "LLM", fake_llm)
+    assert cli.main(["serve", "--gpu-memory", "1GiB", "--prefill-chunk", "4096"]) == 0
+    assert seen.pop("serve").prefill_chunk_tokens == 4096
+    assert cli.main(["serve", "--gpu-memory", "1GiB"]) == 0
+    assert seen.pop("serve").prefill_chunk_tokens is None  # auto: the plan decides
+    assert cli.main(["generate", "--model", "m", "--prompt", "p", "--prefill-chunk", "2048"]) == 2
+    assert seen["generate"]["prefill_chunk_tokens"] == 2048

@@ -57,11 +57,16 @@ def test_streamed_chunked_prefill_matches_resident_one_shot(checkpoint):
     loaded, _ = load_tiered(path, torch.float32, cache_slots=small_cache(resident), policy="lru", **STREAMING)
     dispatcher: TieredDispatcher = loaded.model.dispatcher
     dispatcher.prepare("cpu")
+    layout = loaded.store.layout
+    for expert in range(dispatcher.cache.n_slots):  # a full decode cache, as after some decoding
+        assert dispatcher.cache.load((layout.moe_layers[expert % len(layout.moe_layers)], expert))
     cached_before = sorted(dispatcher.cache.resident())
     prefill, cache = chunked_prefill(loaded.model, prompt, CHUNK, STEPS)
     assert relative_error(prefill, ref_prefill) < FP32_REL
     after_prefill = dispatcher.metrics.snapshot()["totals"]
-    assert sorted(dispatcher.cache.resident()) == cached_before  # the decode cache is untouched
+    assert dispatcher.cache.lent == len(cached_before)  # the whole tiny cache served as staging ring
+    assert dispatcher.cache.reclaim_lent() == len(cached_before)  # what the first decode call does
+    assert sorted(dispatcher.cache.resident()) == cached_before  # decode finds the cache it had
     assert after_prefill["admissions"] == 0
     assert after_prefill["cpu_pairs"] > 0 and after_prefill["copy_pairs"] > 0  # both routes ran
     assert after_prefill["prefetch_used"] > 0  # chunks 2 and 3 found their experts already staged
@@ -147,6 +152,26 @@ def test_staging_ring_is_fifo_and_prefetch_claims_or_drops():
     assert cache.drop_prefetched() == [(1, 6)] and cache.free_staging == 2
     cache.return_staging(slot)
     assert cache.free_staging == 3
+
+
+def test_lent_cache_slots_come_back_with_their_experts():
+    layout = ExpertLayout((0, 1), num_experts=8, hidden_size=8, intermediate_size=4, top_k=2)
+    store = _random_store(layout, torch.float32)
+    policy = LRUPolicy()
+    cache = ExpertCache(store, "cpu", n_slots=4, policy=policy, n_staging=2)
+    keys = [(0, 1), (0, 2), (1, 3)]
+    for key in keys:
+        cache.load(key)
+    policy.record(0, [2], [1], step=1)  # (0, 2) is the most recently used
+    assert cache.lend_to_staging(3) == 3  # the free slot, then the two least recently used experts
+    assert cache.n_slots == 1 and cache.n_staging == 5 and cache.free_staging == 5
+    assert cache.resident() == [(0, 2)]
+    assert cache.reclaim_lent() == 2 and cache.lent == 0
+    assert sorted(cache.resident()) == keys and cache.n_slots == 4 and cache.n_staging == 2
+    for key in keys:
+        assert torch.equal(cache.get(key).tensor, store.expert(*key).block)
+    cache.lend_to_staging(2)
+    assert cache.resize(4) == 4 and cache.lent == 0 and (0, 1) in cache  # resizing takes lent slots back first
 
 
 def test_fat_groups_never_go_to_the_cpu_tier():

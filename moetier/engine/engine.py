@@ -129,6 +129,7 @@ class Engine:
         self.generation_config: dict[str, Any] = self.loaded.checkpoint.read_json("generation_config.json") or {}
         self.eos_token_ids = self._eos_ids()
 
+        self.config = self.config.with_chunk_from(self.plan)  # auto chunk: the plan's, or the default
         capacity = self.config.kv_token_budget or self.config.max_streams * self.max_model_len
         self.scheduler = Scheduler(self.config.max_streams, self.config.prefill_chunk_tokens, capacity)
         self.runner = ModelRunner(self.model, kv_dtype=self.config.cache_kv_dtype)

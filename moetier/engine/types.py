@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ from moetier.config import parse_dtype
 from moetier.engine.sampling import TokenLogprob
 from moetier.errors import CheckpointError, ConfigError, MoetierError
 from moetier.models.cache import KV_DTYPES
+from moetier.tiers.workspace import DEFAULT_PREFILL_CHUNK
 
 _CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -34,7 +35,9 @@ class EngineConfig:
 
     - ``max_streams``: sequences running (prefilling or decoding) together.
     - ``max_model_len``: longest sequence, prompt + output; ``None`` = the model's window.
-    - ``prefill_chunk_tokens``: prefill tokens per step, so a long prompt never freezes the streams.
+    - ``prefill_chunk_tokens``: prefill tokens per step, so a long prompt never freezes the streams;
+      ``None`` (auto) = the placement plan's choice with tiered experts (bigger chunks amortise streaming
+      the experts), else :data:`DEFAULT_PREFILL_CHUNK`. See :meth:`with_chunk_from`.
     - ``max_waiting``: bound of the waiting queue; beyond it ``add_request`` raises EngineBusyError.
     - ``kv_token_budget``: KV tokens all running sequences may reserve together; ``None`` =
       ``max_streams * max_model_len``.
@@ -47,7 +50,7 @@ class EngineConfig:
 
     max_streams: int = 4
     max_model_len: int | None = None
-    prefill_chunk_tokens: int = 512
+    prefill_chunk_tokens: int | None = None
     max_waiting: int = 256
     kv_token_budget: int | None = None
     enable_prefix_caching: bool = True
@@ -58,7 +61,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _positive_int("max_streams", self.max_streams)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
-        _positive_int("prefill_chunk_tokens", self.prefill_chunk_tokens)
+        _positive_int("prefill_chunk_tokens", self.prefill_chunk_tokens, allow_none=True)
         _positive_int("max_waiting", self.max_waiting)
         _positive_int("kv_token_budget", self.kv_token_budget, allow_none=True)
         _positive_int("prefix_block_tokens", self.prefix_block_tokens)
@@ -67,6 +70,14 @@ class EngineConfig:
             raise ConfigError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+
+    def with_chunk_from(self, plan: Any) -> EngineConfig:
+        """This config with ``prefill_chunk_tokens`` resolved: the given one, else the placement plan's
+        (``plan.prefill_chunk_tokens``; ``plan`` None: every expert resident), else the default."""
+        if self.prefill_chunk_tokens is not None:
+            return self
+        chunk = DEFAULT_PREFILL_CHUNK if plan is None else plan.prefill_chunk_tokens
+        return replace(self, prefill_chunk_tokens=chunk)
 
     @property
     def cache_kv_dtype(self) -> str | None:

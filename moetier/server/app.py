@@ -62,6 +62,8 @@ class ServeConfig:
     ``kv_dtype``: the KV cache's storage, ``auto`` (the model dtype), ``bf16`` or ``fp8``.
     ``keepalive_seconds``: a streamed request still waiting for its first token (a long prefill) gets an
     SSE comment this often, with the prefill's progress when known; 0 sends none.
+    ``prefill_chunk_tokens``: prefill tokens per engine step; ``None`` (auto): the placement plan's choice
+    with ``tiers``, else the engine's default.
     """
 
     model: str | None = None
@@ -80,6 +82,7 @@ class ServeConfig:
     tiers: Any = None  # moetier.tiers.plan.TierOptions: serve with tiered experts (None: all resident)
     kv_dtype: str = "auto"
     keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -94,6 +97,9 @@ class ServeConfig:
             raise ConfigError("api_key must not be empty (leave it out to serve without a key)")
         if self.kv_dtype not in ("auto", "bf16", "fp8"):
             raise ConfigError(f"kv_dtype must be auto, bf16 or fp8, got {self.kv_dtype!r}")
+        chunk = self.prefill_chunk_tokens
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ConfigError(f"prefill_chunk_tokens must be an integer >= 1 (None: auto), got {chunk!r}")
         keepalive = self.keepalive_seconds
         if isinstance(keepalive, bool) or not isinstance(keepalive, int | float) or not 0 <= keepalive < math.inf:
             raise ConfigError(f"keepalive_seconds must be a number >= 0 (0: off), got {keepalive!r}")
@@ -132,7 +138,12 @@ def load_serving_model(config: ServeConfig) -> ServingModel:
     from moetier.server.tool_calls import tool_call_parser_class
 
     path, name = resolve_model_path(config)
-    engine_config = EngineConfig(max_streams=config.max_streams, max_model_len=config.context, kv_dtype=config.kv_dtype)
+    engine_config = EngineConfig(
+        max_streams=config.max_streams,
+        max_model_len=config.context,
+        kv_dtype=config.kv_dtype,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
+    )
     tokenizer = "auto" if (path / "tokenizer.json").is_file() else None
     engine = Engine.from_path(
         path,
@@ -144,6 +155,7 @@ def load_serving_model(config: ServeConfig) -> ServingModel:
         model_name=name,
         tiers=config.tiers,
     )
+    logger.info("prefill chunk: %d tokens (%s)", engine.config.prefill_chunk_tokens, _chunk_origin(config, engine))
     model_type = str(engine.hf_config.get("model_type", ""))
     reasoning = _parser(
         "reasoning-parser", config.reasoning_parser, model_type, _REASONING_PARSERS, reasoning_parser_class
@@ -164,6 +176,15 @@ def load_serving_model(config: ServeConfig) -> ServingModel:
         tool_call_parser=tools,
         builtin_template=tok is not None and tok.chat_templates.builtin,
     )
+
+
+def _chunk_origin(config: ServeConfig, engine: Any) -> str:
+    """Why the engine prefills this many tokens per step, for the start-up log."""
+    if config.prefill_chunk_tokens is not None:
+        return "given"
+    if engine.plan is not None:
+        return f"placement plan, {engine.plan.chunk_note}"
+    return "default: every expert resident, nothing to stream"
 
 
 class ServerState:

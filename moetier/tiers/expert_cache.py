@@ -71,6 +71,8 @@ class ExpertCache:
         self._staging = [self._new_slot() for _ in range(n_staging)]
         self._staging_free: deque[Slot] = deque(self._staging)  # oldest release first
         self._prefetched: dict[Key, Slot] = {}
+        self._lent: list[Slot] = []  # cache slots serving as staging during a streaming prefill
+        self._lent_keys: list[Key] = []  # what they held, reloaded when they come back
         self.resize(n_slots)
 
     # --- lookups ------------------------------------------------------------------------------
@@ -230,6 +232,53 @@ class ExpertCache:
         self._prefetched.clear()
         return wasted
 
+    # --- lending cache slots to the ring ----------------------------------------------------------
+
+    @property
+    def lent(self) -> int:
+        return len(self._lent)
+
+    def lend_to_staging(self, n: int) -> int:
+        """Move up to ``n`` cache slots into the staging ring (free slots first, then the policy's victims).
+
+        A long prefill streams whole layers of experts: a deeper ring keeps PCIe busy through the
+        attention between two MoE layers, and the decode cache's few hundred MB can be refilled in
+        milliseconds afterwards. Call between dispatches. Returns how many slots moved.
+        """
+        moved = 0
+        while moved < n and self._slots:
+            if not self._free:
+                victim = self.policy.choose_victim(set())
+                if victim is None:
+                    break
+                self._lent_keys.append(victim)
+                self.evict(victim)
+            slot = self._free.pop()
+            self._slots.remove(slot)
+            self._lent.append(slot)
+            self._staging.append(slot)
+            self._staging_free.append(slot)
+            moved += 1
+        return moved
+
+    def reclaim_lent(self) -> int:
+        """Take every lent slot back and reload the experts they held (copy stream); returns how many were reloaded.
+
+        Call between dispatches (no staging slot in use); unclaimed prefetches are dropped first.
+        """
+        if not self._lent:
+            return 0
+        self.drop_prefetched()
+        for slot in self._lent:
+            self._staging_free.remove(slot)
+            self._staging.remove(slot)
+            slot.key, slot.filled = None, False
+            self._slots.append(slot)
+            self._free.append(slot)
+        self._lent.clear()
+        keys, self._lent_keys = self._lent_keys, []
+        return sum(self.load(key) for key in keys)
+
     # --- elasticity ------------------------------------------------------------------------------
 
     def resize(self, n_slots: int, protected: set[Key] | None = None) -> int:
@@ -239,6 +288,7 @@ class ExpertCache:
         """
         if n_slots < 0:
             raise ConfigError(f"expert cache size must be >= 0 slots, got {n_slots}")
+        self.reclaim_lent()  # sizes count the cache's own slots only
         protected = protected or set()
         while len(self._slots) < n_slots:
             slot = self._new_slot()

@@ -8,7 +8,8 @@ and lays the GPU budget out in this order:
 2. the KV cache for ``context`` tokens x ``max_streams`` streams (bytes per token from the family's
    attention, see :func:`kv_estimate`), or for only ``kv_reserve_streams`` of them: the other streams'
    KV then borrows from the expert cache at run time (:mod:`moetier.engine.elastic`);
-3. an activation workspace (an *estimate*, see :func:`workspace_estimate`; overridable);
+3. an activation workspace (an *estimate*, see :func:`workspace_estimate`; overridable) for the prefill
+   chunk, which the plan chooses from the VRAM left unless given (:mod:`moetier.tiers.workspace`);
 4. the staging ring the tiered dispatcher streams missed experts through (:func:`default_staging_slots`);
 5. the elastic expert cache: every remaining byte, in whole expert blocks.
 
@@ -36,21 +37,26 @@ from moetier.models.base import ExpertTarget, IgnoreTarget
 from moetier.tiers.dispatcher import make_dispatcher
 from moetier.tiers.experts import ExpertLayout, ExpertStore
 from moetier.tiers.tiered_dispatcher import default_staging_slots
+from moetier.tiers.workspace import WORKSPACE_HIDDEN_ROWS as WORKSPACE_HIDDEN_ROWS  # re-export
+from moetier.tiers.workspace import (
+    ChunkChoice,
+    auto_chunk_limit,
+    choose_prefill_chunk,
+    gib,
+    workspace_allowance,
+    workspace_estimate,
+)
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.formats import format_for
 
 log = logging.getLogger(__name__)
 
-GiB = 1 << 30
 # Measured on the H200 test machine (shared/measurements/h200-limits.json): host DRAM read with 16
 # cores, and PCIe Gen5 host->device from pinned memory. Override them for other hardware.
 DEFAULT_HOST_READ_GBPS = 118.6
 DEFAULT_PCIE_GBPS = 55.4
 # The smallest useful KV cache: one stream of this many tokens (or the requested context if shorter).
 MIN_CONTEXT = 4096
-# Activation workspace estimate: fp32 hidden-width rows alive at once per prefill token (residual,
-# norms, attention projections, gathered expert rows, partial sums), plus fp32 logits per stream.
-WORKSPACE_HIDDEN_ROWS = 32
 
 _UNITS = {
     "b": 1,
@@ -93,12 +99,6 @@ def parse_size(value: str | int, what: str = "size", total: int | None = None) -
     if unit not in _UNITS:
         raise ConfigError(f"{what}: unknown unit {match.group(2)!r} in {value!r}; use B, KB, MB, GB, KiB, MiB or GiB")
     return int(number * _UNITS[unit])
-
-
-def gib(nbytes: float) -> str:
-    """Bytes as GiB: two decimals, or six decimals below 0.01 GiB (tiny test models)."""
-    value = nbytes / GiB
-    return f"{value:.2f}" if value >= 0.01 or value == 0 else f"{value:.6f}"
 
 
 @dataclass(frozen=True)
@@ -162,13 +162,6 @@ def _v4_kv(config: Any) -> KvEstimate:
     return KvEstimate(per_token, per_stream, note, scales)
 
 
-def workspace_estimate(config: Any, chunk_tokens: int, max_streams: int) -> int:
-    """A stated estimate of activation memory: ``WORKSPACE_HIDDEN_ROWS`` fp32 hidden-width rows per prefill
-    token of a chunk, plus fp32 logits for every stream. Not measured: override with ``workspace``."""
-    hidden = config.hidden_size * getattr(config, "hc_mult", 1)  # V4 carries hc_mult residual streams
-    return chunk_tokens * hidden * WORKSPACE_HIDDEN_ROWS * 4 + max_streams * config.vocab_size * 4
-
-
 @dataclass(frozen=True)
 class CheckpointSizes:
     """Bytes of a checkpoint, read from its headers: as stored, and as the loader materialises them."""
@@ -229,6 +222,8 @@ class PlanBudget:
     """The inputs of a plan; validated on construction. Sizes are bytes or strings (``24GiB``, ``80%``).
 
     ``device_memory``: the GPU's total bytes, needed only for a percentage ``gpu_memory``.
+    ``prefill_chunk_tokens``: prefill tokens per step; ``None`` lets the plan choose it from the VRAM left
+    (:func:`moetier.tiers.workspace.choose_prefill_chunk`; within the given ``workspace`` when one is given).
     ``workspace`` / ``kv_bytes_per_token``: override the stated estimates. ``kv_dtype``: the KV cache's
     storage (``auto`` = the load dtype, ``bf16``, ``fp8`` = one byte per element plus per-token scales).
     """
@@ -237,7 +232,7 @@ class PlanBudget:
     host_memory: int | str | None = None
     context: int = MIN_CONTEXT
     max_streams: int = 1
-    prefill_chunk_tokens: int = 512
+    prefill_chunk_tokens: int | None = None
     staging_slots: int | None = None
     workspace: int | str | None = None
     kv_bytes_per_token: int | None = None
@@ -258,8 +253,11 @@ class PlanBudget:
             self.workspace = parse_size(self.workspace, "workspace")
         for name in ("context", "max_streams", "prefill_chunk_tokens"):
             value = getattr(self, name)
+            if value is None and name == "prefill_chunk_tokens":
+                continue  # automatic
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+                flag = "prefill-chunk" if name == "prefill_chunk_tokens" else name.replace("_", "-")
+                raise ConfigError(f"--{flag} must be an integer >= 1, got {value!r}")
         if self.staging_slots is not None and self.staging_slots < 1:
             raise ConfigError(f"staging_slots must be >= 1, got {self.staging_slots}")
         _check_reserve_streams(self.kv_reserve_streams)
@@ -287,7 +285,8 @@ class PlacementPlan:
 
     ``cache_slots`` = ``cache_bytes // expert_block_bytes`` (at most every expert); ``hit_rate`` is the
     uniform-routing estimate ``cache_slots / total_experts``; ``decode_bound_*`` are tokens/s at one
-    stream with misses on the CPU tier (host DRAM) or copied over PCIe.
+    stream with misses on the CPU tier (host DRAM) or copied over PCIe. ``prefill_chunk_tokens``: the
+    chunk the workspace is sized for (the budget's, or the plan's choice; ``chunk_note`` says why).
     """
 
     model: str
@@ -309,6 +308,8 @@ class PlacementPlan:
     warnings: list[str] = field(default_factory=list)
     # Of ``kv_bytes``, the state each stream holds whatever its length (V4's window and open windows).
     kv_stream_bytes: int = 0
+    prefill_chunk_tokens: int = 512
+    chunk_note: str = "given"
 
     def __post_init__(self) -> None:
         if min(self.backbone_bytes, self.kv_bytes, self.workspace_bytes, self.cache_slots) < 0:
@@ -404,6 +405,7 @@ class PlacementPlan:
         lines += [
             f"{'VRAM used / budget':<{width}}  {gib(self.vram_used_bytes):>9}  of {gib(b.gpu_memory)} GiB",
             f"{'host RAM needed / budget':<{width}}  {gib(self.host_expert_bytes):>9}  of {host}",
+            f"prefill chunk: {self.prefill_chunk_tokens} tokens ({self.chunk_note})",
             f"routed expert bytes per token R = {self.routed_bytes_per_token / 1e6:.3g} MB "
             f"({self.top_k} experts x {self.moe_layers} MoE layers)",
             f"estimated hit rate h = {self.hit_rate:.3f} (the cache's share of experts: uniform routing)",
@@ -439,10 +441,7 @@ def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.b
 
     block = layout.block_bytes(dtype)
     staging = budget.staging_slots or default_staging_slots(layout.top_k)
-    if budget.workspace is not None:
-        workspace = int(budget.workspace)
-    else:
-        workspace = workspace_estimate(cfg, budget.prefill_chunk_tokens, budget.max_streams)
+    total_experts = len(layout.moe_layers) * layout.num_experts
     gpu = int(budget.gpu_memory)
     min_context = min(MIN_CONTEXT, budget.context)
     minimum = sizes.backbone + kv_bytes(min_context, 1)
@@ -452,11 +451,13 @@ def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.b
             f"({gib(sizes.backbone)} GiB) plus the KV cache of one stream of {min_context} tokens; "
             "raise --gpu-memory (or use a smaller model or dtype)"
         )
-    fixed = sizes.backbone + workspace + staging * block + int(budget.prefix_cache)
     wanted = kv_bytes(budget.context, budget.reserved_streams)
+    room = gpu - (sizes.backbone + staging * block + int(budget.prefix_cache) + wanted)
+    chunk = _prefill_chunk(cfg, budget, element, room, total_experts * block)
+    workspace = chunk.workspace
+    fixed = sizes.backbone + workspace + staging * block + int(budget.prefix_cache)
     if fixed + wanted > gpu:
         raise ConfigError(_kv_shortfall(gpu, fixed, wanted, budget, kv_bytes))
-    total_experts = len(layout.moe_layers) * layout.num_experts
     slots = min(total_experts, (gpu - fixed - wanted) // block)
     plan = PlacementPlan(
         model=str(path),
@@ -476,9 +477,28 @@ def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.b
         stored_backbone_bytes=sizes.stored_backbone,
         stored_expert_bytes=sizes.stored_experts,
         kv_stream_bytes=kv_bytes(0, 1),
+        prefill_chunk_tokens=chunk.tokens,
+        chunk_note=chunk.note,
     )
     plan.warnings.extend(_host_warnings(plan, budget))
     return plan
+
+
+def _prefill_chunk(cfg: Any, budget: PlanBudget, element: int, room: int, expert_bytes: int) -> ChunkChoice:
+    """The chunk and its workspace: the budget's chunk, or the plan's choice for the ``room`` left for the
+    workspace and the cache of ``expert_bytes`` of experts. A given ``workspace`` is kept as the workspace;
+    an automatic chunk then grows to fill it."""
+
+    def estimate(tokens: int) -> int:
+        return workspace_estimate(cfg, tokens, budget.max_streams, budget.context, element)
+
+    given = None if budget.workspace is None else int(budget.workspace)
+    if budget.prefill_chunk_tokens is not None:
+        tokens = budget.prefill_chunk_tokens
+        return ChunkChoice(tokens, estimate(tokens) if given is None else given, None, "given")
+    allowance = workspace_allowance(room, expert_bytes) if given is None else given
+    choice = choose_prefill_chunk(estimate, allowance, auto_chunk_limit(budget.context * budget.max_streams))
+    return choice if given is None else replace(choice, workspace=given, note=f"{choice.note}; workspace given")
 
 
 def _kv_shortfall(gpu: int, fixed: int, wanted: int, budget: PlanBudget, kv_bytes) -> str:
@@ -585,10 +605,12 @@ def plan_for(
     device: torch.device,
     context: int,
     max_streams: int,
-    prefill_chunk_tokens: int = 512,
+    prefill_chunk_tokens: int | None = None,
     prefix_cache_bytes: int = 0,
     kv_dtype: str = "auto",
 ) -> PlacementPlan:
+    """The plan an engine loads with: ``options``' budgets for ``max_streams`` x ``context`` tokens;
+    ``prefill_chunk_tokens`` None lets the plan choose the chunk (``plan.prefill_chunk_tokens``)."""
     budget = PlanBudget(
         prefix_cache=prefix_cache_bytes,
         kv_dtype=kv_dtype,

@@ -50,6 +50,11 @@ DEFAULT_FAT_THRESHOLD = 32
 MIN_STAGING_SLOTS = 16
 
 
+# A V4-Flash layer's attention over a 16k-token chunk at long context takes ~100+ ms on an H200,
+# during which PCIe could land ~110 experts: lend up to that many cache slots to the ring.
+DEFAULT_LEND_SLOTS = 128
+
+
 def default_staging_slots(top_k: int) -> int:
     """Staging ring size when not configured: a decode step's misses, and at least ``MIN_STAGING_SLOTS``."""
     return max(top_k, MIN_STAGING_SLOTS)
@@ -65,7 +70,9 @@ class TieredConfig:
     throughput the CPU tier provides, 0..1) fixes the ratio; ``auto`` never sends a group of
     ``fat_threshold`` or more tokens to the CPU. ``staging_slots`` sizes the staging ring
     (default :func:`default_staging_slots`). Calls of ``stream_min_tokens`` or more tokens are
-    streaming calls (module docstring); ``prefetch`` turns their cross-layer prefetch on.
+    streaming calls (module docstring); ``prefetch`` turns their cross-layer prefetch on, and up to
+    ``lend_slots`` cache slots join the staging ring while they last (the experts those slots held
+    are reloaded when the next non-streaming call starts; 0 disables).
     """
 
     cache_slots: int | None = None
@@ -80,6 +87,7 @@ class TieredConfig:
     fat_threshold: int = DEFAULT_FAT_THRESHOLD
     stream_min_tokens: int = 64
     prefetch: bool = True
+    lend_slots: int = DEFAULT_LEND_SLOTS
 
     def __post_init__(self) -> None:
         if (self.cache_slots is None) == (self.cache_bytes is None):
@@ -92,6 +100,8 @@ class TieredConfig:
             raise ConfigError(f"cpu_share must be in [0, 1], got {self.cpu_share}")
         if self.staging_slots is not None and self.staging_slots < 1:
             raise ConfigError(f"staging_slots must be >= 1, got {self.staging_slots}")
+        if self.lend_slots < 0:
+            raise ConfigError(f"lend_slots must be >= 0, got {self.lend_slots}")
         if self.fat_threshold < 1 or self.stream_min_tokens < 1:
             raise ConfigError(
                 f"fat_threshold and stream_min_tokens must be >= 1, got {self.fat_threshold}, {self.stream_min_tokens}"
@@ -210,10 +220,11 @@ class TieredDispatcher(ExpertDispatcher):
         out = expert_accumulator(hidden)
         if hidden.shape[0] == 0:
             return out.to(hidden.dtype)
+        streaming = hidden.shape[0] >= self.config.stream_min_tokens
         if layer == self._first_layer:
             self.step += 1
             self.metrics.tokens += hidden.shape[0]
-        streaming = hidden.shape[0] >= self.config.stream_min_tokens
+            self._lend_or_reclaim(streaming)
         routing = self._route(layer, hidden, topk_ids, topk_weights, streaming)
         hits = [g for g in routing.groups if g.slot is not None]
         misses = [g for g in routing.groups if g.slot is None]
@@ -246,6 +257,15 @@ class TieredDispatcher(ExpertDispatcher):
             out.index_add_(0, rows_dev, values.to(out.dtype))
         self.cache.mark_released(read, self._compute_stream())
         return out.to(hidden.dtype)
+
+    def _lend_or_reclaim(self, streaming: bool) -> None:
+        """First MoE layer of a forward: a streaming one borrows cache slots for the ring, a decode returns them."""
+        if streaming and self.config.miss_route != "cpu" and not self.cache.lent and self.config.lend_slots:
+            lent = self.cache.lend_to_staging(self.config.lend_slots)
+            log.debug("streaming prefill: %d cache slots lent to the staging ring", lent)
+        elif not streaming and self.cache.lent:
+            reloaded = self.cache.reclaim_lent()
+            log.debug("prefill done: cache slots back, %d experts reloaded", reloaded)
 
     def _route(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights, streaming: bool
