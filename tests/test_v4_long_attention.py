@@ -136,3 +136,24 @@ def test_estimate_follows_the_block_budget(monkeypatch):
     monkeypatch.setattr(v4_attention, "QUERY_BLOCK_BYTES", 1 << 50)  # never blocks: the old, quadratic path
     unbounded = attention_bytes(config, 131072, 4096, 2)
     assert unbounded > 30e9 > 10 * bounded
+
+
+def test_bf16_indexer_scores_pick_what_fp32_scores_pick():
+    """16-bit keys are scored in their dtype (the fp32 matmul dominated long prefills): the top-k must
+    stay essentially the fp32 one on V4-Flash's indexer widths (64 heads x 128 dims, top-512)."""
+    cfg = _flash_config()
+    indexer = v4_attention.Indexer(cfg, rate=4)
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randn(8, indexer.heads, indexer.dim, generator=generator)
+    keys = torch.randn(4096, indexer.dim, generator=generator)
+    head_weights = torch.randn(8, indexer.heads, generator=generator) * indexer.heads**-0.5
+    exact = indexer._scores(q, head_weights, keys)
+    fast = indexer._scores(q.bfloat16(), head_weights, keys.bfloat16())
+    assert fast.dtype == torch.float32 and relative_error(fast, exact) < 2e-2
+    top = indexer.topk
+    overlap = [
+        len(set(a.tolist()) & set(b.tolist())) / top
+        for a, b in zip(exact.topk(top).indices, fast.topk(top).indices, strict=True)
+    ]
+    print(f"\nbf16 vs fp32 indexer: rel {relative_error(fast, exact):.2e}, top-{top} overlap min {min(overlap):.3f}")
+    assert min(overlap) > 0.95

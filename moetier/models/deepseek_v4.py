@@ -30,6 +30,7 @@ from moetier.models.base import (
 )
 from moetier.models.deepseek_v4_attention import (
     DeepseekV4Attention,
+    FusedLinears,
     RotaryTable,
     StepRope,
     V4RMSNorm,
@@ -62,20 +63,30 @@ class HyperConnection(nn.Module):
         """``streams`` ``[T, hc, H]`` -> ``post`` ``[T, hc]``, ``comb`` ``[T, hc, hc]``, sublayer input ``[T, H]``."""
         hc = self.hc
         flat = rms_unweighted(streams.flatten(1).float(), self.norm_eps)
-        pre, post, comb = F.linear(flat, self.fn.float()).split([hc, hc, hc * hc], dim=-1)
-        pre_base, post_base, comb_base = self.base.float().split([hc, hc, hc * hc])
-        pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)
-        pre = torch.sigmoid(pre * pre_scale + pre_base) + self.hc_eps
-        post = 2 * torch.sigmoid(post * post_scale + post_base)
-        comb = sinkhorn(comb.view(-1, hc, hc) * comb_scale + comb_base.view(hc, hc), self.iters, self.hc_eps)
+        # One affine for all three parts: logits * (pre | post | comb scale) + base.
+        scale = self.scale.float()[self._scale_index(streams.device)]
+        logits = torch.addcmul(self.base.float(), F.linear(flat, self.fn.float()), scale)
+        gates = torch.sigmoid(logits[:, : 2 * hc])
+        pre, post = gates[:, :hc] + self.hc_eps, gates[:, hc:] * 2
+        comb = sinkhorn(logits[:, 2 * hc :].view(-1, hc, hc), self.iters, self.hc_eps)
         collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
+
+    def _scale_index(self, device: torch.device) -> torch.Tensor:
+        """``[mix]`` indices into ``scale`` (0 for pre, 1 for post, 2 for comb logits), built once per device."""
+        cached = self.__dict__.get("_index")
+        if cached is None or cached.device != device:
+            hc = self.hc
+            cached = torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
+            self.__dict__["_index"] = cached
+        return cached
 
     @staticmethod
     def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """New streams: ``post[k] * out + sum_j comb[j, k] * streams[j]`` (``comb`` is applied transposed)."""
         dtype = streams.dtype
-        return post.to(dtype)[..., None] * out[:, None, :] + comb.to(dtype).transpose(-1, -2) @ streams
+        placed = post.to(dtype)[..., None] * out[:, None, :]
+        return torch.baddbmm(placed, comb.to(dtype).transpose(-1, -2), streams)
 
 
 class HyperHead(nn.Module):
@@ -90,7 +101,8 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = rms_unweighted(streams.flatten(1).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float()) + self.hc_eps
+        pre = torch.sigmoid(torch.addcmul(self.base.float(), F.linear(flat, self.fn.float()), self.scale.float()))
+        pre = pre + self.hc_eps
         return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
 
 
@@ -127,6 +139,21 @@ class Router(nn.Module):
         return ids, weights.to(x.dtype)
 
 
+class SharedExpert(DenseMLP):
+    """The shared expert: :class:`DenseMLP` whose gate and up projections run as one GEMM once fused."""
+
+    def __init__(self, hidden: int, inter: int, swiglu_limit: float | None) -> None:
+        super().__init__(hidden, inter, swiglu_limit)
+        self.gate_up = FusedLinears([[self.gate_proj], [self.up_proj]])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x)
+        if self.swiglu_limit is not None:
+            gate = gate.clamp(max=self.swiglu_limit)
+            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+        return self.down_proj(F.silu(gate) * up)
+
+
 class DeepseekV4MoE(nn.Module):
     """Routed experts (through the dispatcher) plus the shared expert, both with the clamped SwiGLU."""
 
@@ -134,10 +161,10 @@ class DeepseekV4MoE(nn.Module):
         super().__init__()
         self.layer = layer
         self.gate = Router(cfg, hashed=cfg.mlp_layer_types[layer] == "hash_moe")
-        self.shared_experts: DenseMLP | None = None
+        self.shared_experts: SharedExpert | None = None
         if cfg.n_shared_experts:
             width = cfg.moe_intermediate_size * cfg.n_shared_experts
-            self.shared_experts = DenseMLP(cfg.hidden_size, width, cfg.swiglu_limit)
+            self.shared_experts = SharedExpert(cfg.hidden_size, width, cfg.swiglu_limit)
         object.__setattr__(self, "dispatcher", dispatcher)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -157,11 +184,13 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.attn = DeepseekV4Attention(cfg, layer)
         self.ffn = DeepseekV4MoE(cfg, layer, dispatcher)
 
-    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """``batch`` slices carry their :class:`StepRope` as ``context``; attention runs per sequence."""
+    def forward(
+        self, streams: torch.Tensor, input_ids: torch.Tensor, rope: StepRope, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """``rope`` covers every row of ``batch``; attention handles the sequences itself."""
         post, comb, x = self.attn_hc(streams)
-        attend = lambda xs, s: self.attn(xs, s.context, s.cache.layers[self.layer])
-        streams = HyperConnection.merge(streams, batch.per_sequence(self.attn_norm(x), attend), post, comb)
+        sequences = [(s.rows, s.cache.layers[self.layer]) for s in batch.slices]
+        streams = HyperConnection.merge(streams, self.attn(self.attn_norm(x), rope, sequences), post, comb)
         post, comb, x = self.ffn_hc(streams)
         return HyperConnection.merge(streams, self.ffn(self.ffn_norm(x), input_ids), post, comb)
 
@@ -314,6 +343,10 @@ class DeepseekV4ForCausalLM(CausalLM):
                 cfg.rope_head_dim, float(params["rope_theta"]), params, cfg.max_position_embeddings
             )
             self.rope_tables[kind] = RotaryTable(inv_freq.to(self.device), factor)
+        for layer in self.layers:  # fewer, larger GEMMs per step (weights become views of one tensor each)
+            layer.attn.fuse_projections()
+            if layer.ffn.shared_experts is not None:
+                layer.ffn.shared_experts.gate_up.fuse()
 
     def new_cache(self, max_tokens: int, kv_dtype: str | None = None) -> DeepseekV4Cache:
         """``kv_dtype`` applies to the compressed entries (they grow with the context); the sliding
@@ -345,14 +378,13 @@ class DeepseekV4ForCausalLM(CausalLM):
         x = self.embed(input_ids)
         for s in batch.slices:
             s.cache.check_room(s.length)
-            s.context = StepRope(
-                positions=s.positions,
-                token={kind: table(s.positions, x.dtype) for kind, table in self.rope_tables.items()},
-                compress=self.rope_tables["compress"],
-            )
+        # Rotations for every row, once per forward; layers and sequences take views of them.
+        positions = batch.positions
+        token = {kind: table(positions, x.dtype) for kind, table in self.rope_tables.items()}
+        rope = StepRope(positions, token, self.rope_tables["compress"])
         streams = x[:, None, :].expand(tokens, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
-            streams = layer(streams, input_ids, batch)
+            streams = layer(streams, input_ids, rope, batch)
         batch.advance()
         return self.norm(self.hc_head(streams))
 

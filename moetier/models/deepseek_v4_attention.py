@@ -11,7 +11,7 @@ Long prefills run the indexer and the attention in blocks of queries (:data:`QUE
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,39 +35,73 @@ def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @dataclass
+class Rotation:
+    """RoPE angles of ``N`` positions, laid out for :func:`rotate_`: ``cos`` ``[c0, c0, c1, c1, ...]`` and
+    ``sin`` ``[-s0, s0, -s1, s1, ...]`` (``[N, rope_head_dim]``, float32); ``sin_inverse`` is ``-sin``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    sin_inverse: torch.Tensor
+
+    def rows(self, rows: slice) -> Rotation:
+        return Rotation(self.cos[rows], self.sin[rows], self.sin_inverse[rows])
+
+
+@dataclass
 class RotaryTable:
     """Inverse frequencies (``[rope_head_dim / 2]``) and cos/sin factor of one rope kind."""
 
     inv_freq: torch.Tensor
     factor: float
 
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[N, rope_head_dim / 2]`` (one angle per channel pair) at ``positions``, in ``dtype``."""
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """The rotation at ``positions``; cos/sin are rounded to ``dtype`` (the model's) as the reference does."""
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        return (freqs.cos() * self.factor).to(dtype), (freqs.sin() * self.factor).to(dtype)
+        cos = (freqs.cos() * self.factor).to(dtype).float()
+        sin = (freqs.sin() * self.factor).to(dtype).float()
+        signed = torch.stack((-sin, sin), dim=-1).flatten(-2)
+        return Rotation(cos.repeat_interleave(2, dim=-1), signed, -signed)
 
 
-def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs ``(2i, 2i+1)`` of the trailing ``2 * cos.shape[-1]`` channels of ``x``.
+def rotate_(x: torch.Tensor, rotation: Rotation, inverse: bool = False) -> torch.Tensor:
+    """Rotate channel pairs ``(2i, 2i+1)`` of the trailing ``rope_head_dim`` channels of ``x`` in place.
 
-    ``cos``/``sin`` must broadcast against ``x[..., :rope_dim / 2]``; the leading (no-position)
-    channels pass through. The rotation runs in float32 and is cast back to ``x.dtype``.
+    ``x`` is ``[N, D]`` or ``[N, heads, D]`` (``rotation`` of the same ``N``) and must own its storage:
+    callers pass fresh projections/outputs. The rotation runs in float32 (``x * cos + pair_swap(x) * sin``,
+    the same products as ``(even * cos - odd * sin, odd * cos + even * sin)``) and rounds into ``x``.
     """
-    rot = 2 * cos.shape[-1]
-    rope = x[..., -rot:].float().unflatten(-1, (-1, 2))
-    even, odd = rope[..., 0], rope[..., 1]
-    cos, sin = cos.float(), sin.float()
-    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
-    return torch.cat([x[..., :-rot], rotated.to(x.dtype)], dim=-1)
+    cos, sin = rotation.cos, rotation.sin_inverse if inverse else rotation.sin
+    if x.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    rope = x[..., -cos.shape[-1] :]
+    swapped = rope.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    rope.copy_(torch.addcmul(rope * cos, swapped, sin))
+    return x
 
 
 @dataclass
 class StepRope:
-    """Rotary inputs of one forward: token positions, their cos/sin per rope kind, and the compress table."""
+    """Rotary inputs of one forward: token positions, their rotation per rope kind, and the compress table."""
 
     positions: torch.Tensor
-    token: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    token: dict[str, Rotation]
     compress: RotaryTable
+    # Rotations of compressed entries emitted this step, by (first entry, count, rate, dtype): the CSA
+    # compressor and its indexer's, and every layer of the same rate, close the same windows in a step.
+    emitted: dict[tuple[int, int, int, torch.dtype], Rotation] = field(default_factory=dict)
+
+    def rows(self, rows: slice) -> StepRope:
+        token = {k: r.rows(rows) for k, r in self.token.items()}
+        return StepRope(self.positions[rows], token, self.compress, self.emitted)
+
+    def entries(self, first: int, count: int, rate: int, dtype: torch.dtype) -> Rotation:
+        """The rotation of entries ``first .. first + count - 1`` (at positions ``w * rate``), computed once a step."""
+        key = (first, count, rate, dtype)
+        if key not in self.emitted:
+            device = self.positions.device
+            positions = torch.arange(first * rate, (first + count) * rate, rate, device=device)
+            self.emitted[key] = self.compress(positions, dtype)
+        return self.emitted[key]
 
 
 def visible_entries(positions: torch.Tensor, count: int, rate: int) -> torch.Tensor:
@@ -149,12 +183,52 @@ def _block_bytes(queries: int, per_query: int) -> int:
     return min(queries, max(1, QUERY_BLOCK_BYTES // max(per_query, 1))) * per_query
 
 
+class FusedLinears:
+    """Bias-free linears over one input run as one GEMM: ``groups`` of linears, each group's outputs side by side.
+
+    :meth:`fuse` (after loading) concatenates the weights into one tensor and makes every linear's weight
+    a view of it: no extra memory, and checkpoints/state dicts still see the separate parameters. Should
+    a weight be replaced later (``model.to``, a reassignment), the fused tensor is stale: calls notice it
+    (the weights no longer point into it) and run the linears one by one. A plain object, not a module,
+    so the linears stay registered once, under their own names.
+    """
+
+    def __init__(self, groups: list[list[nn.Linear]]) -> None:
+        self.groups = groups
+        self.sizes = [sum(linear.out_features for linear in group) for group in groups]
+        self.weight: torch.Tensor | None = None
+        self._pointers: list[int] = []
+
+    @property
+    def linears(self) -> list[nn.Linear]:
+        return [linear for group in self.groups for linear in group]
+
+    def fuse(self) -> None:
+        weights = [linear.weight for linear in self.linears]
+        if len({(w.dtype, w.device) for w in weights}) != 1 or weights[0].device.type == "meta":
+            return
+        fused = torch.cat([w.detach() for w in weights])
+        offset = 0
+        for linear in self.linears:
+            linear.weight.data = fused[offset : offset + linear.out_features]
+            offset += linear.out_features
+        self.weight, self._pointers = fused, [linear.weight.data_ptr() for linear in self.linears]
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each group's outputs ``[T, size]`` (views of one GEMM's output when fused)."""
+        if self.weight is not None and self._pointers == [linear.weight.data_ptr() for linear in self.linears]:
+            return list(F.linear(x, self.weight).split(self.sizes, dim=-1))
+        outs = [[linear(x) for linear in group] for group in self.groups]
+        return [parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1) for parts in outs]
+
+
 class Compressor(nn.Module):
     """Pools every ``rate`` tokens into one entry of ``dim`` channels (HCA; CSA with ``overlap``).
 
     Entry ``w`` is ``norm(sum_j softmax_j(gate_j + ape_j) * kv_j)`` over its window, rotated at position
     ``w * rate``. With ``overlap`` each token projects to ``2 * dim`` channels: the first half joins the
-    *next* window's entry, the second half its own, so entries pool ``2 * rate`` tokens.
+    *next* window's entry, the second half its own, so entries pool ``2 * rate`` tokens. The attention
+    layer projects the tokens (``wkv`` then ``wgate`` channels, fused with its other projections of ``x``).
     """
 
     def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
@@ -166,18 +240,18 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.empty(rate, width))
         self.norm = V4RMSNorm(dim, eps)
 
-    def forward(self, x: torch.Tensor, state: CompressorState, rope: RotaryTable) -> torch.Tensor:
-        """Feed ``x`` (``[T, hidden]``) into ``state``; return every entry emitted so far ``[count, dim]``."""
-        kv, gate, first = state.close_windows(self.wkv(x), self.wgate(x))
-        if kv.shape[0]:
-            gate = gate.float() + self.ape.float()
+    def forward(self, kv_gate: torch.Tensor, state: CompressorState, rope: StepRope) -> torch.Tensor:
+        """Feed the tokens' projections ``kv_gate`` (``[T, 2 * width]``) into ``state``; return every entry
+        emitted so far ``[count, dim]``. A step that closes no window only stores its row."""
+        closed = state.close_windows(kv_gate)
+        if closed is not None:
+            kv, gate, first = closed
+            gate = gate + self.ape.float()  # float32 (the bias is kept in float32)
             if self.overlap:
                 kv, gate = self._pair_with_previous(kv, gate, state)
             weights = torch.softmax(gate, dim=1).to(kv.dtype)
             pooled = self.norm((kv * weights).sum(dim=1))
-            positions = (first + torch.arange(kv.shape[0], device=x.device)) * self.rate
-            cos, sin = rope(positions, pooled.dtype)
-            state.append(apply_interleaved_rope(pooled, cos, sin))
+            state.append(rotate_(pooled, rope.entries(first, kv.shape[0], self.rate, pooled.dtype)))
         return state.emitted
 
     def _pair_with_previous(
@@ -191,9 +265,14 @@ class Compressor(nn.Module):
         else:
             prev_kv, prev_gate = state.prev_kv[None], state.prev_gate[None]
         state.prev_kv, state.prev_gate = kv[-1, :, :d].clone(), gate[-1, :, :d].clone()
-        prev_kv = torch.cat([prev_kv, kv[:-1, :, :d]])
-        prev_gate = torch.cat([prev_gate, gate[:-1, :, :d]])
+        if kv.shape[0] > 1:
+            prev_kv = torch.cat([prev_kv, kv[:-1, :, :d]])
+            prev_gate = torch.cat([prev_gate, gate[:-1, :, :d]])
         return torch.cat([prev_kv, kv[..., d:]], dim=1), torch.cat([prev_gate, gate[..., d:]], dim=1)
+
+
+# Key dtypes the indexer scores in directly; anything else (fp32, fp8 storage) is scored in fp32.
+SCORE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class Indexer(nn.Module):
@@ -212,41 +291,68 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
 
     def forward(
-        self, x: torch.Tensor, q_residual: torch.Tensor, rope: StepRope, state: CompressorState
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        kv_gate: torch.Tensor,
+        head_weights: torch.Tensor,
+        q_residual: torch.Tensor | None,
+        rope: StepRope,
+        state: CompressorState,
+        q: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Selected entry ids ``[T, k]`` and whether each may be attended (``[T, k]`` bool).
 
+        ``kv_gate`` feeds the compressor, ``head_weights`` (``[T, heads]``) is ``weights_proj(x)``. Queries
+        come from ``q_residual``, or, for one decoding token, ``q`` (``[1, heads, dim]``, projected and
+        rotated): it sees every emitted entry, so the visibility is None (all) and no mask is built.
         Every query row goes through the same operations whatever the block size, which only bounds
         the workspace (BLAS may round a row's dot products differently for another row count; ties
         fall as ``torch.topk`` breaks them within one row).
         """
-        keys = self.compressor(x, state, rope.compress).float()
-        cos, sin = rope.token["compress"]
-        head_weights = self.weights_proj(x).float() * self.heads**-0.5
-        per_query = indexer_query_bytes(self.heads, self.dim, keys.shape[0], x.element_size())
+        keys = self.compressor(kv_gate, state, rope)
+        if keys.dtype not in SCORE_DTYPES:
+            keys = keys.float()
+        head_weights = head_weights.float() * self.heads**-0.5
+        per_query = indexer_query_bytes(self.heads, self.dim, keys.shape[0], kv_gate.element_size())
+        if q is not None:
+            (_,) = query_blocks(1, per_query)  # one query is one block, whatever its workspace
+            return self._scores(q, head_weights, keys).topk(min(self.topk, keys.shape[0]), dim=-1).indices, None
+        rotation = rope.token["compress"]
         picked = [
-            self._select(q_residual[rows], cos[rows], sin[rows], head_weights[rows], rope.positions[rows], keys)
-            for rows in query_blocks(x.shape[0], per_query)
+            self._select(q_residual[rows], rotation.rows(rows), head_weights[rows], rope.positions[rows], keys)
+            for rows in query_blocks(q_residual.shape[0], per_query)
         ]
         if len(picked) == 1:
             return picked[0]
         return torch.cat([ids for ids, _ in picked]), torch.cat([valid for _, valid in picked])
 
+    def _scores(self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``[T, C]`` fp32 scores of rotated queries ``q`` (``[T, heads, dim]``) over ``keys`` (``[C, dim]``).
+
+        fp32 keys (an fp32 model): the reference's fp32 arithmetic. 16-bit keys: the per-head scores
+        are computed in that dtype and summed over heads by a second matmul (fp32 accumulation), as
+        the lightning indexer is meant to run (DeepSeek's own kernels score in FP8). At a 16k-token
+        chunk over 128k tokens the fp32 ``[T, heads, C]`` matmul was ~9 TFLOP per CSA layer, most of
+        the prefill's attention time.
+        """
+        if keys.dtype in SCORE_DTYPES:
+            scores = torch.matmul(q.to(keys.dtype), keys.t()).relu_()
+            weights = (head_weights * self.dim**-0.5).to(keys.dtype)[:, None, :]
+            return torch.matmul(weights, scores).squeeze(1).float()
+        # In place: one [block, heads, C] fp32 tensor alive, the same element-wise ops as relu(s) * c * w.
+        scores = torch.matmul(q.float(), keys.t())
+        return scores.relu_().mul_(self.dim**-0.5).mul_(head_weights[..., None]).sum(dim=1)
+
     def _select(
         self,
         q_residual: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotation: Rotation,
         head_weights: torch.Tensor,
         positions: torch.Tensor,
         keys: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k entry ids and their visibility for one block of queries (``keys`` fp32 ``[C, dim]``)."""
-        q = self.wq_b(q_residual).view(q_residual.shape[0], self.heads, self.dim)
-        q = apply_interleaved_rope(q, cos[:, None], sin[:, None])
-        # In place: one [block, heads, C] fp32 tensor alive, the same element-wise ops as relu(s) * c * w.
-        scores = torch.einsum("thd,cd->thc", q.float(), keys)
-        scores = scores.relu_().mul_(self.dim**-0.5).mul_(head_weights[..., None]).sum(dim=1)
+        q = rotate_(self.wq_b(q_residual).view(q_residual.shape[0], self.heads, self.dim), rotation)
+        scores = self._scores(q, head_weights, keys)
         visible = visible_entries(positions, keys.shape[0], self.compressor.rate)
         ids = scores.masked_fill_(~visible, float("-inf")).topk(min(self.topk, keys.shape[0]), dim=-1).indices
         return ids, visible.gather(1, ids)
@@ -314,6 +420,34 @@ def sink_attention(q: torch.Tensor, key_sets: list[KeySet], sinks: torch.Tensor,
     return out
 
 
+def sink_attention_one(q: torch.Tensor, keys: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`sink_attention` of one query (``[H, D]``) over keys it sees in full (``[S, D]``, no mask)."""
+    scores = torch.mm(q, keys.t()) * scale
+    probs = torch.softmax(torch.cat([scores.float(), sinks.float()[:, None]], dim=-1), dim=-1).to(q.dtype)
+    return torch.mm(probs[:, :-1], keys)
+
+
+@dataclass
+class Projections:
+    """The token-wise inputs of one layer's attention, for all rows of a forward.
+
+    ``kv`` is normed and rotated; ``kv_gate`` feeds the compressor, ``index_kv_gate`` and ``index_weights``
+    the indexer (None where the layer has none).
+    """
+
+    q_residual: torch.Tensor
+    kv: torch.Tensor
+    kv_gate: torch.Tensor | None
+    index_kv_gate: torch.Tensor | None
+    index_weights: torch.Tensor | None
+
+    def rows(self, rows: slice) -> Projections:
+        pick = lambda t: None if t is None else t[rows]
+        return Projections(
+            self.q_residual[rows], self.kv[rows], pick(self.kv_gate), pick(self.index_kv_gate), pick(self.index_weights)
+        )
+
+
 class DeepseekV4Attention(nn.Module):
     """One layer's attention; parameter names follow the DeepSeek release checkpoint."""
 
@@ -339,56 +473,123 @@ class DeepseekV4Attention(nn.Module):
             self.compressor = Compressor(cfg.hidden_size, self.head_dim, rate, self.kind == CSA, cfg.rms_norm_eps)
         if self.kind == CSA:
             self.indexer = Indexer(cfg, cfg.compress_rate(layer))
+        # Every projection of x in one GEMM, and (decode) both query projections of q_residual in another.
+        x_groups = [[self.wq_a], [self.wkv]]
+        q_groups = [[self.wq_b]]
+        if self.compressor is not None:
+            x_groups.append([self.compressor.wkv, self.compressor.wgate])
+        if self.indexer is not None:
+            x_groups += [[self.indexer.compressor.wkv, self.indexer.compressor.wgate], [self.indexer.weights_proj]]
+            q_groups.append([self.indexer.wq_b])
+        self.x_proj, self.q_proj = FusedLinears(x_groups), FusedLinears(q_groups)
 
-    def forward(self, x: torch.Tensor, rope: StepRope, state: LayerCache) -> torch.Tensor:
-        """``x`` ``[T, hidden]`` (normed) at ``rope.positions`` -> ``[T, hidden]``; appends to ``state``.
+    def fuse_projections(self) -> None:
+        """Concatenate the projection weights (once loaded): fewer, larger GEMMs per step."""
+        self.x_proj.fuse()
+        self.q_proj.fuse()
 
-        Keys, compressors and the indexer see all ``T`` tokens at once (they roll the cache forward);
-        queries then run in blocks (:func:`query_blocks`), one block when all fit, as in decode.
+    def forward(self, x: torch.Tensor, rope: StepRope, sequences: list[tuple[slice, LayerCache]]) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` (normed, every sequence's rows) at ``rope.positions`` -> ``[T, hidden]``.
+
+        ``sequences`` are each sequence's rows and this layer's state, appended to. Token-wise projections
+        run over all rows at once. When every sequence brings one token (decode), each query sees all of
+        its keys: no masks, and the query and output projections run batched. Otherwise, per sequence,
+        keys, compressors and the indexer see all its tokens at once (they roll the cache forward) and
+        queries run in blocks (:func:`query_blocks`).
         """
-        tokens = x.shape[0]
-        cos, sin = rope.token[self.rope_kind]
-        q_residual = self.q_norm(self.wq_a(x))
-        kv = apply_interleaved_rope(self.kv_norm(self.wkv(x)), cos, sin)
-        windows, window_mask = sliding_keys(state.window.extend(kv), tokens, self.window)
-        compressed = None if self.compressor is None else self._compressed_keys(x, q_residual, rope, state)
+        inputs = self._project(x, rope)
+        if all(rows.stop - rows.start == 1 for rows, _ in sequences):
+            return self._decode(inputs, rope, [state for _, state in sequences])
         outs = []
-        for rows in query_blocks(tokens, self._query_bytes(compressed, x.element_size())):
+        for rows, state in sequences:
+            seq_rope = rope if len(sequences) == 1 else rope.rows(rows)
+            outs.append(self._sequence(inputs if len(sequences) == 1 else inputs.rows(rows), seq_rope, state))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _project(self, x: torch.Tensor, rope: StepRope) -> Projections:
+        parts = self.x_proj(x)
+        q_residual = self.q_norm(parts[0])
+        kv = rotate_(self.kv_norm(parts[1]), rope.token[self.rope_kind])
+        kv_gate = parts[2] if self.compressor is not None else None
+        index_kv_gate, index_weights = (parts[3], parts[4]) if self.indexer is not None else (None, None)
+        return Projections(q_residual, kv, kv_gate, index_kv_gate, index_weights)
+
+    def _decode(self, inputs: Projections, rope: StepRope, states: list[LayerCache]) -> torch.Tensor:
+        """One token per sequence: every window key and emitted entry is visible to it."""
+        tokens, rotation = len(states), rope.token[self.rope_kind]
+        projected = self.q_proj(inputs.q_residual)
+        q = rotate_(rms_unweighted(projected[0].view(tokens, self.heads, self.head_dim), self.eps), rotation)
+        index_q = None
+        if self.indexer is not None:
+            index_q = projected[1].view(tokens, self.indexer.heads, self.indexer.dim)
+            rotate_(index_q, rope.token["compress"])  # in place: its rows of the fused GEMM's output
+        outs = []
+        for i, state in enumerate(states):
+            keys = state.window.extend(inputs.kv[i : i + 1])
+            if self.compressor is not None:
+                entries = self.compressor(inputs.kv_gate[i : i + 1], state.compressor, rope)
+                if self.indexer is not None:
+                    ids, _ = self.indexer(
+                        inputs.index_kv_gate[i : i + 1],
+                        inputs.index_weights[i : i + 1],
+                        None,
+                        rope,
+                        state.indexer,
+                        q=index_q[i : i + 1],
+                    )
+                    self._check_counts(state)
+                    entries = entries[ids[0]]
+                if entries.shape[0]:
+                    keys = torch.cat([keys, entries])
+            seen = keys.shape[0]
+            (_,) = query_blocks(1, attention_query_bytes(self.heads, self.head_dim, seen, seen, keys.element_size()))
+            outs.append(sink_attention_one(q[i], keys, self.attn_sink, self.head_dim**-0.5))
+        out = outs[0][None] if tokens == 1 else torch.stack(outs)
+        # K = V carries rope on its trailing channels: rotate the output back by the query's angle.
+        return self._project_out(rotate_(out, rotation, inverse=True))
+
+    def _sequence(self, inputs: Projections, rope: StepRope, state: LayerCache) -> torch.Tensor:
+        """One sequence's tokens (any number), queries in blocks."""
+        tokens, rotation = inputs.kv.shape[0], rope.token[self.rope_kind]
+        windows, window_mask = sliding_keys(state.window.extend(inputs.kv), tokens, self.window)
+        compressed = None if self.compressor is None else self._compressed_keys(inputs, rope, state)
+        outs = []
+        for rows in query_blocks(tokens, self._query_bytes(compressed, inputs.kv.element_size())):
             key_sets = [(windows[rows], window_mask[rows])]
             if compressed is not None:
                 key_sets.append(compressed.rows(rows))
-            outs.append(self._attend(q_residual[rows], cos[rows], sin[rows], key_sets))
+            outs.append(self._attend(inputs.q_residual[rows], rotation.rows(rows), key_sets))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _attend(
-        self, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_sets: list[KeySet]
-    ) -> torch.Tensor:
+    def _attend(self, q_residual: torch.Tensor, rotation: Rotation, key_sets: list[KeySet]) -> torch.Tensor:
         """One block of queries: project, attend over ``key_sets``, project out -> ``[block, hidden]``."""
         q = self.wq_b(q_residual).view(q_residual.shape[0], self.heads, self.head_dim)
-        q = apply_interleaved_rope(rms_unweighted(q, self.eps), cos[:, None], sin[:, None])
+        q = rotate_(rms_unweighted(q, self.eps), rotation)
         out = sink_attention(q, key_sets, self.attn_sink, self.head_dim**-0.5)
         # K = V carries rope on its trailing channels: rotate the output back by the query's angle.
-        out = apply_interleaved_rope(out, cos[:, None], -sin[:, None])
-        return self._project_out(out)
+        return self._project_out(rotate_(out, rotation, inverse=True))
 
     def _query_bytes(self, compressed: CompressedKeys | None, elem: int) -> int:
         per_query = 0 if compressed is None else compressed.per_query
         gathered = 0 if compressed is None or compressed.ids is None else per_query
         return attention_query_bytes(self.heads, self.head_dim, self.window + per_query, self.window + gathered, elem)
 
-    def _compressed_keys(
-        self, x: torch.Tensor, q_residual: torch.Tensor, rope: StepRope, state: LayerCache
-    ) -> CompressedKeys:
-        entries = self.compressor(x, state.compressor, rope.compress)
+    def _compressed_keys(self, inputs: Projections, rope: StepRope, state: LayerCache) -> CompressedKeys:
+        entries = self.compressor(inputs.kv_gate, state.compressor, rope)
         if self.indexer is None:  # HCA: every completed entry
             return CompressedKeys(entries, visible_entries(rope.positions, entries.shape[0], self.compressor.rate))
-        ids, valid = self.indexer(x, q_residual, rope, state.indexer)
+        ids, valid = self.indexer(inputs.index_kv_gate, inputs.index_weights, inputs.q_residual, rope, state.indexer)
+        self._check_counts(state)
+        return CompressedKeys(entries, valid, ids)
+
+    @staticmethod
+    def _check_counts(state: LayerCache) -> None:
         if state.indexer.count != state.compressor.count:
             raise RuntimeError("CSA compressor and indexer disagree on the number of compressed entries")
-        return CompressedKeys(entries, valid, ids)
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Grouped output projection: each head group maps to ``o_lora_rank`` channels, then one mix."""
-        grouped = out.reshape(out.shape[0], self.o_groups, -1)
-        weight = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
-        return self.wo_b(torch.einsum("tgi,goi->tgo", grouped, weight).flatten(1))
+        tokens = out.shape[0]
+        grouped = out.reshape(tokens, self.o_groups, -1).transpose(0, 1)  # [groups, T, group_in]
+        weight = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1).transpose(1, 2)
+        return self.wo_b(torch.bmm(grouped, weight).transpose(0, 1).reshape(tokens, -1))

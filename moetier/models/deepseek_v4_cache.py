@@ -1,8 +1,9 @@
 """Per-sequence DeepSeek-V4 attention state: sliding-window keys, compressor rolling state, compressed entries.
 
 Contiguous and per sequence (the paged engine replaces it). Memory per layer is the window
-(``sliding_window - 1`` keys), at most ``rate - 1`` open-window projections, one overlap half for
-CSA, and the compressed entries, preallocated for ``max_tokens // rate`` entries.
+(``sliding_window - 1`` keys plus up to :attr:`SlidingWindowKV.SLACK` rows of room to append in place),
+the open window's projections (``rate`` rows, preallocated), one overlap half for CSA, and the
+compressed entries, preallocated for ``max_tokens // rate`` entries.
 """
 
 from __future__ import annotations
@@ -17,32 +18,69 @@ from moetier.models.cache import KVRows
 
 
 class SlidingWindowKV:
-    """The last ``window - 1`` keys of one layer (V4 uses one tensor as both key and value)."""
+    """The last ``window - 1`` keys of one layer (V4 uses one tensor as both key and value).
+
+    The keys are rows ``[start, start + length)`` of a buffer with room for ``slack`` more rows, so a decode
+    step appends its key in place (one copy) and hands back a view; only when the room runs out (every
+    ``slack`` decode steps, or a long chunk) are the kept keys moved back to the front.
+    """
+
+    SLACK = 64
 
     def __init__(self, window: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.keep = window - 1
-        self.keys = torch.empty(0, dim, dtype=dtype, device=device)
+        self.buffer = torch.empty(0, dim, dtype=dtype, device=device)
+        self.start = self.length = 0
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """The kept keys ``[<= window - 1, D]`` (a view)."""
+        return self.buffer[self.start : self.start + self.length]
 
     def extend(self, new: torch.Tensor) -> torch.Tensor:
-        """Append ``new`` (``[T, D]``); return the kept keys followed by ``new``, the keys the new queries see."""
-        keys = torch.cat([self.keys, new])
-        self.keys = keys[max(keys.shape[0] - self.keep, 0) :].clone() if self.keep else keys[:0]
+        """Append ``new`` (``[T, D]``); return the kept keys followed by ``new``, the keys the new queries see.
+
+        The result may be a view of the buffer: valid until the next :meth:`extend`.
+        """
+        if not self.keep:
+            return new
+        end, tokens = self.start + self.length, new.shape[0]
+        if end + tokens <= self.buffer.shape[0]:
+            self.buffer[end : end + tokens] = new
+            keys = self.buffer[self.start : end + tokens]
+        else:
+            keys = torch.cat([self.keys, new]) if self.length else new
+            capacity = self.keep + min(self.SLACK, self.keep)
+            if self.buffer.shape[0] < capacity:
+                self.buffer = new.new_empty(capacity, new.shape[1])
+            self.start = 0
+            self.buffer[: min(keys.shape[0], self.keep)] = keys[-self.keep :]
+            self.length = min(keys.shape[0], self.keep)
+            return keys
+        self.length = min(self.length + tokens, self.keep)
+        self.start = end + tokens - self.length
         return keys
 
     def copy(self) -> SlidingWindowKV:
+        """A compact deep copy (a buffer of exactly the kept keys; it grows on its next extend)."""
         clone = SlidingWindowKV.__new__(SlidingWindowKV)
-        clone.keep, clone.keys = self.keep, self.keys.clone()
+        clone.keep, clone.buffer = self.keep, self.keys.clone()
+        clone.start, clone.length = 0, self.length
         return clone
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
 
 
 class CompressorState:
     """Rolling state of one compressor.
 
-    ``open_kv``/``open_gate`` hold the raw projections of the tokens of the still-open window;
-    ``prev_kv``/``prev_gate`` (overlapping CSA windows only) the first half of the last closed window,
-    gate already biased, which the next entry pools; ``entries`` rows ``[:count]`` the emitted entries.
-    ``kv_dtype`` applies to the entries only, the part that grows with the context (fp8: one scale per
-    entry); the rolling tensors are a few rows and stay in the model dtype.
+    ``open`` rows ``[:n_open]`` hold the raw projections (kv then gate channels, ``[rate, 2 * width]``) of
+    the tokens of the still-open window; ``prev_kv``/``prev_gate`` (overlapping CSA windows only) the first
+    half of the last closed window, gate already biased, which the next entry pools; ``entries`` rows
+    ``[:count]`` the emitted entries. ``kv_dtype`` applies to the entries only, the part that grows with
+    the context (fp8: one scale per entry); the rolling tensors are a few rows and stay in the model dtype.
     """
 
     def __init__(
@@ -55,22 +93,41 @@ class CompressorState:
         device: torch.device,
         kv_dtype: str | None = None,
     ) -> None:
-        self.rate = rate
-        self.open_kv = torch.empty(0, width, dtype=dtype, device=device)
-        self.open_gate = torch.empty(0, width, dtype=dtype, device=device)
+        self.rate, self.width = rate, width
+        self.open = torch.empty(rate, 2 * width, dtype=dtype, device=device)
+        self.n_open = 0
         self.prev_kv: torch.Tensor | None = None
         self.prev_gate: torch.Tensor | None = None
         self.entries = KVRows((), max_entries, dim, dtype, device, kv_dtype)
         self.count = 0
 
-    def close_windows(self, kv: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Add new tokens' projections; return the windows they close (``[n, rate, width]`` each) and the
-        index of the first of them. The remainder stays open for the next call."""
-        kv, gate = torch.cat([self.open_kv, kv]), torch.cat([self.open_gate, gate])
-        closed = kv.shape[0] // self.rate * self.rate
-        self.open_kv, self.open_gate = kv[closed:].clone(), gate[closed:].clone()
-        shape = (closed // self.rate, self.rate, kv.shape[1])
-        return kv[:closed].view(shape), gate[:closed].view(shape), self.count
+    def close_windows(self, kv_gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Add new tokens' projections (``[T, 2 * width]``: kv then gate); return the windows they close
+        (``[n, rate, width]`` kv and gate) and the index of the first of them, or None when none closes.
+        The remainder stays open for the next call. The windows may be views of the open buffer: use them
+        before the next call."""
+        tokens, width = kv_gate.shape[0], self.width
+        if self.n_open + tokens <= self.rate:  # decode: one in-place copy, a window closes every rate steps
+            self.open[self.n_open : self.n_open + tokens] = kv_gate
+            self.n_open += tokens
+            if self.n_open < self.rate:
+                return None
+            self.n_open, windows = 0, self.open[None]
+        else:
+            joined = torch.cat([self.open[: self.n_open], kv_gate]) if self.n_open else kv_gate
+            closed = joined.shape[0] // self.rate * self.rate
+            self.n_open = joined.shape[0] - closed
+            self.open[: self.n_open] = joined[closed:]
+            windows = joined[:closed].view(closed // self.rate, self.rate, 2 * width)
+        return windows[..., :width], windows[..., width:], self.count
+
+    @property
+    def open_kv(self) -> torch.Tensor:
+        return self.open[: self.n_open, : self.width]
+
+    @property
+    def open_gate(self) -> torch.Tensor:
+        return self.open[: self.n_open, self.width :]
 
     def append(self, entries: torch.Tensor) -> None:
         end = self.count + entries.shape[0]
@@ -91,15 +148,15 @@ class CompressorState:
         if not count <= min(self.count, max_entries):
             raise ValueError(f"cannot copy {count} of {self.count} compressed entries into {max_entries}")
         clone = CompressorState.__new__(CompressorState)
-        clone.rate, clone.count = self.rate, count
-        clone.open_kv, clone.open_gate = self.open_kv.clone(), self.open_gate.clone()
+        clone.rate, clone.width, clone.count, clone.n_open = self.rate, self.width, count, self.n_open
+        clone.open = self.open.clone()
         clone.prev_kv = None if self.prev_kv is None else self.prev_kv.clone()
         clone.prev_gate = None if self.prev_gate is None else self.prev_gate.clone()
         clone.entries = self.entries.copy(max_entries, count)  # fp8 scales included
         return clone
 
     def rolling_nbytes(self) -> int:
-        tensors = [self.open_kv, self.open_gate, self.prev_kv, self.prev_gate]
+        tensors = [self.open, self.prev_kv, self.prev_gate]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -127,7 +184,7 @@ class LayerCache:
 
     @property
     def nbytes(self) -> int:
-        total = self.window.keys.numel() * self.window.keys.element_size()
+        total = self.window.nbytes
         for state in (self.compressor, self.indexer):
             if state is not None:
                 total += state.rolling_nbytes() + state.entries.nbytes
