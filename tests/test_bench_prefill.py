@@ -178,4 +178,5 @@ def test_overlap_summary_measures_hidden_copy_time():
     assert summary["copy_busy_s"] == pytest.approx(150e-6) and summary["kernel_busy_s"] == pytest.approx(150e-6)
     assert summary["overlap_s"] == pytest.approx(30e-6)
     assert summary["copy_hidden_share"] == pytest.approx(0.2) and summary["window_s"] == pytest.approx(270e-6)
+    assert summary["hidden_share_of_shorter"] == pytest.approx(0.2)  # equal busy times here
     assert intersection_length([(0, 10), (20, 30)], [(5, 25)]) == 10

@@ -3,8 +3,9 @@
 A torch profiler run exports a Chrome trace whose device events carry a category: ``kernel`` for
 compute, ``gpu_memcpy`` for copies (host-to-device expert copies among them). Each category's busy
 time is the length of the union of its intervals; the overlap is the length of the intersection
-of the two unions. A streaming prefill that hides its copies shows an overlap close to the copy
-time; copy-then-compute shows an overlap near zero.
+of the two unions. Copy-then-compute shows an overlap near zero; a streaming prefill hides the
+shorter of the two behind the longer, so ``hidden_share_of_shorter`` (overlap over the smaller busy
+time) near 1 is perfect overlap, whichever side bounds the run.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def overlap_summary(trace: dict[str, Any]) -> dict[str, float | int]:
         "kernel_busy_s": kernel_busy / 1e6,
         "overlap_s": overlap / 1e6,
         "copy_hidden_share": overlap / copy_busy if copy_busy else 0.0,
+        "hidden_share_of_shorter": overlap / min(copy_busy, kernel_busy) if min(copy_busy, kernel_busy) else 0.0,
         "copy_engine_utilisation": copy_busy / window if window else 0.0,
     }
 

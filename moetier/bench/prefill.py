@@ -479,7 +479,8 @@ def markdown_table(receipt: dict[str, Any]) -> str:
         lines.append(
             f"- profile {mode} ({prof['tokens']} tokens): copies busy {prof['copy_busy_s']:.3f} s, kernels busy "
             f"{prof['kernel_busy_s']:.3f} s, overlapped {prof['overlap_s']:.3f} s "
-            f"({100 * prof['copy_hidden_share']:.0f}% of copy time hidden) in a {prof['window_s']:.3f} s window"
+            f"({100 * prof.get('hidden_share_of_shorter', 0.0):.0f}% of the shorter side hidden) "
+            f"in a {prof['window_s']:.3f} s window"
         )
     lines += [f"- {note}" for note in receipt["notes"]]
     return "\n".join(lines) + "\n"

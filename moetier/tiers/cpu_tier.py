@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,13 +46,15 @@ class CpuJob:
 
     ``ready`` (a CUDA event) is waited on before reading ``hidden``/gates, which may still be landing
     from the device. ``out`` is the fp32 ``[U, H]`` result buffer (pinned on CUDA so it can go back
-    with a non-blocking copy); it is allocated when not given.
+    with a non-blocking copy); it is allocated when not given. ``on_done`` runs after the job,
+    whether it succeeded or failed (it releases a GPU stream waiting for ``out``).
     """
 
     hidden: torch.Tensor
     groups: list[CpuGroup]
     ready: Any = None
     out: torch.Tensor | None = None
+    on_done: Callable[[], None] | None = None
 
 
 @dataclass
@@ -86,7 +89,14 @@ class CpuExpertTier:
         return self._pool.submit(self.run, job)
 
     def run(self, job: CpuJob) -> CpuResult:
-        """Compute ``job`` in the calling thread."""
+        """Compute ``job`` in the calling thread (then call its ``on_done``, even on failure)."""
+        try:
+            return self._compute(job)
+        finally:
+            if job.on_done is not None:
+                job.on_done()
+
+    def _compute(self, job: CpuJob) -> CpuResult:
         start = time.perf_counter()
         if job.ready is not None:
             job.ready.synchronize()

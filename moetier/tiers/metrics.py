@@ -39,6 +39,7 @@ class LayerCounters:
     prefetch_bytes: int = 0
     prefetch_used: int = 0
     prefetch_wasted: int = 0
+    cpu_jobs_gpu_waited: int = 0  # CPU-tier jobs the compute stream waited for (the host went on)
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.dispatcher import ExpertDispatcher, expert_accumulator
 from moetier.tiers.expert_cache import ExpertCache, Slot
 from moetier.tiers.experts import ExpertStore, ExpertWeights, swiglu_expert
+from moetier.tiers.gpu_wait import HostFlag
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.policies import make_policy
 from moetier.tiers.route_costs import MissRoute, RouteCosts, split_misses
@@ -72,7 +74,9 @@ class TieredConfig:
     (default :func:`default_staging_slots`). Calls of ``stream_min_tokens`` or more tokens are
     streaming calls (module docstring); ``prefetch`` turns their cross-layer prefetch on, and up to
     ``lend_slots`` cache slots join the staging ring while they last (the experts those slots held
-    are reloaded when the next non-streaming call starts; 0 disables).
+    are reloaded when the next non-streaming call starts; 0 disables). With ``gpu_waits_for_cpu``
+    (CUDA with stream memory operations), a decode call's CPU-tier result is awaited by the compute
+    stream instead of the host thread, except at the last MoE layer (:mod:`moetier.tiers.gpu_wait`).
     """
 
     cache_slots: int | None = None
@@ -88,6 +92,7 @@ class TieredConfig:
     stream_min_tokens: int = 64
     prefetch: bool = True
     lend_slots: int = DEFAULT_LEND_SLOTS
+    gpu_waits_for_cpu: bool = True
 
     def __post_init__(self) -> None:
         if (self.cache_slots is None) == (self.cache_bytes is None):
@@ -157,6 +162,10 @@ class TieredDispatcher(ExpertDispatcher):
         # The MoE layer after each one; the last wraps to the first (the next chunk's first layer).
         self._next_layer = dict(zip(moe, moe[1:] + moe[:1], strict=True))
         self._stream_history: dict[int, list[int]] = {}  # layer -> experts its last streaming call used, fat first
+        self._last_layer = max(store.layout.moe_layers)
+        self._flag: HostFlag | None = None
+        # CPU jobs the GPU waits for (not the host): (layer, future, buffers kept alive until the GPU is past them)
+        self._pending: list[tuple[int, Any, tuple]] = []
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -176,6 +185,8 @@ class TieredDispatcher(ExpertDispatcher):
         self.cache = ExpertCache(self.store, device, n_slots, self.policy, staging, self.metrics)
         self.cpu_tier = CpuExpertTier(layout.swiglu_limit, cfg.cpu_threads)
         self.device = device
+        if cfg.gpu_waits_for_cpu and device.type == "cuda":
+            self._flag = HostFlag.create(device)
         if device.type == "cuda" and cfg.miss_route == "auto" and cfg.cpu_share is None and cfg.calibrate:
             self.costs = self._calibrate()
         log.info(
@@ -241,7 +252,12 @@ class TieredDispatcher(ExpertDispatcher):
             for group in sorted(misses, key=lambda g: -g.count):
                 group.slot = self.cache.plan_admission((layer, group.expert), protected)
 
-        started = self._start_cpu(layer, hidden, routing, cpu_groups) if cpu_groups else None
+        # The GPU (not this thread) waits for a decode call's CPU sums, except at the last MoE layer,
+        # so this thread goes on launching the next layer; the job's outcome is checked at the next call.
+        release = None
+        if cpu_groups and self._flag is not None and not streaming and layer != self._last_layer:
+            release = self._flag.next_value()
+        started = self._start_cpu(layer, hidden, routing, cpu_groups, release) if cpu_groups else None
         try:
             read = self._run_on_device(layer, out, hidden, routing, hits, copy_groups)
             if streaming and self.config.prefetch:
@@ -250,10 +266,17 @@ class TieredDispatcher(ExpertDispatcher):
                 if group.slot is not None:
                     self.cache.fill(group.slot, self.store.expert(layer, group.expert).block)
                     self.metrics.layer(layer).admit_bytes += self.block_bytes
-        finally:
-            partial = self._finish_cpu(layer, started) if started is not None else None
-        if partial is not None:
-            rows_dev, values = partial
+        except BaseException:
+            if started is not None:
+                futures.wait([started[0]])  # never leave a worker reading buffers this call is about to drop
+            raise
+        if started is not None and release is not None and self._flag.wait_on(self._compute_stream(), release):
+            future, rows_dev, host_out, buffers = started
+            out.index_add_(0, rows_dev, host_out.to(rows_dev.device, non_blocking=True))
+            self._pending.append((layer, future, buffers))
+            self.metrics.layer(layer).cpu_jobs_gpu_waited += 1
+        elif started is not None:
+            rows_dev, values = self._finish_cpu(layer, started)
             out.index_add_(0, rows_dev, values.to(out.dtype))
         self.cache.mark_released(read, self._compute_stream())
         return out.to(hidden.dtype)
@@ -272,6 +295,8 @@ class TieredDispatcher(ExpertDispatcher):
     ) -> _Routing:
         """Sort pairs by expert on the host (one small copy), look each expert up, tell the policy."""
         ids_host = topk_ids.reshape(-1).cpu()
+        if self._pending:  # the copy above waited for the GPU, which waited for the pending CPU jobs
+            self._collect_pending()
         order_host = torch.argsort(ids_host, stable=True)
         experts, counts = torch.unique_consecutive(ids_host[order_host], return_counts=True)
         experts_l, counts_l = experts.tolist(), counts.tolist()
@@ -390,8 +415,13 @@ class TieredDispatcher(ExpertDispatcher):
         y = swiglu_expert(hidden[tokens], weights, self.store.layout.swiglu_limit).float() * gates.float()
         out.index_add_(0, tokens, y)
 
-    def _start_cpu(self, layer: int, hidden: torch.Tensor, routing: _Routing, groups: list[_Group]):
-        """Gather the CPU-routed rows and gates to the host and submit the job; returns (future, rows on device).
+    def _start_cpu(
+        self, layer: int, hidden: torch.Tensor, routing: _Routing, groups: list[_Group], release: int | None
+    ):
+        """Gather the CPU-routed rows and gates to the host and submit the job.
+
+        Returns ``(future, rows on device, pinned fp32 result, buffers to keep alive)``; with ``release``
+        the worker sets the host flag to it when done (a GPU stream may be waiting for it).
 
         On CUDA the rows and gates land in pinned buffers by non-blocking copies; the worker waits
         for the recorded event before reading them, so this thread goes on to launch device work.
@@ -417,10 +447,13 @@ class TieredDispatcher(ExpertDispatcher):
         ]
         out = torch.empty((rows.numel(), hidden.shape[1]), dtype=torch.float32, pin_memory=cuda)
         self.metrics.layer(layer).cpu_pairs += int(tokens.numel())
-        return self.cpu_tier.submit(CpuJob(hidden=host_hidden, groups=job_groups, ready=ready, out=out)), rows_dev
+        flag = self._flag
+        on_done = None if release is None else (lambda: flag.release(release))
+        job = CpuJob(hidden=host_hidden, groups=job_groups, ready=ready, out=out, on_done=on_done)
+        return self.cpu_tier.submit(job), rows_dev, out, (host_hidden, host_gates, out, rows_dev, job_groups)
 
     def _finish_cpu(self, layer: int, started) -> tuple[torch.Tensor, torch.Tensor]:
-        future, rows_dev = started
+        future, rows_dev, _, _ = started
         wait_start = time.perf_counter()
         result = future.result()
         counters = self.metrics.layer(layer)
@@ -428,6 +461,13 @@ class TieredDispatcher(ExpertDispatcher):
         counters.cpu_seconds += result.seconds
         values = result.out.to(rows_dev.device, non_blocking=True)
         return rows_dev, values
+
+    def _collect_pending(self) -> None:
+        """After a host sync: the GPU is past every pending CPU job; count them and raise any failure."""
+        pending, self._pending = self._pending, []
+        for layer, future, _ in pending:
+            result = future.result()  # raises the worker's error: this forward's sums were incomplete
+            self.metrics.layer(layer).cpu_seconds += result.seconds
 
     def _count(self, layer: int, hits: list[_Group], misses: list[_Group]) -> None:
         counters = self.metrics.layer(layer)

@@ -1,0 +1,110 @@
+"""Let a CUDA stream, not the host thread, wait for the CPU tier.
+
+A decode step is launch-bound: the host thread that waits for the CPU tier's partial sums cannot
+launch the next layer meanwhile, while the copy path's host thread runs ahead and hides the copies
+under launch time. :class:`HostFlag` is a pinned 32-bit counter the GPU can wait on with the
+driver's stream memory operations (``cuStreamWaitValue32``): the dispatcher enqueues "wait until
+the flag reaches n", then the copy of the partial sums and their addition, and goes on launching;
+the CPU worker bumps the flag to n when the sums are in the pinned buffer (also when it failed, so
+the GPU never waits forever; the failure surfaces at the next MoE layer).
+
+Availability is probed once (driver symbol, device attribute, mapped pinned memory); where any of
+it is missing :meth:`HostFlag.create` returns None and the host waits as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CAN_USE_STREAM_MEM_OPS = 92  # CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+_driver: ctypes.CDLL | None = None
+_probe_lock = threading.Lock()
+_probed: dict[int, bool] = {}
+
+
+def _load_driver() -> ctypes.CDLL | None:
+    global _driver
+    if _driver is None:
+        try:
+            _driver = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return None
+    return _driver
+
+
+def _symbol(lib: ctypes.CDLL, *names: str):
+    for name in names:
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            return fn
+    return None
+
+
+def _supported(device: torch.device) -> bool:
+    """Whether ``device`` can run stream wait-value operations (probed once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _probe_lock:
+        if index not in _probed:
+            lib = _load_driver()
+            ok = False
+            if lib is not None:
+                value = ctypes.c_int(0)
+                ok = lib.cuDeviceGetAttribute(ctypes.byref(value), _CAN_USE_STREAM_MEM_OPS, index) == 0 and bool(
+                    value.value
+                )
+            _probed[index] = ok
+            if not ok:
+                log.info("no CUDA stream memory operations on device %d: the host waits for the CPU tier", index)
+        return _probed[index]
+
+
+class HostFlag:
+    """A pinned int32 counter: :meth:`wait_on` makes a stream wait for a value, :meth:`release` sets it.
+
+    Values only grow (:meth:`next_value` hands out the next one), so a stale wait never blocks.
+    """
+
+    def __init__(self, tensor: torch.Tensor, device_pointer: int, wait_fn) -> None:
+        self.tensor = tensor
+        self._cell = tensor.numpy()  # written through numpy: no autograd/inference-mode rules in the worker
+        self._device_pointer = device_pointer
+        self._wait_fn = wait_fn
+        self._issued = 0
+
+    @classmethod
+    def create(cls, device: torch.device) -> HostFlag | None:
+        """A flag for ``device``'s streams, or None where the driver cannot do it."""
+        if device.type != "cuda" or not _supported(device):
+            return None
+        lib = _load_driver()
+        wait_fn = _symbol(lib, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+        get_pointer = _symbol(lib, "cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")
+        if wait_fn is None or get_pointer is None:
+            return None
+        wait_fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        wait_fn.restype = ctypes.c_int
+        tensor = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        pointer = ctypes.c_uint64(0)
+        if get_pointer(ctypes.byref(pointer), ctypes.c_void_p(tensor.data_ptr()), 0) != 0:
+            return None
+        return cls(tensor, pointer.value, wait_fn)
+
+    def next_value(self) -> int:
+        self._issued += 1
+        return self._issued
+
+    def wait_on(self, stream: torch.cuda.Stream, value: int) -> bool:
+        """Enqueue on ``stream``: wait until the flag is >= ``value``. False if the driver refused."""
+        status = self._wait_fn(ctypes.c_void_p(stream.cuda_stream), self._device_pointer, value, _WAIT_GEQ)
+        return status == 0
+
+    def release(self, value: int) -> None:
+        """Set the flag to ``value`` (any host thread); streams waiting for it go on."""
+        self._cell[0] = value
