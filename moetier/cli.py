@@ -292,7 +292,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 @subcommand("bench", "measure decode, prefill or serving speed and write a receipt")
 def _setup_bench(parser: argparse.ArgumentParser) -> None:
-    from moetier.bench import decode, hf_baseline, plots, prefill, serve
+    from moetier.bench import decode, hf_baseline, plots, prefill, serve, trace_routing
 
     kinds = parser.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
     decode.configure_parser(kinds.add_parser("decode", help="decode tok/s at 1/2/4 streams, all placements"))
@@ -302,9 +302,12 @@ def _setup_bench(parser: argparse.ArgumentParser) -> None:
     serve.configure_parser(
         kinds.add_parser("serve", help="TTFT/TPOT/ITL and output tok/s of a running server at several concurrencies")
     )
-    plots.configure_parser(kinds.add_parser("plot", help="PNG plots of decode receipts (needs matplotlib)"))
+    plots.configure_parser(kinds.add_parser("plot", help="PNG plots of decode, prefill, serve receipts"))
     hf_baseline.configure_parser(
         kinds.add_parser("hf", help="decode tok/s of transformers + accelerate device_map=auto (comparison point)")
+    )
+    trace_routing.configure_record_parser(
+        kinds.add_parser("record-trace", help="record the expert ids a checkpoint routes (for --routing-trace)")
     )
 
 

@@ -53,7 +53,9 @@ def test_gpu_waited_cpu_tier_matches_resident(route):
         store.block_for_loading(*key).block.copy_(weights.block)
         device_store.block_for_loading(*key).block.copy_(weights.block)
     resident = ResidentDispatcher(device_store)
-    tiered = TieredDispatcher(store, cache_slots=4, miss_route=route, cpu_share=0.5 if route == "auto" else None)
+    tiered = TieredDispatcher(
+        store, cache_slots=4, miss_route=route, cpu_share=0.5 if route == "auto" else None, gpu_waits_for_cpu=True
+    )
     generator = torch.Generator().manual_seed(12)
     worst = 0.0
     for tokens in (1, 2, 4, 1, 3, 1, 1, 2):

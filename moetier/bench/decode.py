@@ -14,6 +14,8 @@ ratios to the naive baseline, to the resident run and to the bound ``streams * D
 bytes per step`` computed from bandwidths measured in the same process. With ``hf_baseline``,
 transformers + accelerate ``device_map="auto"`` under the ``gpu_memory`` budget is measured first
 (in a subprocess, see :mod:`moetier.bench.hf_baseline`) and every result gets ``ratio_to_hf``.
+With ``routing_trace``, every measured dispatcher routes from that recorded trace instead of the
+checkpoint's router (:mod:`moetier.bench.trace_routing`), rewound at the start of each run.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from moetier.bench import hf_baseline
+from moetier.bench import hf_baseline, trace_routing
 from moetier.bench.bandwidth import measure_bounds
 from moetier.bench.common import (
     add_placement_arguments,
@@ -74,9 +76,11 @@ class DecodeBenchConfig:
     gpu_memory: str = "24GiB"  # the VRAM budget of that baseline
     host_memory: str | None = None
     hf_args: str = ""  # extra ``moetier bench hf`` flags
+    routing_trace: Path | None = None  # replay this recorded routing (see moetier.bench.trace_routing)
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
+        self.routing_trace = None if self.routing_trace is None else Path(self.routing_trace)
         unknown = sorted(set(self.modes) - set(MODES))
         if unknown:
             raise ConfigError(f"unknown bench mode(s) {unknown}; choose from {list(MODES)}")
@@ -218,6 +222,8 @@ def load_for_bench(cfg: DecodeBenchConfig) -> tuple[LoadedModel, torch.device, H
 def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
     """Measure every mode at every stream count; return the receipt (not yet written)."""
     started = time.time()
+    # A bad trace fails here, before the baseline and the weights take their minutes.
+    trace, trace_info = trace_routing.load_for_bench(cfg.routing_trace, cfg.model)
     # Before our own load: the baseline's host copy of the weights must be gone when ours is made.
     hf = hf_baseline.run_subprocess(cfg) if cfg.hf_baseline else None
     bounds = measure_bounds(quick=cfg.quick_bounds)
@@ -231,15 +237,22 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
     block_bytes = layout.block_bytes(store.dtype)
     vocab = model.config.vocab_size
     results, tokens_by_mode, notes, profiles = [], {}, [], {}
+    if trace_info is not None:
+        notes.append(trace_routing.summary_note(trace_info))
     for mode in cfg.modes:
         dispatcher = _dispatcher(mode, store, cfg, device, slots)
         if dispatcher is None:
             notes.append(f"{mode}: skipped, {store.total_bytes() / 1e9:.1f} GB of experts do not fit in free VRAM")
             continue
-        model.use_dispatcher(dispatcher)
+        replay = None if trace is None else trace_routing.TraceRoutingDispatcher(dispatcher, trace)
+        model.use_dispatcher(replay or dispatcher)
         for streams in cfg.streams:
+            if replay is not None:
+                replay.rewind()  # every mode and stream count replays the trace from its first row
             seconds, tokens = _time_decode(_DecodeRun(model, streams, cfg, vocab), dispatcher)
             traffic = _traffic(dispatcher, block_bytes, cfg.steps * cfg.repeats, streams)
+            if replay is not None:
+                traffic["routing_trace_wraps"] = max(replay.wraps.values())
             results.append(_result(mode, streams, seconds, traffic, cfg, bounds))
             tokens_by_mode.setdefault(streams, {})[mode] = tokens
         if cfg.profile:
@@ -255,7 +268,8 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
     return {
         "kind": "decode",
         "environment": environment(),
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+        | ({"routing_trace": trace_info} if trace_info is not None else {}),
         "bounds": bounds,
         "plan": {
             "moe_layers": len(layout.moe_layers),
@@ -331,6 +345,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also write a torch.profiler summary per mode")
+    parser.add_argument(
+        "--routing-trace", type=Path, default=None, metavar="PATH", help="route from this recorded trace of expert ids"
+    )
     hf_baseline.add_decode_arguments(parser)
     parser.set_defaults(handler=run)
 
@@ -344,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         repeats=args.repeats,
         profile=args.profile,
+        routing_trace=args.routing_trace,
         **hf_baseline.decode_options(args),
     )
     receipt = run_decode_bench(cfg)

@@ -20,7 +20,8 @@ compute either). ``--profile`` adds, per profiled mode, a torch-profiler summary
 long the copy engine and the kernels were busy and how much of the copy time the kernels hid
 (:mod:`moetier.bench.overlap`). A prompt length whose
 attention workspace would not fit the free memory (an estimate, see :func:`attention_bytes`) is
-skipped with a note rather than crashing the run.
+skipped with a note rather than crashing the run. With ``routing_trace``, every measured dispatcher
+routes from that recorded trace (:mod:`moetier.bench.trace_routing`), rewound before each repeat.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from moetier.bench import trace_routing
 from moetier.bench.bandwidth import measure_bounds
 from moetier.bench.common import (
     add_placement_arguments,
@@ -78,9 +80,11 @@ class PrefillBenchConfig:
     memory_budget_bytes: int | None = None  # replaces the measured free memory in the skip check (tests)
     staging_slots: int | None = None  # tiered modes' staging ring (default: the dispatcher's)
     profile: bool = False
+    routing_trace: Path | None = None  # replay this recorded routing (see moetier.bench.trace_routing)
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
+        self.routing_trace = None if self.routing_trace is None else Path(self.routing_trace)
         unknown = sorted(set(self.modes) - set(MODES))
         if unknown:
             raise ConfigError(f"unknown prefill bench mode(s) {unknown}; choose from {list(MODES)}")
@@ -290,10 +294,18 @@ def _dispatcher(mode: str, store: ExpertStore, cfg: PrefillBenchConfig, device: 
     return dispatcher
 
 
-def _measure(model: CausalLM, dispatcher, prompt: torch.Tensor, cfg: PrefillBenchConfig) -> dict[str, Any]:
+def _measure(
+    model: CausalLM,
+    dispatcher,
+    prompt: torch.Tensor,
+    cfg: PrefillBenchConfig,
+    replay: trace_routing.TraceRoutingDispatcher | None = None,
+) -> dict[str, Any]:
     metrics: TierMetrics | None = getattr(dispatcher, "metrics", None)
     seconds, runs = [], []
     for _ in range(cfg.repeats):
+        if replay is not None:
+            replay.rewind()  # every repeat (and mode) prefills under the same rows of the trace
         if metrics is not None:
             metrics.reset()
         if isinstance(dispatcher, SyncCopyDispatcher):
@@ -325,6 +337,8 @@ def _measure(model: CausalLM, dispatcher, prompt: torch.Tensor, cfg: PrefillBenc
         }
     if isinstance(dispatcher, SyncCopyDispatcher):
         result["copy_wait_seconds"] = dispatcher.copy_seconds
+    if replay is not None:
+        result["routing_trace_wraps"] = max(replay.wraps.values())
     return result
 
 
@@ -371,6 +385,7 @@ def _add_ratios(results: list[dict[str, Any]], block_bytes: int, bandwidth_gbps:
 def run_prefill_bench(cfg: PrefillBenchConfig) -> dict[str, Any]:
     """Measure every mode at every prompt length; return the receipt (not yet written)."""
     started = time.time()
+    trace, trace_info = trace_routing.load_for_bench(cfg.routing_trace, cfg.model)  # fails before the weights load
     bounds = measure_bounds(quick=cfg.quick_bounds)
     load_start = time.perf_counter()
     loaded, device, arena = load_checkpoint(cfg.model, cfg.dtype, cfg.device)
@@ -385,13 +400,16 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> dict[str, Any]:
     prompts = {n: torch.randint(0, model.config.vocab_size, (n,), generator=generator) for n in cfg.prompt_lens}
     elem = torch.empty((), dtype=store.dtype).element_size()
     results, skipped, notes = [], [], []
+    if trace_info is not None:
+        notes.append(trace_routing.summary_note(trace_info))
     profiles: dict[str, dict[str, Any]] = {}
     for mode in cfg.modes:
         dispatcher = _dispatcher(mode, store, cfg, device, slots)
         if dispatcher is None:
             notes.append(f"{mode}: skipped, {store.total_bytes() / 1e9:.1f} GB of experts do not fit in free VRAM")
             continue
-        model.use_dispatcher(dispatcher)
+        replay = None if trace is None else trace_routing.TraceRoutingDispatcher(dispatcher, trace)
+        model.use_dispatcher(replay or dispatcher)
         warmed = False
         for length in cfg.prompt_lens:
             chunk = min(cfg.chunk_tokens, length)
@@ -410,7 +428,7 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> dict[str, Any]:
                 _prefill_once(model, prompts[length][:chunk].to(device), chunk, None)
                 warmed = True
             result = {"mode": mode, "prompt_len": length, "chunk_tokens": chunk, "chunks": -(-length // chunk)}
-            results.append(result | _measure(model, dispatcher, prompts[length].to(device), cfg))
+            results.append(result | _measure(model, dispatcher, prompts[length].to(device), cfg, replay))
             # Profiled once, at the first length with two full chunks (a steady-state picture).
             if cfg.profile and mode in PROFILED_MODES and mode not in profiles and length >= 2 * chunk:
                 profiles[mode] = _profile_chunks(model, prompts[length][: 2 * chunk].to(device), chunk)
@@ -423,7 +441,8 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> dict[str, Any]:
     return {
         "kind": "prefill",
         "environment": environment(),
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+        | ({"routing_trace": trace_info} if trace_info is not None else {}),
         "bounds": bounds | {"streaming_bound_uses": bandwidth_name},
         "plan": {
             "moe_layers": len(layout.moe_layers),
@@ -499,6 +518,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick-bounds", action="store_true", help="measure bandwidths on small buffers (smoke runs)")
     parser.add_argument("--staging-slots", type=int, default=None, help="staging ring of the tiered modes")
     parser.add_argument("--profile", action="store_true", help="profile two chunks of sync and tiered: copy overlap")
+    parser.add_argument(
+        "--routing-trace", type=Path, default=None, metavar="PATH", help="route from this recorded trace of expert ids"
+    )
     parser.set_defaults(handler=run)
 
 
@@ -511,6 +533,7 @@ def run(args: argparse.Namespace) -> int:
         quick_bounds=args.quick_bounds,
         staging_slots=args.staging_slots,
         profile=args.profile,
+        routing_trace=args.routing_trace,
     )
     receipt = run_prefill_bench(cfg)
     path = write_receipt(receipt, args.out)

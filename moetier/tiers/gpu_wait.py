@@ -9,7 +9,9 @@ the CPU worker bumps the flag to n when the sums are in the pinned buffer (also 
 the GPU never waits forever; the failure surfaces at the next MoE layer).
 
 Availability is probed once (driver symbol, device attribute, mapped pinned memory); where any of
-it is missing :meth:`HostFlag.create` returns None and the host waits as before.
+it is missing :meth:`HostFlag.create` returns None and the host waits as before. On the lent H200
+the probe (the V1 memory-ops attribute) said no, so this path has not run on a GPU yet: it is off by
+default (``TieredConfig.gpu_waits_for_cpu``).
 """
 
 from __future__ import annotations
