@@ -9,9 +9,9 @@ the CPU worker bumps the flag to n when the sums are in the pinned buffer (also 
 the GPU never waits forever; the failure surfaces at the next MoE layer).
 
 Availability is probed once (driver symbol, device attribute, mapped pinned memory); where any of
-it is missing :meth:`HostFlag.create` returns None and the host waits as before. On the lent H200
-the probe (the V1 memory-ops attribute) said no, so this path has not run on a GPU yet: it is off by
-default (``TieredConfig.gpu_waits_for_cpu``).
+it is missing :meth:`HostFlag.create` returns None and the host waits as before. The first probe
+(the V1 memory-ops attribute only) said no on the lent H200, so this path has not run on a GPU yet:
+it is off by default (``TieredConfig.gpu_waits_for_cpu``) until ``tests/test_gpu_wait.py`` passes there.
 """
 
 from __future__ import annotations
@@ -50,17 +50,24 @@ def _symbol(lib: ctypes.CDLL, *names: str):
 
 
 def _supported(device: torch.device) -> bool:
-    """Whether ``device`` can run stream wait-value operations (probed once per device)."""
+    """Whether ``device`` can run stream wait-value operations (probed once per device).
+
+    The V2 entry points (``cuStreamWaitValue32_v2``, CUDA 11.7+ drivers) are available on every
+    platform; older drivers need the V1 API enabled in the kernel module, which the device attribute
+    reports (on the lent H200 the V1 attribute reads 0 while the V2 symbol exists).
+    """
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _probe_lock:
         if index not in _probed:
             lib = _load_driver()
             ok = False
             if lib is not None:
-                value = ctypes.c_int(0)
-                ok = lib.cuDeviceGetAttribute(ctypes.byref(value), _CAN_USE_STREAM_MEM_OPS, index) == 0 and bool(
-                    value.value
-                )
+                if getattr(lib, "cuStreamWaitValue32_v2", None) is not None:
+                    ok = True
+                else:
+                    value = ctypes.c_int(0)
+                    status = lib.cuDeviceGetAttribute(ctypes.byref(value), _CAN_USE_STREAM_MEM_OPS, index)
+                    ok = status == 0 and bool(value.value)
             _probed[index] = ok
             if not ok:
                 log.info("no CUDA stream memory operations on device %d: the host waits for the CPU tier", index)
