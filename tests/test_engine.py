@@ -226,7 +226,7 @@ def test_max_streams_respected_and_waiting_queue_drains_fcfs(qwen):
 
 
 def test_kv_token_budget_limits_admission(qwen):
-    engine = make_engine(qwen, max_streams=4, kv_token_budget=45)
+    engine = make_engine(qwen, max_streams=4, kv_token_budget=45, kv_admission="reserve")
     for i in range(4):
         engine.add_request(f"k{i}", random_prompt(10, seed=40 + i), SamplingParams(max_tokens=10, **GREEDY))
     with pytest.raises(ConfigError, match="needs 46 KV tokens .* kv_token_budget is 45"):

@@ -16,6 +16,14 @@ With tiered experts the VRAM expert cache is elastic (:mod:`moetier.engine.elast
 whole slots between steps when the running sequences' KV outgrows the plan's reservation, and grows
 back when they finish; the KV-token budget is lowered so that the cache's floor is never crossed.
 
+With optimistic KV admission (``EngineConfig.kv_admission``, :mod:`moetier.engine.scheduler`) a
+request reserves only its prompt plus some headroom and grows; when the budget is spent the newest
+running request is preempted: its cache is dropped (a snapshot of it goes to the prefix cache when it
+can), and on re-admission its prompt + output are recomputed as a prefill. Its sampler state (seeded
+generator, penalty counts) lives on the engine's ``_Request``, which preemption never touches, and only
+the recompute's last position samples, so the tokens are those an uninterrupted run would give and
+nothing is sent twice. ``stats().preemptions_total`` counts preemptions.
+
 Prefill is metered (:mod:`moetier.engine.prefill_meter`): a completed prefill logs one INFO line
 (tokens, prefix-cache hit, seconds, tok/s), a long one logs its progress every ``log_interval``
 seconds, and ``stats()`` carries the prefill counters and each prefilling request's progress.
@@ -75,9 +83,12 @@ class _Request:
 
     seq: Sequence
     text: IncrementalText
+    # Sampler state: kept here for the request's whole life, so a preemption (which only resets the
+    # sequence's cache progress) cannot change what is drawn next.
     generator: torch.Generator | None
     penalties: PenaltyState | None = None
     updates_sent: int = 0
+    prompt_counted: int = 0  # prompt tokens already counted in prompt_tokens_total (recomputes add none)
 
 
 class Engine:
@@ -131,7 +142,14 @@ class Engine:
 
         self.config = self.config.with_chunk_from(self.plan)  # auto chunk: the plan's, or the default
         capacity = self.config.kv_token_budget or self.config.max_streams * self.max_model_len
-        self.scheduler = Scheduler(self.config.max_streams, self.config.prefill_chunk_tokens, capacity)
+        self.scheduler = Scheduler(
+            self.config.max_streams,
+            self.config.prefill_chunk_tokens,
+            capacity,
+            admission=self.config.kv_admission,
+            headroom=self.config.kv_headroom_tokens,
+        )
+        self.scheduler.on_preempt = self._preempted
         self.runner = ModelRunner(self.model, kv_dtype=self.config.cache_kv_dtype)
         self._setup_prefix_cache()
         self.elastic: ElasticExpertBudget | None = None
@@ -197,8 +215,11 @@ class Engine:
         """Between steps: size the expert cache for the KV in use plus the caches about to be allocated."""
         if self.elastic is None:
             return
-        waiting_for_cache = [s.kv_tokens for s in self.scheduler.running if self.runner.cache_of(s.request_id) is None]
-        self.elastic.rebalance(self.elastic.pending_bytes(waiting_for_cache))
+        # Sequences without a cache get one of their reservation; a grown reservation copies the cache
+        # into a new one of that size (the old one is freed right after).
+        runner = self.runner
+        pending = [s.cache_tokens for s in self.scheduler.running if runner.capacity_of(s.request_id) < s.cache_tokens]
+        self.elastic.rebalance(self.elastic.pending_bytes(pending))
 
     def _eos_ids(self) -> set[int]:
         ids = token_id_set(self.generation_config.get("eos_token_id"))
@@ -219,7 +240,8 @@ class Engine:
         """Check a request without touching engine state (safe from any thread); returns the prompt ids.
 
         Raises :class:`ConfigError` (one line) for an empty prompt, an id outside the vocabulary, a
-        prompt that leaves no room to generate, or one whose KV tokens exceed the whole budget.
+        prompt that leaves no room to generate, or one that could not run even alone in the KV-token
+        budget (reserve admission: prompt + max_tokens; optimistic: prompt + 1).
         """
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -234,12 +256,7 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}, "
                 "which leaves no room to generate; shorten the prompt"
             )
-        kv_tokens = len(prompt_ids) + self._max_new_tokens(len(prompt_ids), params)
-        if kv_tokens > self.scheduler.kv_token_budget:
-            raise ConfigError(
-                f"the request needs {kv_tokens} KV tokens (prompt + max_tokens) but kv_token_budget is "
-                f"{self.scheduler.kv_token_budget}; lower max_tokens or raise kv_token_budget"
-            )
+        self.scheduler.check_fits(len(prompt_ids), self._max_new_tokens(len(prompt_ids), params))
         return list(prompt_ids)
 
     def _max_new_tokens(self, prompt_len: int, params: SamplingParams) -> int:
@@ -288,6 +305,7 @@ class Engine:
             kv_tokens_capacity=self.scheduler.kv_token_budget,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            preemptions_total=self.scheduler.preemptions,
             **self._prefill_stats(),
             **self._prefix_stats(),
             **(self.elastic.stats() if self.elastic is not None else {}),
@@ -310,6 +328,8 @@ class Engine:
         """Run one step; returns an update for every request that produced a token, finished or failed."""
         updates, self._notices = self._notices, []
         plan = self.scheduler.schedule()
+        for seq in plan.exhausted:  # alone and out of KV budget: finished with "length"
+            updates.append(self._finish_exhausted(self._requests[seq.request_id]))
         self._fit_experts()  # before the runner allocates the newly admitted sequences' caches
         if not plan:
             return updates
@@ -347,14 +367,21 @@ class Engine:
         """Record a computed chunk; returns how many prompt tokens it computed."""
         seq = request.seq
         seq.num_computed += count
-        prompt_tokens = max(0, min(start + count, seq.num_prompt) - start)
-        self._prompt_tokens_total += prompt_tokens
+        end = min(start + count, seq.num_prompt)
+        prompt_tokens = max(0, end - start)
+        self._count_prompt(request, end)
         rows = prompt_logits.get(seq.request_id)
         if rows is not None:
             targets = torch.tensor(seq.prompt_ids[start + 1 : start + 1 + rows.shape[0]], device=rows.device)
             top = [seq.params.prompt_logprobs or 0] * rows.shape[0]
             seq.prompt_logprobs.extend(token_logprobs(rows, targets, top))
         return prompt_tokens
+
+    def _count_prompt(self, request: _Request, end: int) -> None:
+        """Count the prompt tokens up to ``end`` in prompt_tokens_total, each once (recomputes add none)."""
+        if end > request.prompt_counted:
+            self._prompt_tokens_total += end - request.prompt_counted
+            request.prompt_counted = end
 
     def _sample_and_emit(self, requests: list[_Request], logits: torch.Tensor, updates: list[RequestUpdate]) -> None:
         generators = [r.generator for r in requests]
@@ -443,6 +470,23 @@ class Engine:
             prompt_logprobs=seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None,
         )
 
+    def _finish_exhausted(self, request: _Request) -> RequestUpdate:
+        """Finish a request the scheduler could not grow even alone (the scheduler logged why)."""
+        request.text.finish_length()
+        self._publish(request.seq, request.seq.num_computed)
+        self._release(request)
+        return self._update(request, [], None)
+
+    def _preempted(self, seq: Sequence) -> None:
+        """Scheduler hook: ``seq`` is preempted. Keep a snapshot of its cache for its re-admission (when the
+        prefix cache can hold it), then drop the cache; its progress is reset by the scheduler."""
+        request = self._requests[seq.request_id]
+        self._publish(seq, seq.num_computed)
+        self.prefill_meter.drop(seq.request_id)
+        self.runner.free(seq.request_id)
+        if seq.params.prompt_logprobs is not None and request.updates_sent == 0:
+            seq.prompt_logprobs = [None]  # the recompute scores the prompt again; nothing was sent yet
+
     def _fail(self, request: _Request, error: BaseException) -> RequestUpdate:
         """Finish a request whose processing raised: ``"abort"`` with the error, logged, resources freed."""
         seq = request.seq
@@ -503,17 +547,19 @@ class Engine:
             return
         if not self._prefix_truncatable:  # the prompt's last boundary must be reached by a chunk end
             seq.prefill_stop = seq.num_prompt // cache.block_tokens * cache.block_tokens
-        hit = cache.lookup(self._hashes(seq, seq.num_prompt), seq.num_prompt)
+        # A preempted sequence looks up prompt + output: its own snapshot may serve most of its recompute.
+        hit = cache.lookup(self._hashes(seq, seq.num_tokens), seq.num_tokens)
         if hit is None:
             return
         self._fit_experts()  # the copy below is a full-size cache: make its room first
         try:
-            self.runner.adopt(seq.request_id, hit.snapshot.clone_into(seq.kv_tokens, hit.length))
+            self.runner.adopt(seq.request_id, hit.snapshot.clone_into(seq.cache_tokens, hit.length), seq.cache_tokens)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: compute the prompt instead
             logger.warning("request %s: prefix cache copy failed (%s); prefilling in full", seq.request_id, exc)
             return
         seq.num_computed = hit.length
-        self._prompt_tokens_total += hit.length  # served prompt tokens count as prompt tokens too
+        # Served prompt tokens count as prompt tokens too (once, whatever the re-admissions).
+        self._count_prompt(self._requests[seq.request_id], min(hit.length, seq.num_prompt))
 
     def _publish_prompt(self, chunk: ScheduledChunk) -> None:
         """Snapshot the prompt at its last block boundary once a chunk has computed past it."""

@@ -1,7 +1,9 @@
 """Executes a :class:`StepPlan` on the model.
 
 Every scheduled chunk of a step runs in one ``model.forward`` (rows concatenated, attention per
-sequence), each sequence with its own contiguous cache sized at admission; the paged runner
+sequence), each sequence with its own contiguous cache of its KV reservation (``Sequence.cache_tokens``);
+when the scheduler grows the reservation, the cache is copied into a larger one as a chunk needs the
+room (``SequenceCache.clone_into``; geometric growth keeps the copies few). The paged runner
 replaces this class behind the same ``execute``/``free`` contract. Every cache the runner takes on
 (allocated, rebuilt or adopted) and every one it drops is reported to ``kv_listener`` (the elastic
 expert budget, :mod:`moetier.engine.elastic`) with its ``nbytes``.
@@ -57,6 +59,7 @@ class ModelRunner:
         self.kv_dtype = kv_dtype  # CausalLM.new_cache's storage choice; None = the model dtype
         self.device = model.device
         self._caches: dict[str, SequenceCache] = {}
+        self._capacity: dict[str, int] = {}  # tokens each cache was allocated for
         # Prefix caching: after a forward, a cache whose length is a multiple of this records its
         # rolling state (SequenceCache.mark), so a non-truncatable cache can be snapshotted there later.
         self.mark_every = mark_every
@@ -84,9 +87,17 @@ class ModelRunner:
 
     def _cache_ready(self, chunk: ScheduledChunk, out: RunnerOutput) -> bool:
         request_id = chunk.seq.request_id
-        cache = self._caches.get(request_id)
-        if cache is None:
-            cache = self._store(request_id, self.new_cache(chunk.seq.kv_tokens))
+        try:
+            cache = self._caches.get(request_id)
+            if cache is None:
+                cache = self._store(request_id, self.new_cache(chunk.seq.cache_tokens), chunk.seq.cache_tokens)
+            elif self._capacity[request_id] < min(chunk.start + chunk.num_tokens, chunk.seq.cache_tokens):
+                # The reservation grew and the chunk needs it: move the state into a cache of the new size.
+                cache = self._store(request_id, cache.clone_into(chunk.seq.cache_tokens), chunk.seq.cache_tokens)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the engine fails this request only
+            out.failures[request_id] = exc
+            self.free(request_id)
+            return False
         if cache.length == chunk.start:
             return True
         out.failures[request_id] = RuntimeError(
@@ -113,7 +124,7 @@ class ModelRunner:
         for chunk in chunks:
             request_id = chunk.seq.request_id
             try:
-                cache = self._store(request_id, self.new_cache(chunk.seq.kv_tokens))
+                cache = self._store(request_id, self.new_cache(chunk.seq.cache_tokens), chunk.seq.cache_tokens)
                 if chunk.start:
                     history = chunk.seq.token_slice(0, chunk.start)
                     self.model(torch.tensor(history, device=self.device), cache)
@@ -137,12 +148,14 @@ class ModelRunner:
         if self.mark_every and cache.length % self.mark_every == 0:
             cache.mark()
 
-    def adopt(self, request_id: str, cache: SequenceCache) -> None:
-        """Start ``request_id`` from ``cache`` (a copy of a cached prefix) instead of an empty cache."""
-        self._store(request_id, cache)
+    def adopt(self, request_id: str, cache: SequenceCache, capacity: int) -> None:
+        """Start ``request_id`` from ``cache`` (a copy of a cached prefix, allocated for ``capacity`` tokens)
+        instead of an empty cache."""
+        self._store(request_id, cache, capacity)
 
-    def _store(self, request_id: str, cache: SequenceCache) -> SequenceCache:
+    def _store(self, request_id: str, cache: SequenceCache, capacity: int) -> SequenceCache:
         self._caches[request_id] = cache
+        self._capacity[request_id] = capacity
         if self.kv_listener is not None:
             self.kv_listener.allocated(request_id, cache.nbytes)
         return cache
@@ -150,8 +163,13 @@ class ModelRunner:
     def cache_of(self, request_id: str) -> SequenceCache | None:
         return self._caches.get(request_id)
 
+    def capacity_of(self, request_id: str) -> int:
+        """Tokens the sequence's cache was allocated for (0 without a cache)."""
+        return self._capacity.get(request_id, 0)
+
     def free(self, request_id: str) -> None:
-        """Drop a sequence's cache (finished, aborted or failed)."""
+        """Drop a sequence's cache (finished, aborted, failed or preempted)."""
+        self._capacity.pop(request_id, None)
         if self._caches.pop(request_id, None) is not None and self.kv_listener is not None:
             self.kv_listener.freed(request_id)
 

@@ -11,6 +11,7 @@ import torch
 
 from moetier.config import parse_dtype
 from moetier.engine.sampling import TokenLogprob
+from moetier.engine.scheduler import KV_ADMISSION_MODES
 from moetier.errors import CheckpointError, ConfigError, MoetierError
 from moetier.models.cache import KV_DTYPES
 from moetier.tiers.workspace import DEFAULT_PREFILL_CHUNK
@@ -41,6 +42,11 @@ class EngineConfig:
     - ``max_waiting``: bound of the waiting queue; beyond it ``add_request`` raises EngineBusyError.
     - ``kv_token_budget``: KV tokens all running sequences may reserve together; ``None`` =
       ``max_streams * max_model_len``.
+    - ``kv_admission``: ``"optimistic"`` (default) reserves a request's prompt plus
+      ``kv_headroom_tokens`` at admission and grows the reservation as it generates, preempting the
+      newest running request (recomputed later) when the budget is spent; ``"reserve"`` reserves prompt
+      + ``max_tokens`` up front and never preempts. See :mod:`moetier.engine.scheduler`.
+    - ``kv_headroom_tokens``: optimistic admission's extra reservation, and the least a reservation grows by.
     - ``enable_prefix_caching``: start requests from cached snapshots of earlier requests' prefixes
       (:mod:`moetier.engine.prefix_cache`); ``prefix_cache_bytes`` bounds the snapshots' memory (on
       the model's device; LRU eviction) and ``prefix_block_tokens`` is the hashing granularity.
@@ -53,6 +59,8 @@ class EngineConfig:
     prefill_chunk_tokens: int | None = None
     max_waiting: int = 256
     kv_token_budget: int | None = None
+    kv_admission: str = "optimistic"
+    kv_headroom_tokens: int = 256
     enable_prefix_caching: bool = True
     prefix_cache_bytes: int = 1 << 30
     prefix_block_tokens: int = 16
@@ -64,6 +72,9 @@ class EngineConfig:
         _positive_int("prefill_chunk_tokens", self.prefill_chunk_tokens, allow_none=True)
         _positive_int("max_waiting", self.max_waiting)
         _positive_int("kv_token_budget", self.kv_token_budget, allow_none=True)
+        if self.kv_admission not in KV_ADMISSION_MODES:
+            raise ConfigError(f"kv_admission must be one of {', '.join(KV_ADMISSION_MODES)}, got {self.kv_admission!r}")
+        _positive_int("kv_headroom_tokens", self.kv_headroom_tokens)
         _positive_int("prefix_block_tokens", self.prefix_block_tokens)
         budget = self.prefix_cache_bytes
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
@@ -117,6 +128,8 @@ class EngineStats:
     kv_tokens_capacity: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    # Optimistic KV admission: running requests preempted (KV freed, recomputed when re-admitted).
+    preemptions_total: int = 0
     # Prefill (moetier.engine.prefill_meter): wall seconds of steps that computed prompt tokens, the prompt
     # tokens computed (prefix-cache hits excluded), their ratio over the last ~30 s of prefill work, the
     # prompt tokens the running requests have still to prefill, and per running request still prefilling

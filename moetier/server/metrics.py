@@ -119,6 +119,11 @@ class _EngineStatsCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
         yield counter(
+            "preemptions",
+            "Running requests preempted to free KV (recomputed when re-admitted).",
+            getattr(stats, "preemptions_total", 0),
+        )
+        yield counter(
             "prefill_seconds", "Wall seconds of engine steps that computed prompt tokens.", stats.prefill_seconds_total
         )
         yield counter(
