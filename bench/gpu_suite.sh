@@ -10,7 +10,7 @@
 # (default "4096 16384"); SHORT_TURNS=1 adds the short-turn prefill (512/2048 tokens, pure CPU and copy
 # paths against the split). HF_BASELINE=1 adds transformers + accelerate to the decode bench (HF_ARGS:
 # its extra flags). The serve stage starts `moetier serve` on the bench model with SERVE_GPU_MEMORY
-# (default 6GiB: the backbone, KV and ~3% of the experts) and drives it at 1/2/4 streams.
+# (default 8GiB: backbone, KV, an auto 4096-token chunk and a few % of the experts) and drives it at 1/2/4 streams.
 # One command runs at most 10 minutes on the device:
 # split the stages over several calls (e.g. SKIP_TESTS=1 SKIP_DECODE=1 for the prefill receipt).
 # The device returns at most 8 files: every log goes to one suite.log, next to the decode receipt
@@ -73,7 +73,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
         fi
     fi
     if [ -z "${SKIP_SERVE:-}" ]; then
-        serve_args="--gpu-memory ${SERVE_GPU_MEMORY:-6GiB} --context 16384 --max-streams 4"
+        serve_args="--gpu-memory ${SERVE_GPU_MEMORY:-8GiB} --context 16384 --max-streams 4"
         echo "=== plan" >> "$LOG"
         python3 -m moetier.cli plan --model "$model" $serve_args 2>&1 | tee -a "$LOG"
         echo "=== bench serve" >> "$LOG"
