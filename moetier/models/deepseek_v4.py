@@ -62,7 +62,7 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams`` ``[T, hc, H]`` -> ``post`` ``[T, hc]``, ``comb`` ``[T, hc, hc]``, sublayer input ``[T, H]``."""
         hc = self.hc
-        flat = rms_unweighted(streams.flatten(1).float(), self.norm_eps)
+        flat = rms_unweighted(streams.flatten(1), self.norm_eps, torch.float32)
         # One affine for all three parts: logits * (pre | post | comb scale) + base.
         scale = self.scale.float()[self._scale_index(streams.device)]
         logits = torch.addcmul(self.base.float(), F.linear(flat, self.fn.float()), scale)
@@ -100,7 +100,7 @@ class HyperHead(nn.Module):
         self.scale = nn.Parameter(torch.empty(1))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = rms_unweighted(streams.flatten(1).float(), self.norm_eps)
+        flat = rms_unweighted(streams.flatten(1), self.norm_eps, torch.float32)
         pre = torch.sigmoid(torch.addcmul(self.base.float(), F.linear(flat, self.fn.float()), self.scale.float()))
         pre = pre + self.hc_eps
         return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)

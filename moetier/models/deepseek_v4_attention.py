@@ -17,21 +17,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetier.kernels.rmsnorm import rms_norm
 from moetier.models.deepseek_v4_cache import CompressorState, LayerCache
 from moetier.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
+from moetier.models.deepseek_v4_decode import MaskCache, sink_attention_decode
 from moetier.models.layers import RMSNorm
 
 
 class V4RMSNorm(RMSNorm):
-    """RMSNorm whose output keeps the input dtype even when its weight stays float32."""
+    """RMSNorm whose output keeps the input dtype even when its weight stays float32 (one fused kernel on CUDA)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
-def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS-normalise the last dim without a weight (statistics in float32)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+def rms_unweighted(x: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMS-normalise the last dim without a weight (statistics in float32), in ``out_dtype`` (default ``x``'s):
+    ``rms_unweighted(x, eps, torch.float32)`` is ``rms_unweighted(x.float(), eps)`` without the extra cast."""
+    return rms_norm(x, None, eps, out_dtype)
 
 
 @dataclass
@@ -89,10 +92,12 @@ class StepRope:
     # Rotations of compressed entries emitted this step, by (first entry, count, rate, dtype): the CSA
     # compressor and its indexer's, and every layer of the same rate, close the same windows in a step.
     emitted: dict[tuple[int, int, int, torch.dtype], Rotation] = field(default_factory=dict)
+    # Decode's key padding masks of this step (see :mod:`deepseek_v4_decode`), shared by the layers.
+    key_masks: MaskCache = field(default_factory=dict)
 
     def rows(self, rows: slice) -> StepRope:
         token = {k: r.rows(rows) for k, r in self.token.items()}
-        return StepRope(self.positions[rows], token, self.compress, self.emitted)
+        return StepRope(self.positions[rows], token, self.compress, self.emitted, self.key_masks)
 
     def entries(self, first: int, count: int, rate: int, dtype: torch.dtype) -> Rotation:
         """The rotation of entries ``first .. first + count - 1`` (at positions ``w * rate``), computed once a step."""
@@ -420,13 +425,6 @@ def sink_attention(q: torch.Tensor, key_sets: list[KeySet], sinks: torch.Tensor,
     return out
 
 
-def sink_attention_one(q: torch.Tensor, keys: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """:func:`sink_attention` of one query (``[H, D]``) over keys it sees in full (``[S, D]``, no mask)."""
-    scores = torch.mm(q, keys.t()) * scale
-    probs = torch.softmax(torch.cat([scores.float(), sinks.float()[:, None]], dim=-1), dim=-1).to(q.dtype)
-    return torch.mm(probs[:, :-1], keys)
-
-
 @dataclass
 class Projections:
     """The token-wise inputs of one layer's attention, for all rows of a forward.
@@ -523,9 +521,9 @@ class DeepseekV4Attention(nn.Module):
         if self.indexer is not None:
             index_q = projected[1].view(tokens, self.indexer.heads, self.indexer.dim)
             rotate_(index_q, rope.token["compress"])  # in place: its rows of the fused GEMM's output
-        outs = []
+        keys = []  # per sequence: its window keys, then the compressed entries it attends
         for i, state in enumerate(states):
-            keys = state.window.extend(inputs.kv[i : i + 1])
+            parts = [state.window.extend(inputs.kv[i : i + 1])]
             if self.compressor is not None:
                 entries = self.compressor(inputs.kv_gate[i : i + 1], state.compressor, rope)
                 if self.indexer is not None:
@@ -540,11 +538,12 @@ class DeepseekV4Attention(nn.Module):
                     self._check_counts(state)
                     entries = entries[ids[0]]
                 if entries.shape[0]:
-                    keys = torch.cat([keys, entries])
-            seen = keys.shape[0]
-            (_,) = query_blocks(1, attention_query_bytes(self.heads, self.head_dim, seen, seen, keys.element_size()))
-            outs.append(sink_attention_one(q[i], keys, self.attn_sink, self.head_dim**-0.5))
-        out = outs[0][None] if tokens == 1 else torch.stack(outs)
+                    parts.append(entries)
+            keys.append(parts)
+        seen = max(sum(part.shape[0] for part in parts) for parts in keys)
+        elem = inputs.kv.element_size()
+        (_,) = query_blocks(1, attention_query_bytes(self.heads, self.head_dim, seen, seen, elem))
+        out = sink_attention_decode(q, keys, self.attn_sink, self.head_dim**-0.5, rope.key_masks)
         # K = V carries rope on its trailing channels: rotate the output back by the query's angle.
         return self._project_out(rotate_(out, rotation, inverse=True))
 
