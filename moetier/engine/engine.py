@@ -45,6 +45,7 @@ from moetier.engine.elastic import ElasticExpertBudget
 from moetier.engine.model_runner import ModelRunner
 from moetier.engine.prefill_meter import PrefillMeter
 from moetier.engine.prefix_cache import PrefixCache, chain_hashes
+from moetier.engine.prefix_sharing import PrefixSharing
 from moetier.engine.sampling import (
     PenaltyState,
     SamplingParams,
@@ -307,7 +308,8 @@ class Engine:
             generation_tokens_total=self._generation_tokens_total,
             preemptions_total=self.scheduler.preemptions,
             **self._prefill_stats(),
-            **self._prefix_stats(),
+            **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
+            **(self.sharing.stats() if self.sharing is not None else {}),
             **(self.elastic.stats() if self.elastic is not None else {}),
         )
 
@@ -503,6 +505,7 @@ class Engine:
     def _setup_prefix_cache(self) -> None:
         config = self.config
         self.prefix_cache: PrefixCache | None = None
+        self.sharing: PrefixSharing | None = None  # same-step prefix sharing (moetier.engine.prefix_sharing)
         self._prefix_truncatable = True
         if not config.enable_prefix_caching:
             return
@@ -514,19 +517,9 @@ class Engine:
         self.prefix_cache = PrefixCache(config.prefix_block_tokens, config.prefix_cache_bytes)
         self.runner.mark_every = None if probe.truncatable else config.prefix_block_tokens
         self.scheduler.on_admit = self._admit
-
-    def _prefix_stats(self) -> dict[str, int]:
-        cache = self.prefix_cache
-        if cache is None:
-            return {}
-        return {
-            "prefix_cache_queries": cache.query_tokens,
-            "prefix_cache_hits": cache.hit_tokens,
-            "prefix_cache_lookups": cache.queries,
-            "prefix_cache_lookup_hits": cache.hits,
-            "prefix_cache_bytes": cache.bytes_used,
-            "prefix_cache_entries": len(cache),
-        }
+        self.sharing = PrefixSharing(self.prefix_cache, self.scheduler, self._hashes, self._publish,
+                                     config.prefix_share_min_blocks, config.prefix_share_max_wait_s)  # fmt: skip
+        self.scheduler.defer = self.sharing.defer
 
     def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
         """Chain hashes of the full blocks among ``seq``'s first ``num_tokens`` tokens (memoised on ``seq``)."""
@@ -558,17 +551,21 @@ class Engine:
             logger.warning("request %s: prefix cache copy failed (%s); prefilling in full", seq.request_id, exc)
             return
         seq.num_computed = hit.length
+        if self.sharing is not None:
+            self.sharing.served(seq, hit.length)
         # Served prompt tokens count as prompt tokens too (once, whatever the re-admissions).
         self._count_prompt(self._requests[seq.request_id], min(hit.length, seq.num_prompt))
 
     def _publish_prompt(self, chunk: ScheduledChunk) -> None:
-        """Snapshot the prompt at its last block boundary once a chunk has computed past it."""
+        """Snapshot the prompt at its last block boundary, and at each prefix a waiting request shares
+        (``share_stops``), once a chunk has computed past it."""
         if self.prefix_cache is None:
             return
         seq = chunk.seq
         boundary = seq.num_prompt // self.prefix_cache.block_tokens * self.prefix_cache.block_tokens
-        if chunk.start < boundary <= seq.num_computed:
-            self._publish(seq, boundary)
+        for stop in (*seq.share_stops, boundary):
+            if chunk.start < stop <= seq.num_computed:
+                self._publish(seq, stop)
 
     def _publish(self, seq: Sequence, num_tokens: int) -> None:
         """Store a snapshot of ``seq``'s cache at the last block boundary within its first ``num_tokens``

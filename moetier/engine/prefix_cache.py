@@ -100,13 +100,7 @@ class PrefixCache:
         least one token to compute; counts the query (and the hit) and refreshes the entry's recency."""
         self.queries += 1
         self.query_tokens += num_tokens
-        best: tuple[int, bytes] | None = None
-        # Every block is checked: a non-truncatable entry serves only its own length, so a miss at
-        # block i says nothing about block i + 1.
-        for i in range(min(len(hashes), (num_tokens - 1) // self.block_tokens)):
-            keys = self._index.get(hashes[i])
-            if keys:
-                best = (i + 1, next(reversed(keys)))
+        best = self._longest(hashes, num_tokens)
         if best is None:
             return None
         blocks, key = best
@@ -114,6 +108,22 @@ class PrefixCache:
         self.hits += 1
         self.hit_tokens += blocks * self.block_tokens
         return PrefixHit(blocks * self.block_tokens, self._entries[key].snapshot)
+
+    def peek(self, hashes: Sequence[bytes], num_tokens: int) -> int:
+        """The tokens :meth:`lookup` would serve now (0: none), without counting a query or touching recency."""
+        best = self._longest(hashes, num_tokens)
+        return 0 if best is None else best[0] * self.block_tokens
+
+    def _longest(self, hashes: Sequence[bytes], num_tokens: int) -> tuple[int, bytes] | None:
+        """(blocks, entry key) of the longest servable prefix leaving at least one token to compute."""
+        best: tuple[int, bytes] | None = None
+        # Every block is checked: a non-truncatable entry serves only its own length, so a miss at
+        # block i says nothing about block i + 1.
+        for i in range(min(len(hashes), (num_tokens - 1) // self.block_tokens)):
+            keys = self._index.get(hashes[i])
+            if keys:
+                best = (i + 1, next(reversed(keys)))
+        return best
 
     def contains(self, hashes: Sequence[bytes]) -> bool:
         """Whether the prefix ``hashes`` names is already servable (refreshing the serving entry if so)."""
@@ -154,6 +164,17 @@ class PrefixCache:
             del keys[key]
             if not keys:
                 del self._index[h]
+
+    def stats(self) -> dict[str, int]:
+        """The cache's counters under their ``EngineStats`` names."""
+        return {
+            "prefix_cache_queries": self.query_tokens,
+            "prefix_cache_hits": self.hit_tokens,
+            "prefix_cache_lookups": self.queries,
+            "prefix_cache_lookup_hits": self.hits,
+            "prefix_cache_bytes": self.bytes_used,
+            "prefix_cache_entries": len(self),
+        }
 
     def lengths(self) -> list[int]:
         """Token lengths of the stored snapshots, least recently used first."""

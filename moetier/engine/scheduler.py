@@ -33,6 +33,16 @@ prefix (it raises ``num_computed`` before the first chunk is planned), and a seq
 ``prefill_stop`` makes a chunk end exactly there (so a cache that cannot be rewound is snapshotted
 at the prompt's last block boundary). ``on_preempt`` lets the engine drop a victim's cache (and keep
 a snapshot of it) before its progress is reset.
+
+Same-step prefix sharing (:mod:`moetier.engine.prefix_sharing`) adds a third hook, ``defer``: asked
+about each waiting sequence in turn, it may hold one back while a running sequence prefills a long
+prefix they share (and add that prefix's end to the running one's ``share_stops``, where its chunks end so
+the engine snapshots it there). Admission rule with deferrals: a deferred sequence keeps its place and
+*claims* a stream and its admission KV tokens; a sequence behind it is admitted only into what is
+left after every claim ahead of it, and the first one that does not fit stops admission as before. So
+a later arrival never takes capacity an earlier (deferred) one will need when its prefix is ready, and
+among the sequences that are not deferred the order stays strictly FCFS; the deferral itself is bounded
+in time by the hook.
 """
 
 from __future__ import annotations
@@ -83,6 +93,12 @@ class Sequence:
     # KV tokens the scheduler holds for the sequence now (0 while waiting): the capacity its cache may use.
     kv_reserved: int = 0
     preemptions: int = 0
+    # Same-step prefix sharing: positions where this sequence's prefill chunks end so that the engine
+    # snapshots a prefix a waiting sequence shares; when this (waiting) sequence was first deferred for a
+    # running one's prefix (None: never), and the prefix length it was deferred for / served from.
+    share_stops: list[int] = field(default_factory=list)
+    deferred_since: float | None = None
+    shared_prefix: int = 0
 
     @property
     def num_prompt(self) -> int:
@@ -201,6 +217,9 @@ class Scheduler:
         # Called with a victim just before its KV is released and its progress reset: the engine frees
         # (and may snapshot) its cache.
         self.on_preempt: Callable[[Sequence], None] | None = None
+        # Asked about each waiting sequence before it is admitted: True holds it back this step (prefix
+        # sharing; see the module docstring for how the queue order is kept).
+        self.defer: Callable[[Sequence], bool] | None = None
 
     @property
     def optimistic(self) -> bool:
@@ -235,12 +254,20 @@ class Scheduler:
         for seq in self.running:
             if seq.needs_prefill and budget > 0:
                 budget -= self._prefill_chunk(plan, seq, budget)
-        while budget > 0 and self.waiting and len(self.running) < self.max_streams:
-            seq = self.waiting[0]
-            reserve = self._admission_tokens(seq)
-            if self.kv_tokens_used + reserve > self.kv_token_budget:
+        claimed_streams = claimed_tokens = 0  # held for deferred sequences ahead in the queue
+        for seq in list(self.waiting):
+            if len(self.running) + claimed_streams >= self.max_streams:
                 break
-            self.waiting.popleft()
+            reserve = self._admission_tokens(seq)
+            # Asked even when the prefill budget is spent, so that a leader learns its share stops before
+            # its next chunk is planned.
+            if self.defer is not None and self.defer(seq):
+                claimed_streams += 1
+                claimed_tokens += reserve
+                continue
+            if budget <= 0 or self.kv_tokens_used + claimed_tokens + reserve > self.kv_token_budget:
+                break
+            self.waiting.remove(seq)
             self.kv_tokens_used += reserve
             seq.kv_reserved = reserve
             seq.state = SequenceState.RUNNING
@@ -248,6 +275,9 @@ class Scheduler:
             if self.on_admit is not None:
                 self.on_admit(seq)
             budget -= self._prefill_chunk(plan, seq, budget)
+        if self.defer is not None:  # a deferral may have added a share stop inside a chunk planned above
+            for chunk in plan.chunks:
+                chunk.num_tokens = self._clip(chunk.seq, chunk.start, chunk.num_tokens)
         return plan
 
     def _admission_tokens(self, seq: Sequence) -> int:
@@ -261,10 +291,16 @@ class Scheduler:
     @staticmethod
     def _prefill_chunk(plan: StepPlan, seq: Sequence, budget: int) -> int:
         # A prefill covers every pending token (the prompt, or prompt + output when recomputing).
-        count = min(seq.num_pending, budget)
-        if seq.num_computed < seq.prefill_stop < seq.num_computed + count:
-            count = seq.prefill_stop - seq.num_computed
+        count = Scheduler._clip(seq, seq.num_computed, min(seq.num_pending, budget))
         plan.chunks.append(ScheduledChunk(seq, seq.num_computed, count))
+        return count
+
+    @staticmethod
+    def _clip(seq: Sequence, start: int, count: int) -> int:
+        """``count`` shortened so that a chunk from ``start`` crosses none of ``seq``'s stops."""
+        for stop in (seq.prefill_stop, *seq.share_stops):
+            if start < stop < start + count:
+                count = stop - start
         return count
 
     # --- optimistic admission: growth and preemption ----------------------------------------------
@@ -315,6 +351,7 @@ class Scheduler:
             self.preemptions,
         )
         victim.kv_reserved = victim.num_computed = victim.prefill_stop = 0
+        victim.share_stops = []
         victim.state = SequenceState.WAITING
         # Victims go newest-first, each to the front, so the queue stays in arrival order.
         self.waiting.appendleft(victim)

@@ -50,6 +50,10 @@ class EngineConfig:
     - ``enable_prefix_caching``: start requests from cached snapshots of earlier requests' prefixes
       (:mod:`moetier.engine.prefix_cache`); ``prefix_cache_bytes`` bounds the snapshots' memory (on
       the model's device; LRU eviction) and ``prefix_block_tokens`` is the hashing granularity.
+    - ``prefix_share_min_blocks`` / ``prefix_share_max_wait_s`` (prefix caching on): a waiting request
+      whose prompt shares at least this many blocks with a running request's not yet computed prefix
+      waits (at most this many seconds in total; 0 = never) for that prefix to be cached, instead of
+      prefilling it too (:mod:`moetier.engine.prefix_sharing`).
     - ``kv_dtype``: storage of the KV cache (the state that grows with the context): ``auto`` (the
       model dtype), ``bf16``, or ``fp8`` (e4m3 with per-token scales; :mod:`moetier.models.cache`).
     """
@@ -64,6 +68,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_cache_bytes: int = 1 << 30
     prefix_block_tokens: int = 16
+    prefix_share_min_blocks: int = 4
+    prefix_share_max_wait_s: float = 60.0
     kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -76,6 +82,10 @@ class EngineConfig:
             raise ConfigError(f"kv_admission must be one of {', '.join(KV_ADMISSION_MODES)}, got {self.kv_admission!r}")
         _positive_int("kv_headroom_tokens", self.kv_headroom_tokens)
         _positive_int("prefix_block_tokens", self.prefix_block_tokens)
+        _positive_int("prefix_share_min_blocks", self.prefix_share_min_blocks)
+        wait = self.prefix_share_max_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < float("inf"):
+            raise ConfigError(f"prefix_share_max_wait_s must be a number >= 0, got {wait!r}")
         budget = self.prefix_cache_bytes
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise ConfigError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")
@@ -147,6 +157,10 @@ class EngineStats:
     prefix_cache_lookup_hits: int = 0
     prefix_cache_bytes: int = 0
     prefix_cache_entries: int = 0
+    # Same-step prefix sharing: requests deferred while a running request prefilled a prefix they share,
+    # and the prompt tokens such requests then took from the cache instead of computing them.
+    prefix_shared_deferrals_total: int = 0
+    prefix_shared_tokens_saved_total: int = 0
     # Tiered experts only (None otherwise): the elastic VRAM expert cache now, its bounds, how often it was
     # resized, and the KV bytes the running sequences hold against the plan's reservation.
     expert_cache_slots: int | None = None

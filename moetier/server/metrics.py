@@ -124,6 +124,16 @@ class _EngineStatsCollector(Collector):
             getattr(stats, "preemptions_total", 0),
         )
         yield counter(
+            "prefix_shared_deferrals",
+            "Requests held back to reuse a prefix another running request was prefilling.",
+            getattr(stats, "prefix_shared_deferrals_total", 0),
+        )
+        yield counter(
+            "prefix_shared_tokens_saved",
+            "Prompt tokens such requests took from the prefix cache instead of computing.",
+            getattr(stats, "prefix_shared_tokens_saved_total", 0),
+        )
+        yield counter(
             "prefill_seconds", "Wall seconds of engine steps that computed prompt tokens.", stats.prefill_seconds_total
         )
         yield counter(
