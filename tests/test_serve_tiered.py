@@ -196,3 +196,41 @@ def test_cli_passes_prefill_chunk_to_serve_and_generate(monkeypatch):
     assert seen.pop("serve").prefill_chunk_tokens is None  # auto: the plan decides
     assert cli.main(["generate", "--model", "m", "--prompt", "p", "--prefill-chunk", "2048"]) == 2
     assert seen["generate"]["prefill_chunk_tokens"] == 2048
+
+
+def test_engine_streams_long_prompts_and_gives_the_cache_back(checkpoint):
+    """Prompts long enough for streaming calls, chunked by the engine and decoded together: the same greedy
+    tokens as all-resident, the ring (with lent cache slots) and prefetch used, the cache back after."""
+    from moetier import LLM, SamplingParams
+    from moetier.engine.engine import EngineConfig
+
+    generator = torch.Generator().manual_seed(21)
+    prompts = [{"prompt_token_ids": torch.randint(3, 300, (n,), generator=generator).tolist()} for n in (150, 97)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    resident = LLM(checkpoint, device="cpu", dtype="fp32", max_model_len=CONTEXT, load_progress=False)
+    expected = [o.outputs[0].token_ids for o in resident.generate(prompts, params)]
+    tiered = LLM(
+        checkpoint,
+        device="cpu",
+        dtype="fp32",
+        max_model_len=CONTEXT,
+        load_progress=False,
+        engine_config=EngineConfig(max_streams=STREAMS, prefill_chunk_tokens=64),
+        gpu_memory=budget_for(checkpoint, 4, STREAMS) - _workspace_saved(checkpoint, 64),
+        prefill_chunk_tokens=64,
+    )
+    assert tiered.plan.cache_slots == 4
+    dispatcher = tiered.model.dispatcher
+    assert [o.outputs[0].token_ids for o in tiered.generate(prompts, params)] == expected
+    totals = dispatcher.metrics.snapshot()["totals"]
+    assert totals["prefetch_used"] > 0 and totals["copy_pairs"] > 0  # streaming calls ran
+    assert dispatcher.cache.lent == 0 and dispatcher.cache.n_slots == 4  # decode took the lent slots back
+
+
+def _workspace_saved(checkpoint, chunk: int) -> int:
+    """Workspace bytes a ``chunk``-token prefill needs less than the 512-token one ``budget_for`` assumes."""
+    plans = [
+        make_plan(checkpoint, PlanBudget("3GiB", context=CONTEXT, max_streams=STREAMS, prefill_chunk_tokens=n))
+        for n in (512, chunk)
+    ]
+    return plans[0].workspace_bytes - plans[1].workspace_bytes
