@@ -11,49 +11,16 @@ must give the same tokens, streamed once each. ``"reserve"`` admission keeps the
 import logging
 
 import pytest
-import torch
-from reference import save_tiny
-from test_deepseek_v3 import VARIANTS, tiny_v3_config
-from test_deepseek_v4 import save_tiny_v4
 from test_engine import make_engine, random_prompt, run, tokens_of
-from test_qwen3_moe import tiny_qwen3_config
 
-from moetier.config import ModelLoadConfig
 from moetier.engine.engine import EngineConfig
 from moetier.engine.sampling import SamplingParams
 from moetier.errors import ConfigError
 from moetier.server.metrics import ServerMetrics
-from moetier.weights.loader import load_model
 
-MAKERS = {  # family -> (write a tiny fp32 checkpoint, vocab size)
-    "qwen3_moe": (lambda path: save_tiny(tiny_qwen3_config(), path), 320),
-    "deepseek_v3": (lambda path: save_tiny(tiny_v3_config(**VARIANTS["q_lora"]), path), 320),
-    "deepseek_v4": (lambda path: save_tiny_v4(path, torch.float32), 256),
-}
 PROMPT, NEW, BUDGET, HEADROOM = 8, 24, 60, 4
 # Tight: all three are admitted (3 x 12 tokens) but their lives (3 x 32) need 96.
 TIGHT = {"max_streams": 3, "kv_token_budget": BUDGET, "kv_headroom_tokens": HEADROOM, "prefix_block_tokens": 4}
-
-
-@pytest.fixture(scope="module")
-def families(tmp_path_factory):
-    """family name -> (LoadedModel, vocab size), built on first use."""
-    built = {}
-
-    def get(name):
-        if name not in built:
-            make, vocab = MAKERS[name]
-            path = tmp_path_factory.mktemp(name)
-            make(path)
-            built[name] = (load_model(path, ModelLoadConfig(dtype=torch.float32, device="cpu"), progress=False), vocab)
-        return built[name]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def qwen(families):
-    return families("qwen3_moe")[0]
 
 
 def greedy(max_tokens: int = NEW, **extra) -> SamplingParams:

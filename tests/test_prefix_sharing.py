@@ -6,34 +6,15 @@ the same request alone on an engine with prefix caching off.
 """
 
 import pytest
-import torch
 from test_engine import random_prompt
-from test_prefix_cache import MAKERS, Traced, assert_same_as_cold, greedy
+from test_prefix_cache import Traced, assert_same_as_cold, greedy
 
-from moetier.config import ModelLoadConfig
 from moetier.engine.prefix_cache import chain_hashes
 from moetier.engine.prefix_sharing import common_blocks
 from moetier.server.metrics import ServerMetrics
-from moetier.weights.loader import load_model
 
 BLOCK = 8
 SUFFIXES = {"a": 13, "b": 9, "c": 11}  # a's prompt boundary (72) lies past the shared 64: two stops
-
-
-@pytest.fixture(scope="module")
-def families(tmp_path_factory):
-    """family name -> (LoadedModel, vocab size), built on first use."""
-    built = {}
-
-    def get(name):
-        if name not in built:
-            make, vocab = MAKERS[name]
-            path = tmp_path_factory.mktemp(name)
-            make(path)
-            built[name] = (load_model(path, ModelLoadConfig(dtype=torch.float32, device="cpu"), progress=False), vocab)
-        return built[name]
-
-    return get
 
 
 def shared_requests(vocab: int, prefix_len: int = 64, max_tokens: int = 6):
