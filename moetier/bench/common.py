@@ -110,6 +110,9 @@ def add_placement_arguments(parser: argparse.ArgumentParser, modes: tuple[str, .
     parser.add_argument("--cpu-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON + Markdown receipt")
+    parser.add_argument(
+        "--routing-trace", type=Path, default=None, metavar="PATH", help="route from this recorded trace of expert ids"
+    )
 
 
 def placement_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -123,4 +126,5 @@ def placement_options(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "cpu_threads": args.cpu_threads,
         "seed": args.seed,
+        "routing_trace": args.routing_trace,
     }

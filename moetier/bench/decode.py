@@ -345,9 +345,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also write a torch.profiler summary per mode")
-    parser.add_argument(
-        "--routing-trace", type=Path, default=None, metavar="PATH", help="route from this recorded trace of expert ids"
-    )
     hf_baseline.add_decode_arguments(parser)
     parser.set_defaults(handler=run)
 
@@ -361,7 +358,6 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         repeats=args.repeats,
         profile=args.profile,
-        routing_trace=args.routing_trace,
         **hf_baseline.decode_options(args),
     )
     receipt = run_decode_bench(cfg)

@@ -518,9 +518,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick-bounds", action="store_true", help="measure bandwidths on small buffers (smoke runs)")
     parser.add_argument("--staging-slots", type=int, default=None, help="staging ring of the tiered modes")
     parser.add_argument("--profile", action="store_true", help="profile two chunks of sync and tiered: copy overlap")
-    parser.add_argument(
-        "--routing-trace", type=Path, default=None, metavar="PATH", help="route from this recorded trace of expert ids"
-    )
     parser.set_defaults(handler=run)
 
 
@@ -533,7 +530,6 @@ def run(args: argparse.Namespace) -> int:
         quick_bounds=args.quick_bounds,
         staging_slots=args.staging_slots,
         profile=args.profile,
-        routing_trace=args.routing_trace,
     )
     receipt = run_prefill_bench(cfg)
     path = write_receipt(receipt, args.out)
