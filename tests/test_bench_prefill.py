@@ -143,6 +143,8 @@ def test_config_rejects_bad_values(tmp_path):
         PrefillBenchConfig(model=tmp_path, modes=["naive"])
     with pytest.raises(ConfigError, match="chunk-tokens"):
         PrefillBenchConfig(model=tmp_path, chunk_tokens=0)
+    with pytest.raises(ConfigError, match="staging-slots"):  # refused before any weights load
+        PrefillBenchConfig(model=tmp_path, staging_slots=0)
 
 
 def test_cli_writes_one_json_and_one_markdown(bench_model, tmp_path):

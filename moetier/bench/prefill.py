@@ -92,6 +92,8 @@ class PrefillBenchConfig:
             raise ConfigError(f"--prompt-lens must be positive integers, got {self.prompt_lens}")
         if self.chunk_tokens < 1 or self.repeats < 1:
             raise ConfigError("--chunk-tokens and --repeats must be >= 1")
+        if self.staging_slots is not None and self.staging_slots < 1:
+            raise ConfigError(f"--staging-slots must be >= 1, got {self.staging_slots}")
         if not 0.0 <= self.cache_fraction <= 1.0:
             raise ConfigError(f"--cache-fraction must be in [0, 1], got {self.cache_fraction}")
 
