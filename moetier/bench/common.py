@@ -99,10 +99,17 @@ def write_receipt_files(
     return path
 
 
-def add_placement_arguments(parser: argparse.ArgumentParser, modes: tuple[str, ...], policy_help: str) -> None:
+def add_placement_arguments(
+    parser: argparse.ArgumentParser,
+    modes: tuple[str, ...],
+    policy_help: str,
+    default_modes: tuple[str, ...] | None = None,
+) -> None:
     """Arguments every placement benchmark shares: the checkpoint, the modes, the cache and the run."""
     parser.add_argument("--model", required=True, type=Path, help="checkpoint folder (e.g. from make-bench-model)")
-    parser.add_argument("--modes", default=",".join(modes), help=f"comma-separated subset of {','.join(modes)}")
+    parser.add_argument(
+        "--modes", default=",".join(default_modes or modes), help=f"comma-separated subset of {','.join(modes)}"
+    )
     parser.add_argument("--cache-fraction", type=float, default=0.05, help="VRAM expert cache, share of all experts")
     parser.add_argument("--policy", default="lfu", help=policy_help)
     parser.add_argument("--dtype", default="bf16")

@@ -7,7 +7,10 @@ The same loaded model (one pinned home copy of the experts) is measured with eac
   baseline of offload systems without a cache or CPU tier);
 - ``cpu`` / ``copy``: an expert cache of ``cache_fraction`` of all experts, misses all on the CPU
   tier / all copied in;
-- ``tiered``: the same cache, misses split between the CPU tier and the copy path by measured cost.
+- ``tiered``: the same cache, misses split between the CPU tier and the copy path by measured cost;
+- ``tiered-gw``: ``tiered`` with ``gpu_waits_for_cpu`` (the compute stream, not the host thread, waits
+  for the CPU tier; where the driver cannot, the receipt says so and the host waits). Not in the
+  default modes.
 
 Each result carries its expert coverage (distinct experts touched per layer), its traffic, and
 ratios to the naive baseline, to the resident run and to the bound ``streams * DRAM_bw / missed
@@ -50,7 +53,8 @@ from moetier.tiers.host_store import HostExpertArena
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
 from moetier.weights.loader import LoadedModel
 
-MODES = ("resident", "naive", "cpu", "copy", "tiered")
+MODES = ("resident", "naive", "cpu", "copy", "tiered", "tiered-gw")
+DEFAULT_MODES = MODES[:5]
 
 
 @dataclass
@@ -59,7 +63,7 @@ class DecodeBenchConfig:
 
     model: Path
     streams: list[int] = field(default_factory=lambda: [1, 2, 4])
-    modes: list[str] = field(default_factory=lambda: list(MODES))
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
     cache_fraction: float = 0.05
     policy: str = "lfu"
     prompt_len: int = 64
@@ -165,7 +169,8 @@ def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: t
     if mode == "naive":
         options |= {"cache_slots": 0, "miss_route": "copy", "calibrate": False}
     else:
-        options |= {"cache_slots": slots, "miss_route": "auto" if mode == "tiered" else mode}
+        options |= {"cache_slots": slots, "miss_route": "auto" if mode.startswith("tiered") else mode}
+        options["gpu_waits_for_cpu"] = mode == "tiered-gw"
     dispatcher = TieredDispatcher(store, **options)
     dispatcher.prepare(device)
     return dispatcher
@@ -244,6 +249,8 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
         if dispatcher is None:
             notes.append(f"{mode}: skipped, {store.total_bytes() / 1e9:.1f} GB of experts do not fit in free VRAM")
             continue
+        if mode == "tiered-gw" and not dispatcher.gpu_waits_for_cpu:
+            notes.append("tiered-gw: no CUDA stream memory operations here, so the host waited as in tiered")
         replay = None if trace is None else trace_routing.TraceRoutingDispatcher(dispatcher, trace)
         model.use_dispatcher(replay or dispatcher)
         for streams in cfg.streams:
@@ -338,7 +345,7 @@ def write_receipt(receipt: dict[str, Any], out_dir: Path) -> Path:
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    add_placement_arguments(parser, MODES, "expert cache policy (lru, lfu, static)")
+    add_placement_arguments(parser, MODES, "expert cache policy (lru, lfu, static)", DEFAULT_MODES)
     parser.add_argument("--streams", default="1,2,4", help="comma-separated stream counts")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=4)

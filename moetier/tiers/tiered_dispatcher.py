@@ -199,6 +199,11 @@ class TieredDispatcher(ExpertDispatcher):
         )
 
     @property
+    def gpu_waits_for_cpu(self) -> bool:
+        """Whether the compute stream (not the host thread) waits for decode CPU jobs (prepared, driver allows)."""
+        return self._flag is not None
+
+    @property
     def block_bytes(self) -> int:
         return self.store.layout.block_bytes(self.store.dtype)
 
