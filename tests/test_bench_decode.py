@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from moetier.bench.decode import MODES, DecodeBenchConfig, markdown_table, run_decode_bench, write_receipt
+from moetier.bench.decode import (
+    DEFAULT_MODES,
+    MODES,
+    DecodeBenchConfig,
+    markdown_table,
+    run_decode_bench,
+    write_receipt,
+)
 from moetier.bench.make_model import configure_parser, run
 from moetier.errors import ConfigError
 
@@ -43,7 +50,7 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
         profile=True,
     )
     receipt = run_decode_bench(cfg)
-    assert {r["mode"] for r in receipt["results"]} == set(MODES)
+    assert {r["mode"] for r in receipt["results"]} == set(DEFAULT_MODES)
     assert receipt["environment"]["versions"]["torch"] and receipt["bounds"]["host_read_gbps"] > 0
     assert receipt["plan"]["cache_slots"] == round(0.1 * 3 * 16)
     by_key = {(r["mode"], r["streams"]): r for r in receipt["results"]}
@@ -62,6 +69,27 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
     assert json.loads(path.read_text())["kind"] == "decode"
     assert "| tiered | 2 |" in markdown_table(receipt) and path.with_suffix(".md").exists()
     assert "aten::" in path.with_name(path.stem + "-profile.txt").read_text()
+
+
+def test_gpu_wait_mode_runs_everywhere_and_says_when_the_host_waited(bench_model):
+    assert "tiered-gw" in MODES and "tiered-gw" not in DEFAULT_MODES
+    cfg = DecodeBenchConfig(
+        model=bench_model,
+        modes=["naive", "tiered-gw"],
+        streams=[1],
+        steps=2,
+        repeats=1,
+        warmup=1,
+        prompt_len=8,
+        dtype="fp32",
+        device="cpu",
+        cache_fraction=0.1,
+        quick_bounds=True,
+    )
+    receipt = run_decode_bench(cfg)
+    assert {r["mode"] for r in receipt["results"]} == {"naive", "tiered-gw"}
+    assert any(note.startswith("tiered-gw: no CUDA stream memory operations") for note in receipt["notes"])
+    assert receipt["greedy_tokens_agree"]["tiered-gw@1"] == 1.0
 
 
 def test_config_rejects_bad_values(bench_model):
