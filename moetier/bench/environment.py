@@ -87,6 +87,7 @@ def environment() -> dict:
         "git_sha": git_sha(),
         "command": " ".join(sys.argv),
         "host": platform.node(),
+        "kernel": platform.release(),  # tells the lent machines' runtimes apart (gVisor reports 4.4.0)
         "gpu": _gpu(),
         "cpu": _cpu(),
         "ram_bytes": _ram_bytes(),
