@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from moetier.tiers.experts import ExpertStore, swiglu_expert
+from moetier.kernels.grouped_experts import run_experts
+from moetier.tiers.experts import ExpertStore
 
 
 class ExpertDispatcher(ABC):
@@ -18,7 +19,7 @@ class ExpertDispatcher(ABC):
     returns ``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t])`` as ``[T, H]`` in
     ``hidden.dtype`` on ``hidden.device``, the sum taken in float32 (:func:`expert_accumulator`).
     Implementations may place and run experts anywhere (VRAM, CPU, streamed) but must agree with
-    :func:`swiglu_expert` to the tolerance their tests state. Models call only this; they never
+    :func:`~moetier.tiers.experts.swiglu_expert` to the tolerance their tests state. Models call only this; they never
     learn where an expert lives.
     """
 
@@ -51,20 +52,16 @@ class ResidentDispatcher(ExpertDispatcher):
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         out = expert_accumulator(hidden)
-        limit = self.store.layout.swiglu_limit
         flat_ids = topk_ids.reshape(-1)
         # Sorting the (token, slot) pairs by expert gives each expert one contiguous run of tokens.
         order = torch.argsort(flat_ids, stable=True)
         experts, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
-        token_of_pair = order // topk_ids.shape[1]
-        weight_of_pair = topk_weights.reshape(-1)[order]
-        start = 0
+        groups, start = [], 0
         for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
-            tokens = token_of_pair[start : start + count]
-            weights = weight_of_pair[start : start + count, None]
-            y = swiglu_expert(hidden[tokens], self.store.expert(layer, expert), limit).float() * weights.float()
-            out.index_add_(0, tokens, y)
+            groups.append((self.store.expert(layer, expert), start, count))
             start += count
+        token_of_pair, weight_of_pair = order // topk_ids.shape[1], topk_weights.reshape(-1)[order]
+        run_experts(out, hidden, token_of_pair, weight_of_pair, groups, self.store.layout.swiglu_limit)
         return out.to(hidden.dtype)
 
 

@@ -17,8 +17,8 @@ finds the cache it had before. Its fat misses stream through the staging ring, a
 returns it prefetches the next MoE layer's likely experts (the ones that layer used last chunk,
 fat ones first; for a first chunk that covers most experts, all of them in id order) into the free
 staging slots, so the copy engine keeps moving while attention runs between the two MoE layers.
-The math is :func:`swiglu_expert` everywhere, as in :class:`ResidentDispatcher`; only the order of
-the final sums differs.
+The math is :func:`swiglu_expert` everywhere (decode calls run it as grouped kernels on CUDA), as in
+:class:`ResidentDispatcher`; only the order of the final sums differs.
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ from typing import Any
 import torch
 
 from moetier.errors import ConfigError
+from moetier.kernels.grouped_experts import run_experts
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.dispatcher import ExpertDispatcher, expert_accumulator
 from moetier.tiers.expert_cache import ExpertCache, Slot
-from moetier.tiers.experts import ExpertStore, ExpertWeights, swiglu_expert
+from moetier.tiers.experts import ExpertStore, swiglu_expert
 from moetier.tiers.gpu_wait import HostFlag
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.policies import make_policy
@@ -265,7 +266,7 @@ class TieredDispatcher(ExpertDispatcher):
             release = self._flag.next_value()
         started = self._start_cpu(layer, hidden, routing, cpu_groups, release) if cpu_groups else None
         try:
-            read = self._run_on_device(layer, out, hidden, routing, hits, copy_groups)
+            read = self._run_on_device(layer, out, hidden, routing, hits, copy_groups, streaming)
             if streaming and self.config.prefetch:
                 self._prefetch_next(layer, routing)
             for group in cpu_groups:  # admitted CPU-routed misses: copy in behind the critical path
@@ -325,14 +326,17 @@ class TieredDispatcher(ExpertDispatcher):
         )
 
     def _run_on_device(
-        self, layer: int, out: torch.Tensor, hidden: torch.Tensor, routing: _Routing, hits, copy_groups
+        self, layer: int, out: torch.Tensor, hidden: torch.Tensor, routing: _Routing, hits, copy_groups, streaming
     ) -> list[Slot]:
         """Copy-path copies are enqueued before the hits run, so they land while the hits compute.
 
         Admitted misses are copied straight into their cache slot; the others go through the
         staging ring, prefetched ones first (their copies were issued earliest). A ring slot is
         refilled only after the compute that read it has been enqueued (on CUDA the refill also
-        waits for its event), so at most ``n_staging`` copies run ahead of the compute.
+        waits for its event), so at most ``n_staging`` copies run ahead of the compute. A decode
+        call computes the hits in one grouped launch and the staged experts in one more per ring's
+        worth (:mod:`moetier.kernels.grouped_experts`); a streaming call computes each staged expert
+        as soon as its copy lands, so its GEMM overlaps the next copies.
         """
         stream = self._compute_stream()
         direct = [g for g in copy_groups if g.slot is not None]
@@ -353,21 +357,26 @@ class TieredDispatcher(ExpertDispatcher):
                 counters.prefetch_used += 1
         counters.prefetch_wasted += len(self.cache.drop_prefetched())
         self._refill(layer, waiting, staged)
-        read = []
-        for group in hits + direct:
-            self.cache.wait_ready(group.slot, stream)
-            self._expert_on_device(out, hidden, routing, group, group.slot.weights)
-            read.append(group.slot)
+        read = [group.slot for group in hits + direct]
+        self._compute(out, hidden, routing, [(group, group.slot) for group in hits + direct])
         done = 0
         while done < len(staged):
-            group, slot = staged[done]
-            self.cache.wait_ready(slot, stream)
-            self._expert_on_device(out, hidden, routing, group, slot.weights)
-            self.cache.mark_released([slot], stream)
-            self.cache.return_staging(slot)
-            done += 1
+            batch = staged[done : done + 1] if streaming else staged[done:]
+            self._compute(out, hidden, routing, batch)
+            for _, slot in batch:
+                self.cache.mark_released([slot], stream)
+                self.cache.return_staging(slot)
+            done += len(batch)
             self._refill(layer, waiting, staged)
         return read
+
+    def _compute(self, out, hidden, routing: _Routing, work: list[tuple[_Group, Slot]]) -> None:
+        """Run these groups from their slots (each waits for its copy): one grouped launch where it applies."""
+        stream = self._compute_stream()
+        for _, slot in work:
+            self.cache.wait_ready(slot, stream)
+        groups = [(slot.weights, group.start, group.count) for group, slot in work]
+        run_experts(out, hidden, routing.tokens_dev, routing.gates_dev, groups, self.store.layout.swiglu_limit)
 
     def _refill(self, layer: int, waiting: deque[_Group], staged: list[tuple[_Group, Slot]]) -> None:
         """Copy waiting groups into free staging slots (oldest release first) until either runs out."""
@@ -413,13 +422,6 @@ class TieredDispatcher(ExpertDispatcher):
         counters.copy_bytes += self.block_bytes
         counters.copy_pairs += group.count
         return slot
-
-    def _expert_on_device(self, out, hidden, routing: _Routing, group: _Group, weights: ExpertWeights) -> None:
-        # Exactly ResidentDispatcher's per-expert step.
-        tokens = routing.tokens_dev[group.pairs]
-        gates = routing.gates_dev[group.pairs, None]
-        y = swiglu_expert(hidden[tokens], weights, self.store.layout.swiglu_limit).float() * gates.float()
-        out.index_add_(0, tokens, y)
 
     def _start_cpu(
         self, layer: int, hidden: torch.Tensor, routing: _Routing, groups: list[_Group], release: int | None

@@ -1,0 +1,236 @@
+"""Every routed expert of a decode call in two kernel launches, wherever each expert's block lives.
+
+Eager, one expert costs ~12 small ops (gather its tokens, gate/up GEMM, split, clamps, SiLU, product,
+down GEMM, casts, gate scaling, scatter-add); a decode step of DeepSeek-V4-Flash runs six or more
+experts per layer, so the step is bound by their launches, not by reading the weights. Here the
+experts are described by a small table (each expert block's device address, and the run of
+expert-sorted pairs it serves), so one launch computes every expert's gate/up projection and
+activation and a second computes the down projections, scales them by the routing weights and adds
+them into the float32 accumulator. The blocks may be anywhere in device memory (resident store,
+cache slots, staging slots): the kernel reads them through their addresses.
+
+Roundings follow :func:`moetier.tiers.experts.swiglu_expert` in the weights' dtype: gate and up are
+rounded to it after their float32 dot products, as are SiLU(gate), the activation and the expert's
+output before the gate scaling; only the order of the float32 sums differs from cuBLAS. Groups of
+more than ``MAX_GROUP_TOKENS`` tokens (prefill) keep the per-expert GEMMs, which use the tensor cores
+better. Used on CUDA when Triton is importable (``MOETIER_TRITON=0`` turns it off); after one failure
+the per-expert path runs from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+import torch
+
+from moetier.kernels.rmsnorm import triton_usable
+from moetier.tiers.experts import ExpertWeights, swiglu_expert
+
+log = logging.getLogger(__name__)
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs run the per-expert path.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+MAX_GROUP_TOKENS = 16  # the token tile of the gate/up kernel; tl.dot needs at least 16 rows
+_BLOCK_I, _BLOCK_H, _BLOCK_K = 32, 32, 128
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# One (expert block, run of sorted pairs) per group: what the per-expert path loops over.
+Group = tuple[ExpertWeights, int, int]  # (weights, first pair, pair count)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_kernel(
+        x_ptr,
+        table_ptr,
+        pair_token_ptr,
+        act_ptr,
+        stride_x,
+        limit,
+        hidden: tl.constexpr,
+        inter: tl.constexpr,
+        HAS_LIMIT: tl.constexpr,
+        IEEE: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_I: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        group, block = tl.program_id(0), tl.program_id(1)
+        dtype = x_ptr.dtype.element_ty
+        weights = tl.load(table_ptr + 1 + 3 * group).to(tl.pointer_type(dtype))
+        start = tl.load(table_ptr + 2 + 3 * group)
+        count = tl.load(table_ptr + 3 + 3 * group)
+        t = tl.arange(0, BLOCK_T)
+        t_ok = t < count
+        rows = tl.load(pair_token_ptr + start + t, mask=t_ok, other=0)
+        i = block * BLOCK_I + tl.arange(0, BLOCK_I)
+        i_ok = i < inter
+        acc_gate = tl.zeros((BLOCK_T, BLOCK_I), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_T, BLOCK_I), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < hidden
+            x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = i_ok[:, None] & k_ok[None, :]
+            w_gate = tl.load(weights + i[:, None] * hidden + k[None, :], mask=w_mask, other=0.0)
+            w_up = tl.load(weights + (inter + i)[:, None] * hidden + k[None, :], mask=w_mask, other=0.0)
+            if IEEE:  # float32 (or bf16 under the interpreter, whose bf16 dot is wrong): exact products
+                x = x.to(tl.float32)
+                acc_gate += tl.dot(x, tl.trans(w_gate.to(tl.float32)), input_precision="ieee")
+                acc_up += tl.dot(x, tl.trans(w_up.to(tl.float32)), input_precision="ieee")
+            else:
+                acc_gate += tl.dot(x, tl.trans(w_gate))
+                acc_up += tl.dot(x, tl.trans(w_up))
+        gate = acc_gate.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        act = (silu * up).to(dtype)
+        tl.store(act_ptr + (start + t)[:, None] * inter + i[None, :], act, mask=t_ok[:, None] & i_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(
+        act_ptr,
+        table_ptr,
+        pair_token_ptr,
+        pair_gate_ptr,
+        out_ptr,
+        hidden: tl.constexpr,
+        inter: tl.constexpr,
+        MAX_GROUPS: tl.constexpr,
+        MAX_TOKENS: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # One program per (token, block of output channels): it owns those outputs, so the sum over the
+        # token's experts needs no atomics and runs in group order (deterministic).
+        token, block = tl.program_id(0), tl.program_id(1)
+        dtype = act_ptr.dtype.element_ty
+        h = block * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = h < hidden
+        total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        groups = tl.load(table_ptr)
+        # Constant trip counts (the interpreter cannot loop over loaded values); the bounds are checked inside.
+        for group in range(MAX_GROUPS):
+            real = group < groups
+            block = tl.load(table_ptr + 1 + 3 * group, mask=real, other=0).to(tl.pointer_type(dtype))
+            down = block + 2 * inter * hidden
+            start = tl.load(table_ptr + 2 + 3 * group, mask=real, other=0)
+            count = tl.load(table_ptr + 3 + 3 * group, mask=real, other=0)
+            for j in range(MAX_TOKENS):
+                pair = start + j
+                if (j < count) & (tl.load(pair_token_ptr + pair, mask=j < count, other=-1) == token):
+                    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+                    for k0 in range(0, inter, BLOCK_K):
+                        k = k0 + tl.arange(0, BLOCK_K)
+                        k_ok = k < inter
+                        a = tl.load(act_ptr + pair * inter + k, mask=k_ok, other=0.0).to(tl.float32)
+                        w_mask = h_ok[:, None] & k_ok[None, :]
+                        w = tl.load(down + h[:, None] * inter + k[None, :], mask=w_mask, other=0.0)
+                        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+                    gate = tl.load(pair_gate_ptr + pair).to(dtype).to(tl.float32)
+                    total += acc.to(dtype).to(tl.float32) * gate
+        cur = tl.load(out_ptr + token * hidden + h, mask=h_ok, other=0.0)
+        tl.store(out_ptr + token * hidden + h, cur + total, mask=h_ok)
+
+
+_BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on with per-expert GEMMs
+
+
+def grouped_usable(hidden: torch.Tensor, groups: Sequence[Group]) -> bool:
+    """Whether :func:`run_experts` would take the two-launch path for these groups."""
+    return (
+        not _BROKEN
+        and bool(groups)
+        and triton_usable(hidden)
+        and hidden.dtype in _DTYPES
+        and all(w.block.dtype == hidden.dtype and w.block.device == hidden.device for w, _, _ in groups)
+        and max(count for _, _, count in groups) <= MAX_GROUP_TOKENS
+    )
+
+
+def run_grouped(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    pair_tokens: torch.Tensor,
+    pair_gates: torch.Tensor,
+    groups: Sequence[Group],
+    swiglu_limit: float | None,
+) -> None:
+    """The Triton path of :func:`run_experts` (no checks: see :func:`grouped_usable`)."""
+    first = groups[0][0]
+    inter, size = first.down.shape[1], hidden.shape[1]
+    # [groups, then (block address, first pair, pair count) per group]; the count is read on the device.
+    table = torch.tensor([len(groups)] + [v for w, s, c in groups for v in (w.block.data_ptr(), s, c)])
+    table = table.to(hidden.device, non_blocking=True)
+    pair_tokens = pair_tokens.contiguous()
+    act = torch.empty((pair_tokens.shape[0], inter), dtype=hidden.dtype, device=hidden.device)
+    x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    _gate_up_kernel[(len(groups), triton.cdiv(inter, _BLOCK_I))](
+        x,
+        table,
+        pair_tokens,
+        act,
+        x.stride(0),
+        float(swiglu_limit or 0.0),
+        size,
+        inter,
+        HAS_LIMIT=swiglu_limit is not None,
+        IEEE=hidden.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_T=MAX_GROUP_TOKENS,
+        BLOCK_I=_BLOCK_I,
+        BLOCK_K=_BLOCK_K,
+    )
+    _down_kernel[(hidden.shape[0], triton.cdiv(size, _BLOCK_H))](
+        act, table, pair_tokens, pair_gates.contiguous(), out, size, inter,
+        MAX_GROUPS=triton.next_power_of_2(len(groups)), MAX_TOKENS=MAX_GROUP_TOKENS, BLOCK_H=_BLOCK_H, BLOCK_K=_BLOCK_K,
+    )  # fmt: skip
+
+
+def run_per_expert(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    pair_tokens: torch.Tensor,
+    pair_gates: torch.Tensor,
+    groups: Sequence[Group],
+    swiglu_limit: float | None,
+) -> None:
+    """The reference path: :func:`swiglu_expert` per group, scaled and added into ``out`` in group order."""
+    for weights, start, count in groups:
+        tokens = pair_tokens[start : start + count]
+        gates = pair_gates[start : start + count, None]
+        y = swiglu_expert(hidden[tokens], weights, swiglu_limit).float() * gates.float()
+        out.index_add_(0, tokens, y)
+
+
+def run_experts(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    pair_tokens: torch.Tensor,
+    pair_gates: torch.Tensor,
+    groups: Sequence[Group],
+    swiglu_limit: float | None,
+) -> None:
+    """Add ``sum over groups and their pairs p of gate[p] * expert(hidden[token[p]])`` into ``out``.
+
+    ``out`` is the float32 ``[T, H]`` accumulator; ``pair_tokens`` (int64) and ``pair_gates`` index the
+    expert-sorted pairs, and each group ``(weights, start, count)`` is one expert and its run of pairs
+    (a token appears at most once per group). Two launches when :func:`grouped_usable`, else per expert.
+    """
+    if grouped_usable(hidden, groups):
+        try:
+            run_grouped(out, hidden, pair_tokens, pair_gates, groups, swiglu_limit)
+            return
+        except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
+            _BROKEN.append(str(exc))
+            log.warning("grouped expert kernel failed (%s); using per-expert GEMMs from now on", exc)
+    run_per_expert(out, hidden, pair_tokens, pair_gates, groups, swiglu_limit)
