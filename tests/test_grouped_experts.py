@@ -62,12 +62,15 @@ _CASES = [
 
 
 def _run_cases(device: str) -> list[dict]:
-    body = _SETUP + f"""
+    body = (
+        _SETUP
+        + f"""
 results = []
 for dt, hidden, inter, tokens, counts, limit in {_CASES!r}:
     results.append(case(len(results), getattr(torch, dt), hidden, inter, tokens, counts, limit, {device!r}))
 print(json.dumps(results))
 """
+    )
     env = {**os.environ, "TRITON_INTERPRET": "1"} if device == "cpu" else dict(os.environ)
     done = subprocess.run([sys.executable, "-c", body], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
