@@ -122,8 +122,8 @@ if triton is not None:
         # Constant trip counts (the interpreter cannot loop over loaded values); the bounds are checked inside.
         for group in range(MAX_GROUPS):
             real = group < groups
-            block = tl.load(table_ptr + 1 + 3 * group, mask=real, other=0).to(tl.pointer_type(dtype))
-            down = block + 2 * inter * hidden
+            base = tl.load(table_ptr + 1 + 3 * group, mask=real, other=0).to(tl.pointer_type(dtype))
+            down = base + 2 * inter * hidden
             start = tl.load(table_ptr + 2 + 3 * group, mask=real, other=0)
             count = tl.load(table_ptr + 3 + 3 * group, mask=real, other=0)
             for j in range(MAX_TOKENS):
