@@ -4,6 +4,10 @@ A missed expert costs its bytes at DRAM bandwidth here instead of PCIe bandwidth
 for a copy. One worker thread runs the jobs with its own torch intra-op thread count (torch's
 OpenMP thread count is per calling thread), so the dispatching thread keeps its cores for
 launching device work. Each job returns an fp32 partial sum over the rows it touched.
+
+bf16 jobs run the C kernel of :mod:`moetier.kernels.cpu_experts` when it is available (one OpenMP
+region for the whole job, every weight row read once for all of its expert's tokens); other dtypes,
+and hosts where it cannot be built, run torch.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from typing import Any
 import torch
 
 from moetier.errors import ConfigError
+from moetier.kernels import cpu_experts
 from moetier.tiers.experts import ExpertWeights, swiglu_expert
+
+TORCH_KERNEL = "torch"
 
 
 def default_cpu_threads() -> int:
@@ -62,20 +69,31 @@ class CpuResult:
     out: torch.Tensor  # fp32 [U, H]: sum over groups of gate * expert(hidden[rows]) placed at rows
     seconds: float  # wall time the worker spent on the job
     pairs: int = field(default=0)
+    kernel: str = TORCH_KERNEL  # which path ran: "torch", or "c-" + the C kernel's ISA (e.g. "c-avx512_bf16")
 
 
 class CpuExpertTier:
-    """Runs :class:`CpuJob` s on a worker thread with ``threads`` torch threads.
+    """Runs :class:`CpuJob` s on a worker thread with ``threads`` threads (torch's, or the C kernel's).
 
-    Math contract: each group is :func:`swiglu_expert` on the home copy, in the weights' dtype
-    (the same kernel the device runs), scaled by its gates and accumulated in fp32.
+    Math contract: each group is :func:`swiglu_expert` on the home copy, scaled by its gates and
+    accumulated in fp32. The torch path runs it in the weights' dtype (the same kernel the device runs).
+    The C kernel (bf16 weights and hidden, ``use_kernel`` and the kernel available) accumulates every
+    dot product in fp32 and rounds where a bf16 GEMM does: gate and up to bf16, the activation
+    ``silu(gate) * up`` (after the optional clamp, by the limit rounded to bf16 as torch's clamp of bf16
+    values gives) computed in fp32 and rounded once to bf16 (torch rounds ``silu(gate)`` and the
+    product separately), the expert's output to bf16 before the gate. Its results do not depend on
+    ``threads``.
+    ``last_kernel`` names the path of the latest job (also :attr:`CpuResult.kernel`).
     """
 
-    def __init__(self, swiglu_limit: float | None, threads: int | None = None) -> None:
+    def __init__(self, swiglu_limit: float | None, threads: int | None = None, use_kernel: bool = True) -> None:
         self.threads = default_cpu_threads() if threads is None else threads
         if self.threads < 1:
             raise ConfigError(f"cpu tier threads must be >= 1, got {self.threads}")
         self.swiglu_limit = swiglu_limit
+        # Build (or load) the kernel now rather than inside the first decode step.
+        self.use_kernel = use_kernel and cpu_experts.available()
+        self.last_kernel: str | None = None
         self._pool = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="moetier-cpu-tier",
@@ -106,12 +124,44 @@ class CpuExpertTier:
         # inference_mode is per thread: the caller's tensors may be inference tensors, which only an
         # inference-mode block may update in place.
         with torch.inference_mode():
-            out.zero_()
-            for group in job.groups:
-                y = swiglu_expert(job.hidden[group.rows], group.weights, self.swiglu_limit)
-                out.index_add_(0, group.rows, y.float() * group.gates.float()[:, None])
+            compute = self._compute_c if self._kernel_fits(job, out) else self._compute_torch
+            kernel = compute(job, out)
+        self.last_kernel = kernel
         pairs = sum(int(group.rows.numel()) for group in job.groups)
-        return CpuResult(out=out, seconds=time.perf_counter() - start, pairs=pairs)
+        return CpuResult(out=out, seconds=time.perf_counter() - start, pairs=pairs, kernel=kernel)
+
+    def _kernel_fits(self, job: CpuJob, out: torch.Tensor) -> bool:
+        """bf16 hidden and weights (contiguous, as every ExpertWeights is), an fp32 contiguous out."""
+        if not self.use_kernel or job.hidden.dtype != torch.bfloat16 or job.hidden.device.type != "cpu":
+            return False
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            return False
+        for group in job.groups:
+            for w in (group.weights.gate_up, group.weights.down):
+                if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous():
+                    return False
+        return cpu_experts.available()  # re-read: MOETIER_CPU_KERNEL=0 turns it off at run time
+
+    def _compute_c(self, job: CpuJob, out: torch.Tensor) -> str:
+        groups = job.groups
+        cpu_experts.run_experts(
+            job.hidden.contiguous(),
+            [g.weights.gate_up for g in groups],
+            [g.weights.down for g in groups],
+            [g.rows for g in groups],
+            [g.gates for g in groups],
+            self.swiglu_limit,
+            self.threads,
+            out=out,
+        )
+        return f"c-{cpu_experts.kernel_isa()}"
+
+    def _compute_torch(self, job: CpuJob, out: torch.Tensor) -> str:
+        out.zero_()
+        for group in job.groups:
+            y = swiglu_expert(job.hidden[group.rows], group.weights, self.swiglu_limit)
+            out.index_add_(0, group.rows, y.float() * group.gates.float()[:, None])
+        return TORCH_KERNEL
 
     def close(self) -> None:
         self._finalizer()

@@ -1,0 +1,409 @@
+/* moetier CPU expert kernel: one whole CPU-tier job (several SwiGLU experts, a few tokens each) in one
+ * OpenMP parallel region (none at one thread).
+ *
+ * Decode on the CPU tier is bound by DRAM bandwidth: each expert's weights (~50 MB in bf16) are read once
+ * for 1-8 tokens. So every weight row is loaded once and used for all of its expert's tokens, and the
+ * rows of all experts are split across all threads (a 1-token job over 6 experts still uses every core).
+ *
+ *   phase 1  units j (gate row j, up row j) of every expert split across threads:
+ *            act[p][j] = bf16(silu(bf16(gate_j . x_p)) * bf16(up_j . x_p))   (clamped when has_limit)
+ *   barrier
+ *   phase 2  output columns h split across threads (each thread owns its h's: no atomics):
+ *            out[rows[p]][h] += gates[p] * bf16(down_h . act[p])
+ *
+ * Dot products accumulate in fp32. The roundings to bf16 are those of a bf16 GEMM (its output is bf16);
+ * the activation is computed in fp32 from the rounded gate and up and rounded once. The clamp bound is
+ * the limit rounded to bf16 (what torch's clamp of bf16 values gives).
+ *
+ * SIMD: AVX512_BF16 (vdpbf16ps) when the compiler targets it, else AVX-512F (bf16 -> fp32 by a shift,
+ * FMA), else portable code written so the compiler can vectorise it. No Python headers: loaded by ctypes.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef uint16_t bf16_t;
+
+/* Tokens that share one pass over a weight row; more tokens take further passes (the row is then in L1). */
+#define TOKEN_BLOCK 4
+/* Weight rows read side by side: separate memory streams keep more DRAM reads in flight per core. */
+#define MAX_ROWS 4
+/* Software prefetch distance ahead of each weight stream, in bytes. Off by default: on the machines
+ * measured the hardware prefetchers did better alone (build with -DMOETIER_PREFETCH_BYTES=N to try). */
+#ifndef MOETIER_PREFETCH_BYTES
+#define MOETIER_PREFETCH_BYTES 0
+#endif
+/* Output columns per cache line of fp32: phase 2 splits h on this grain so threads never share a line. */
+#define OUT_GRAIN 16
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+enum { MOETIER_OK = 0, MOETIER_BAD_ARGS = -1, MOETIER_NO_MEMORY = -2 };
+
+/* ------------------------------------------------------------------------------------------------------- */
+/* bf16 <-> fp32                                                                                          */
+
+ALWAYS_INLINE float bf16_to_f32(bf16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest, ties to even (what torch and CUDA do); NaN stays a quiet NaN. */
+ALWAYS_INLINE bf16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((bits >> 16) | 0x0040u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (bf16_t)(bits >> 16);
+}
+
+ALWAYS_INLINE float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+ALWAYS_INLINE void prefetch(const bf16_t *p) {
+#if MOETIER_PREFETCH_BYTES > 0
+    __builtin_prefetch((const char *)p + MOETIER_PREFETCH_BYTES, 0, 3);
+#else
+    (void)p;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------------------- */
+/* Token vectors (the hidden rows of phase 1, the activations of phase 2) are `xval_t`: bf16 for vdpbf16ps, */
+/* else fp32 holding bf16-exact values, converted once per job instead of once per weight row.            */
+
+#if defined(__AVX512BF16__)
+typedef bf16_t xval_t;
+#define X_IS_BF16 1
+ALWAYS_INLINE float x_to_f32(xval_t v) { return bf16_to_f32(v); }
+ALWAYS_INLINE xval_t x_from_bf16(bf16_t v) { return v; }
+#else
+typedef float xval_t;
+#define X_IS_BF16 0
+ALWAYS_INLINE float x_to_f32(xval_t v) { return v; }
+ALWAYS_INLINE xval_t x_from_bf16(bf16_t v) { return bf16_to_f32(v); }
+#endif
+
+/* ------------------------------------------------------------------------------------------------------- */
+/* Dot products of R weight rows (1..MAX_ROWS) with NT token vectors (1..TOKEN_BLOCK) over k elements.    */
+/* R and NT are compile-time constants at every call (see dot_block): the loops over them fully unroll.    */
+
+/* Scalar tail from element `start` (k need not be a multiple of the vector width). */
+ALWAYS_INLINE void dot_tail(const bf16_t *const *w, int R, const xval_t *const *x, int NT, int64_t start, int64_t k,
+                            float res[MAX_ROWS][TOKEN_BLOCK]) {
+    for (int64_t i = start; i < k; ++i)
+        for (int t = 0; t < NT; ++t) {
+            float b = x_to_f32(x[t][i]);
+            for (int r = 0; r < R; ++r) res[r][t] += bf16_to_f32(w[r][i]) * b;
+        }
+}
+
+#if defined(__AVX512BF16__)
+
+static const char ISA[] = "avx512_bf16";
+
+ALWAYS_INLINE void dot_rows(const bf16_t *const *w, int R, const xval_t *const *x, int NT, int64_t k,
+                            float res[MAX_ROWS][TOKEN_BLOCK]) {
+    __m512 acc[MAX_ROWS][TOKEN_BLOCK];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+        __m512bh a[MAX_ROWS];
+        for (int r = 0; r < R; ++r) {
+            prefetch(w[r] + i);
+            a[r] = (__m512bh)_mm512_loadu_si512(w[r] + i);
+        }
+        for (int t = 0; t < NT; ++t) {
+            __m512bh b = (__m512bh)_mm512_loadu_si512(x[t] + i);
+            for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], a[r], b);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) res[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+    dot_tail(w, R, x, NT, i, k, res);
+}
+
+#elif defined(__AVX512F__)
+
+static const char ISA[] = "avx512f";
+
+ALWAYS_INLINE __m512 load_bf16x16(const bf16_t *p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+ALWAYS_INLINE void dot_rows(const bf16_t *const *w, int R, const xval_t *const *x, int NT, int64_t k,
+                            float res[MAX_ROWS][TOKEN_BLOCK]) {
+    __m512 acc[MAX_ROWS][TOKEN_BLOCK];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        __m512 a[MAX_ROWS];
+        for (int r = 0; r < R; ++r) {
+            prefetch(w[r] + i);
+            a[r] = load_bf16x16(w[r] + i);
+        }
+        for (int t = 0; t < NT; ++t) {
+            __m512 b = _mm512_loadu_ps(x[t] + i);
+            for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(a[r], b, acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) res[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+    dot_tail(w, R, x, NT, i, k, res);
+}
+
+#else
+
+static const char ISA[] = "portable";
+
+/* LANES independent partial sums: the compiler may vectorise across lanes without reassociating a sum. */
+#define LANES 16
+
+/* One row and one token at a time (the row is in L1 after the first token): a loop this simple is one
+ * that compilers vectorise, where loops over several tokens were not (GCC 12). The price is converting
+ * each weight again per token: past 1-2 tokens this path is compute bound. */
+ALWAYS_INLINE float dot_one(const bf16_t *w, const xval_t *x, int64_t k) {
+    float acc[LANES] = {0.0f};
+    int64_t i = 0;
+    for (; i + LANES <= k; i += LANES) {
+        prefetch(w + i);
+        for (int l = 0; l < LANES; ++l) acc[l] += bf16_to_f32(w[i + l]) * x[i + l];
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; ++l) sum += acc[l];
+    for (; i < k; ++i) sum += bf16_to_f32(w[i]) * x[i];
+    return sum;
+}
+
+ALWAYS_INLINE void dot_rows(const bf16_t *const *w, int R, const xval_t *const *x, int NT, int64_t k,
+                            float res[MAX_ROWS][TOKEN_BLOCK]) {
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) res[r][t] = dot_one(w[r], x[t], k);
+}
+
+#endif
+
+/* One specialised dot_rows per (rows, tokens): a runtime (r, nt) picks a fully unrolled body. */
+#define DOT_CASE(R, NT)                \
+    case NT:                           \
+        dot_rows(w, R, x, NT, k, res); \
+        return;
+#define DOT_ROWS(R)                                                                  \
+    case R:                                                                          \
+        switch (nt) { DOT_CASE(R, 1) DOT_CASE(R, 2) DOT_CASE(R, 3) DOT_CASE(R, 4) } \
+        return;
+
+static void dot_block(const bf16_t *const *w, int r, const xval_t *const *x, int nt, int64_t k,
+                      float res[MAX_ROWS][TOKEN_BLOCK]) {
+    switch (r) { DOT_ROWS(1) DOT_ROWS(2) DOT_ROWS(3) DOT_ROWS(4) }
+}
+
+/* ------------------------------------------------------------------------------------------------------- */
+/* The job                                                                                                 */
+
+typedef struct {
+    int64_t n_experts;
+    const bf16_t *const *gate_up; /* [E] -> [2I, H] (gate rows, then up rows) */
+    const bf16_t *const *down;    /* [E] -> [H, I] */
+    const int64_t *offsets;       /* [E + 1]: expert e owns pairs offsets[e] .. offsets[e + 1] */
+    const int64_t *rows;          /* [P]: row of `hidden` / `out` of each pair */
+    const float *gates;           /* [P] */
+    const bf16_t *hidden;         /* [U, H] */
+    int64_t out_rows;             /* U */
+    int64_t hidden_size;          /* H */
+    int64_t inter;                /* I */
+    int has_limit;
+    float limit;
+    float *out;        /* [U, H] */
+    const xval_t *x;   /* [U, H]: `hidden` itself when xval_t is bf16, else a converted copy */
+    xval_t *x_scratch; /* the converted copy (NULL when not needed) */
+    xval_t *act;       /* [P, I] */
+} job_t;
+
+/* silu(gate) * up on the bf16-rounded projections, with DeepSeek-V4's optional clamp; rounded to bf16. */
+ALWAYS_INLINE xval_t swiglu(const job_t *job, float gate, float up) {
+    gate = round_bf16(gate);
+    up = round_bf16(up);
+    if (job->has_limit) { /* comparisons, not fminf: a NaN stays NaN, as with torch's clamp */
+        const float limit = job->limit;
+        gate = gate > limit ? limit : gate;
+        up = up > limit ? limit : (up < -limit ? -limit : up);
+    }
+    return x_from_bf16(f32_to_bf16(gate / (1.0f + expf(-gate)) * up));
+}
+
+/* The [lo, hi) share of `total` items of thread `tid` of `n` (contiguous, sizes differ by at most one). */
+static void share(int64_t total, int tid, int n, int64_t *lo, int64_t *hi) {
+    *lo = total * tid / n;
+    *hi = total * (tid + 1) / n;
+}
+
+/* The size of the token block starting at token tb of expert e (at most TOKEN_BLOCK). */
+ALWAYS_INLINE int token_block(const job_t *job, int64_t e, int64_t tb) {
+    int64_t left = job->offsets[e + 1] - job->offsets[e] - tb;
+    return (int)(left < TOKEN_BLOCK ? left : TOKEN_BLOCK);
+}
+
+/* Phase 0 (only when xval_t is fp32): this thread's share of the hidden rows, converted. */
+static void convert_phase(const job_t *job, int tid, int nthreads) {
+    int64_t lo, hi;
+    share(job->out_rows * job->hidden_size, tid, nthreads, &lo, &hi);
+    for (int64_t i = lo; i < hi; ++i) job->x_scratch[i] = x_from_bf16(job->hidden[i]);
+}
+
+/* Units j in [j0, j1) of one expert (gate row j and up row j), for all of its tokens. Units j and
+ * j + half go together: four row streams per thread instead of two. */
+static void gate_up_rows(const job_t *job, int64_t e, int64_t j0, int64_t j1) {
+    const int64_t H = job->hidden_size, I = job->inter, first = job->offsets[e];
+    const int64_t count = job->offsets[e + 1] - first, half = (j1 - j0 + 1) / 2;
+    const bf16_t *weights = job->gate_up[e];
+    for (int64_t i = 0; i < half; ++i) {
+        const int64_t j[2] = {j0 + i, j0 + half + i};
+        const int units = j[1] < j1 ? 2 : 1;
+        const bf16_t *w[MAX_ROWS];
+        for (int u = 0; u < units; ++u) {
+            w[2 * u] = weights + j[u] * H;
+            w[2 * u + 1] = weights + (I + j[u]) * H;
+        }
+        for (int64_t tb = 0; tb < count; tb += TOKEN_BLOCK) {
+            const int nt = token_block(job, e, tb);
+            const xval_t *x[TOKEN_BLOCK];
+            for (int t = 0; t < nt; ++t) x[t] = job->x + job->rows[first + tb + t] * H;
+            float res[MAX_ROWS][TOKEN_BLOCK];
+            dot_block(w, 2 * units, x, nt, H, res);
+            for (int t = 0; t < nt; ++t)
+                for (int u = 0; u < units; ++u)
+                    job->act[(first + tb + t) * I + j[u]] = swiglu(job, res[2 * u][t], res[2 * u + 1][t]);
+        }
+    }
+}
+
+/* Phase 1: the (expert, j) units of all experts, flattened, one contiguous share per thread. */
+static void gate_up_phase(const job_t *job, int tid, int nthreads) {
+    const int64_t I = job->inter;
+    int64_t lo, hi;
+    share(job->n_experts * I, tid, nthreads, &lo, &hi);
+    while (lo < hi) {
+        int64_t e = lo / I, j0 = lo % I;
+        int64_t j1 = (hi - lo < I - j0) ? j0 + (hi - lo) : I;
+        gate_up_rows(job, e, j0, j1);
+        lo += j1 - j0;
+    }
+}
+
+/* Output columns [h0, h1) of one expert: out[row][h] += gate * bf16(down_h . act). The range is cut in
+ * MAX_ROWS parts walked side by side (separate row streams). */
+static void down_rows(const job_t *job, int64_t e, int64_t h0, int64_t h1) {
+    const int64_t H = job->hidden_size, I = job->inter, first = job->offsets[e];
+    const int64_t count = job->offsets[e + 1] - first, part = (h1 - h0 + MAX_ROWS - 1) / MAX_ROWS;
+    const bf16_t *weights = job->down[e];
+    for (int64_t i = 0; i < part; ++i) {
+        int64_t h[MAX_ROWS];
+        const bf16_t *w[MAX_ROWS];
+        int r = 0;
+        for (; r < MAX_ROWS && h0 + r * part + i < h1; ++r) {
+            h[r] = h0 + r * part + i;
+            w[r] = weights + h[r] * I;
+        }
+        for (int64_t tb = 0; tb < count; tb += TOKEN_BLOCK) {
+            const int nt = token_block(job, e, tb);
+            const xval_t *x[TOKEN_BLOCK];
+            for (int t = 0; t < nt; ++t) x[t] = job->act + (first + tb + t) * I;
+            float res[MAX_ROWS][TOKEN_BLOCK];
+            dot_block(w, r, x, nt, I, res);
+            for (int t = 0; t < nt; ++t) {
+                const int64_t p = first + tb + t;
+                float *dst = job->out + job->rows[p] * H;
+                for (int q = 0; q < r; ++q) dst[h[q]] += job->gates[p] * round_bf16(res[q][t]);
+            }
+        }
+    }
+}
+
+/* Phase 2: zero, then accumulate this thread's output columns, experts in job order (as index_add would). */
+static void down_phase(const job_t *job, int tid, int nthreads) {
+    const int64_t H = job->hidden_size;
+    int64_t grains = (H + OUT_GRAIN - 1) / OUT_GRAIN, g0, g1;
+    share(grains, tid, nthreads, &g0, &g1);
+    int64_t h0 = g0 * OUT_GRAIN, h1 = g1 * OUT_GRAIN < H ? g1 * OUT_GRAIN : H;
+    if (h0 >= h1) return;
+    for (int64_t u = 0; u < job->out_rows; ++u) memset(job->out + u * H + h0, 0, (size_t)(h1 - h0) * sizeof(float));
+    for (int64_t e = 0; e < job->n_experts; ++e) down_rows(job, e, h0, h1);
+}
+
+static int valid(const job_t *job) {
+    if (job->n_experts < 0 || job->hidden_size < 1 || job->inter < 1 || job->out_rows < 0) return 0;
+    if (job->offsets[0] != 0) return 0;
+    for (int64_t e = 0; e < job->n_experts; ++e)
+        if (job->offsets[e + 1] < job->offsets[e]) return 0;
+    for (int64_t p = 0; p < job->offsets[job->n_experts]; ++p)
+        if (job->rows[p] < 0 || job->rows[p] >= job->out_rows) return 0;
+    return 1;
+}
+
+/* The activations and (for an fp32 xval_t) the converted hidden rows; 0 when out of memory. */
+static int allocate(job_t *job) {
+    int64_t pairs = job->offsets[job->n_experts];
+    job->act = malloc((size_t)(pairs > 0 ? pairs : 1) * (size_t)job->inter * sizeof(xval_t));
+    job->x_scratch = NULL;
+    job->x = (const xval_t *)job->hidden;
+    if (!X_IS_BF16 && job->act != NULL) {
+        job->x_scratch = malloc((size_t)(job->out_rows > 0 ? job->out_rows : 1) * (size_t)job->hidden_size *
+                                sizeof(xval_t));
+        job->x = job->x_scratch;
+    }
+    return job->act != NULL && (X_IS_BF16 || job->x_scratch != NULL);
+}
+
+/* This thread's part of every phase (orphaned barriers: outside a parallel region they bind to a team of one). */
+static void work(const job_t *job) {
+    const int tid = omp_get_thread_num(), nthreads = omp_get_num_threads();
+    if (!X_IS_BF16) {
+        convert_phase(job, tid, nthreads);
+#pragma omp barrier
+    }
+    gate_up_phase(job, tid, nthreads);
+#pragma omp barrier
+    down_phase(job, tid, nthreads);
+}
+
+/* Compute a whole job; returns 0, MOETIER_BAD_ARGS (bad offsets or a row outside [0, out_rows)) or
+ * MOETIER_NO_MEMORY. `out` [out_rows, H] is overwritten (rows no pair touches are zeroed). */
+int moetier_cpu_experts(int64_t n_experts, const bf16_t *const *gate_up, const bf16_t *const *down,
+                        const int64_t *offsets, const int64_t *rows, const float *gates, const bf16_t *hidden,
+                        int64_t out_rows, int64_t hidden_size, int64_t inter, int has_limit, float limit, float *out,
+                        int threads) {
+    /* torch's clamp of a bf16 tensor by a float bound gives the bound rounded to bf16, so clamp by that. */
+    job_t job = {n_experts, gate_up, down, offsets, rows, gates, hidden, out_rows, hidden_size, inter,
+                 has_limit, round_bf16(limit), out, NULL, NULL, NULL};
+    if (threads < 1 || !valid(&job)) return MOETIER_BAD_ARGS;
+    if (!allocate(&job)) {
+        free(job.act);
+        return MOETIER_NO_MEMORY;
+    }
+    if (threads == 1) {
+        /* No region at all: libgomp miscounts its threads after a one-thread team's master exits, and then
+         * makes every other team sleep in futexes instead of spinning (measured: 50x slower jobs). */
+        work(&job);
+    } else {
+#pragma omp parallel num_threads(threads)
+        work(&job);
+    }
+    free(job.act);
+    free(job.x_scratch);
+    return MOETIER_OK;
+}
+
+/* Which SIMD path this build compiled ("avx512_bf16", "avx512f" or "portable"). */
+const char *moetier_cpu_experts_isa(void) { return ISA; }

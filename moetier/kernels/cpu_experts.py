@@ -1,0 +1,275 @@
+"""The CPU tier's C kernel (``cpu_experts.c``): a whole job of bf16 SwiGLU experts in one OpenMP region.
+
+The source ships with the package and is compiled on first use with the system C compiler
+(``$CC``, else Python's configured compiler, else ``cc``/``gcc``) with ``-O3 -march=native -fopenmp``
+into ``$XDG_CACHE_HOME/moetier/kernels`` (default ``~/.cache/moetier/kernels``). The file name hashes
+the source, the flags, the compiler and the CPU, so a changed source or another host never loads a
+stale build; the build writes a temporary file and renames it, so concurrent builders are safe.
+
+Without a compiler, or when the build fails, one warning says why and :func:`available` is False:
+the CPU tier then runs torch. ``MOETIER_CPU_KERNEL`` selects: unset (or ``auto``) uses the kernel when
+its build has AVX-512 (``avx512_bf16`` or ``avx512f``; the portable build is slower than torch's
+kernels past 1-2 tokens), ``1`` uses any build, ``0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_experts.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 300
+FAST_ISAS = ("avx512_bf16", "avx512f")
+_ERRORS = {-1: "bad arguments (offsets or a row index out of range)", -2: "out of memory for the activations"}
+
+_lock = threading.Lock()
+_built: dict[tuple[str, ...], CpuExpertsLibrary | None] = {}
+
+
+class CpuExpertsLibrary:
+    """The loaded shared library: :attr:`isa` names its SIMD path, :meth:`run` computes one job."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        fn = self._lib.moetier_cpu_experts
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        # n_experts; gate_up, down (pointer arrays), offsets, rows, gates, hidden; out_rows, hidden, inter;
+        # has_limit, limit; out; threads (the order of moetier_cpu_experts in the C source).
+        fn.argtypes = [i64, *[ptr] * 6, i64, i64, i64, ctypes.c_int, ctypes.c_float, ptr, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._run = fn
+        self._lib.moetier_cpu_experts_isa.restype = ctypes.c_char_p
+        self.isa: str = self._lib.moetier_cpu_experts_isa().decode()
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        gate_up: Sequence[torch.Tensor],
+        down: Sequence[torch.Tensor],
+        rows: Sequence[torch.Tensor],
+        gates: Sequence[torch.Tensor],
+        swiglu_limit: float | None,
+        threads: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``out[U, H]`` fp32 = sum over experts e of ``gates[e][:, None] * expert_e(hidden[rows[e]])`` at ``rows[e]``.
+
+        ``hidden`` is bf16 ``[U, H]``; expert e has ``gate_up[e]`` bf16 ``[2I, H]`` (gate rows first) and
+        ``down[e]`` bf16 ``[H, I]``, all contiguous on the CPU; ``rows[e]`` (integer) and ``gates[e]``
+        (float) have one entry per token. ``out`` (fp32 ``[U, H]``, contiguous) is overwritten, or
+        allocated when None. Raises ValueError for any other dtype, shape or layout.
+        """
+        if not len(gate_up) == len(down) == len(rows) == len(gates):
+            raise ValueError("cpu_experts: gate_up, down, rows and gates must have one entry per expert")
+        units, hidden_size = _check(hidden, torch.bfloat16, "hidden", ndim=2).shape
+        inter = _check_experts(gate_up, down, hidden_size)
+        if out is None:
+            out = torch.empty((units, hidden_size), dtype=torch.float32)
+        elif tuple(out.shape) != (units, hidden_size):
+            raise ValueError(f"cpu_experts: out has shape {tuple(out.shape)}, expected {(units, hidden_size)}")
+        _check(out, torch.float32, "out", ndim=2)
+        flat_rows, flat_gates, offsets = _pack(rows, gates)
+        gate_up_ptrs = (ctypes.c_void_p * max(1, len(gate_up)))(*[w.data_ptr() for w in gate_up])
+        down_ptrs = (ctypes.c_void_p * max(1, len(down)))(*[w.data_ptr() for w in down])
+        limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+        status = self._run(
+            len(gate_up), gate_up_ptrs, down_ptrs, offsets, flat_rows.data_ptr(), flat_gates.data_ptr(),
+            hidden.data_ptr(), units, hidden_size, inter, int(swiglu_limit is not None), limit, out.data_ptr(),
+            int(threads),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"cpu_experts: {_ERRORS.get(status, f'error {status}')}")
+        return out
+
+
+def _check(t: torch.Tensor, dtype: torch.dtype, name: str, ndim: int) -> torch.Tensor:
+    if t.dtype != dtype or t.dim() != ndim or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(
+            f"cpu_experts: {name} must be a contiguous {ndim}-d {dtype} CPU tensor, "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})"
+        )
+    return t
+
+
+def _check_experts(gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor], hidden_size: int) -> int:
+    """The intermediate size I shared by every expert (1 when there are none); ValueError on any mismatch."""
+    inter = down[0].shape[-1] if down else 0
+    for e, (gu, dn) in enumerate(zip(gate_up, down, strict=True)):
+        _check(gu, torch.bfloat16, f"gate_up[{e}]", ndim=2)
+        _check(dn, torch.bfloat16, f"down[{e}]", ndim=2)
+        if tuple(gu.shape) != (2 * inter, hidden_size) or tuple(dn.shape) != (hidden_size, inter):
+            raise ValueError(
+                f"cpu_experts: expert {e} has gate_up {tuple(gu.shape)} and down {tuple(dn.shape)}, "
+                f"expected {(2 * inter, hidden_size)} and {(hidden_size, inter)}"
+            )
+    return max(inter, 1)
+
+
+def _pack(rows: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """All experts' rows (int64) and gates (fp32) end to end, and the C array of offsets ``[0, n0, n0 + n1, ...]``."""
+    counts = [int(r.numel()) for r in rows]
+    if any(int(g.numel()) != c for g, c in zip(gates, counts, strict=True)):
+        raise ValueError("cpu_experts: each expert needs one gate per row")
+    flat_rows = torch.cat([r.reshape(-1).to(torch.int64) for r in rows]) if rows else torch.empty(0, dtype=torch.int64)
+    flat_gates = torch.cat([g.reshape(-1).float() for g in gates]) if gates else torch.empty(0)
+    offsets = (ctypes.c_int64 * (len(counts) + 1))(0, *itertools.accumulate(counts))
+    return flat_rows.contiguous(), flat_gates.contiguous(), offsets
+
+
+# --- building ------------------------------------------------------------------------------------------
+
+
+def mode() -> str:
+    """``MOETIER_CPU_KERNEL``: "0" (off), "1" (any build) or "auto" (AVX-512 builds); read on every call."""
+    value = os.environ.get("MOETIER_CPU_KERNEL", "auto").strip().lower()
+    return value if value in ("0", "1") else "auto"
+
+
+def available() -> bool:
+    """Whether the CPU tier should use the kernel: built (on the first call) and allowed by :func:`mode`."""
+    lib = library()
+    if lib is None:
+        return False
+    if lib.isa in FAST_ISAS or mode() == "1":
+        return True
+    _log_once(
+        "portable",
+        f"moetier CPU expert kernel built without AVX-512 ({lib.isa}): the CPU tier runs torch "
+        "(MOETIER_CPU_KERNEL=1 uses it anyway)",
+    )
+    return False
+
+
+_logged: set[str] = set()
+
+
+def _log_once(key: str, message: str) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.info(message)
+
+
+def library(extra_flags: tuple[str, ...] = ()) -> CpuExpertsLibrary | None:
+    """The kernel built with :data:`FLAGS` plus ``extra_flags`` (cached per process), or None.
+
+    None when disabled by ``MOETIER_CPU_KERNEL=0`` (silently) or when it cannot be built or loaded
+    (one warning per flag set, naming the reason).
+    """
+    if mode() == "0":
+        return None
+    with _lock:
+        if extra_flags not in _built:
+            _built[extra_flags] = _build_and_load(extra_flags)
+        return _built[extra_flags]
+
+
+def _build_and_load(extra_flags: tuple[str, ...]) -> CpuExpertsLibrary | None:
+    try:
+        return CpuExpertsLibrary(build(extra_flags))
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+        log.warning("moetier CPU expert kernel unavailable, the CPU tier runs torch: %s", _one_line(exc))
+        return None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join((str(exc).strip() or type(exc).__name__).split())[:500]
+
+
+def compiler() -> list[str]:
+    """The C compiler command: ``$CC``, else Python's configured ``CC``, else ``cc`` or ``gcc`` on PATH."""
+    candidates = [os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc"]
+    for candidate in candidates:
+        words = shlex.split(candidate) if candidate else []
+        if words and shutil.which(words[0]):
+            return words
+    raise RuntimeError("no C compiler found ($CC, Python's CC, cc and gcc are all missing)")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "moetier" / "kernels"
+
+
+def _cpu_identity() -> str:
+    """The CPU model and flags: ``-march=native`` builds differ between hosts that share a home directory."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(wanted))
+
+
+def build_key(cc: list[str], flags: tuple[str, ...]) -> str:
+    """Hash of everything the built file depends on: source, flags, compiler (and its version), machine."""
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (" ".join(flags), " ".join(cc), version, platform.machine(), _cpu_identity()):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()[:20]
+
+
+def build(extra_flags: tuple[str, ...] = ()) -> Path:
+    """Path of the shared library, compiling it when this key was never built; RuntimeError on failure."""
+    cc = compiler()
+    flags = FLAGS + tuple(extra_flags)
+    target = cache_dir() / f"cpu_experts-{build_key(cc, flags)}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [*cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        )
+        if done.returncode != 0:
+            first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip())
+            raise RuntimeError(f"{' '.join(cc)} failed (exit {done.returncode}): {first}")
+        os.replace(tmp, target)  # atomic: a concurrent builder's identical file may be replaced, never torn
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def kernel_isa() -> str | None:
+    """The SIMD path of the default build ("avx512_bf16", "avx512f", "portable"), None when not built."""
+    lib = library()
+    return None if lib is None else lib.isa
+
+
+def run_experts(
+    hidden: torch.Tensor,
+    gate_up: Sequence[torch.Tensor],
+    down: Sequence[torch.Tensor],
+    rows: Sequence[torch.Tensor],
+    gates: Sequence[torch.Tensor],
+    swiglu_limit: float | None,
+    threads: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:meth:`CpuExpertsLibrary.run` with the default build (whatever its ISA); RuntimeError when there is none."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the CPU expert kernel is unavailable (MOETIER_CPU_KERNEL=0 or not buildable; see the log)")
+    return lib.run(hidden, gate_up, down, rows, gates, swiglu_limit, threads, out)
