@@ -41,6 +41,17 @@ _BUCKETS = {
     "DeepseekV4DecoderLayer": "mHC",  # the layer itself only merges the streams
     "DeepseekV4MoE": "router",
 }
+# Methods a decode step calls directly, outside their module's forward (the segmented decode of
+# ``deepseek_v4_step``): bucketed as that module's ops. Nested module calls keep their own buckets.
+_METHOD_BUCKETS = {
+    ("DeepseekV4Attention", "project"): "attention",
+    ("DeepseekV4Attention", "decode_queries"): "attention",
+    ("DeepseekV4Attention", "decode_attend"): "attention",
+    ("DeepseekV4Attention", "decode_output"): "attention",
+    ("DeepseekV4DecoderLayer", "decode_pre"): "mHC",
+    ("DeepseekV4DecoderLayer", "decode_post"): "mHC",
+    ("DeepseekV4DecoderLayer", "finish_ffn"): "mHC",
+}
 # Ops that only make a new view of a tensor's storage: a host dispatch, no device kernel.
 _VIEWS = {
     "view",
@@ -105,6 +116,19 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
+def _bucketed(counter: OpCounter, method, bucket: str):
+    """``method`` (a plain function) running under ``bucket``."""
+
+    def run(*args, **kwargs):
+        counter.enter(bucket)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            counter.leave()
+
+    return run
+
+
 @contextmanager
 def counting(model):
     """Count the ops of everything run inside; experts and fused kernels are counted as noted in the module doc."""
@@ -112,6 +136,17 @@ def counting(model):
     import moetier.models.deepseek_v4_attention as v4_attention
 
     counter = OpCounter()
+    classes = {
+        "DeepseekV4Attention": v4_attention.DeepseekV4Attention,
+        "DeepseekV4DecoderLayer": v4.DeepseekV4DecoderLayer,
+    }
+    methods = [(classes[owner], name, bucket) for (owner, name), bucket in _METHOD_BUCKETS.items()]
+    saved_methods = [cls.__dict__[name] for cls, name, _ in methods]
+    for (cls, name, bucket), original in zip(methods, saved_methods, strict=True):
+        if isinstance(original, staticmethod):
+            setattr(cls, name, staticmethod(_bucketed(counter, original.__func__, bucket)))
+        else:
+            setattr(cls, name, _bucketed(counter, original, bucket))
     handles = []
     for name, module in model.named_modules():
         bucket = "head" if name == "head" else _BUCKETS.get(type(module).__name__)
@@ -153,6 +188,8 @@ def counting(model):
             setattr(module, name, fn)
         for handle in handles:
             handle.remove()
+        for (cls, name, _), original in zip(methods, saved_methods, strict=True):
+            setattr(cls, name, original)
 
 
 def tiny_model(path: Path, dtype: torch.dtype = torch.float32):

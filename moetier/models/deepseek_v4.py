@@ -5,7 +5,9 @@ collapses them into the sublayer's input (``pre`` weights), places the output ba
 (``post``) and mixes the streams with a Sinkhorn-projected doubly-stochastic matrix (``comb``); a
 hyper-head collapses them once more before the final norm. Parameter names follow the DeepSeek
 release checkpoint; :meth:`DeepseekV4ForCausalLM.map_checkpoint_name` also accepts transformers'
-names (in memory and as ``save_pretrained`` writes them).
+names (in memory and as ``save_pretrained`` writes them). A decode step (one token per sequence) runs
+as segments, CUDA graphs on CUDA, around the per-sequence attention and the expert dispatch
+(:mod:`deepseek_v4_step`).
 """
 
 from __future__ import annotations
@@ -31,13 +33,15 @@ from moetier.models.base import (
 from moetier.models.deepseek_v4_attention import (
     DeepseekV4Attention,
     FusedLinears,
-    RotaryTable,
-    StepRope,
+    Projections,
     V4RMSNorm,
     rms_unweighted,
 )
 from moetier.models.deepseek_v4_cache import CompressorState, DeepseekV4Cache, LayerCache, SlidingWindowKV
 from moetier.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
+from moetier.models.deepseek_v4_rope import ROPE_KINDS, RotaryTable, Rotation, StepRope, rotation_tensors
+from moetier.models.deepseek_v4_step import decode_step
+from moetier.models.graph_segments import SegmentGraphs
 from moetier.models.layers import DenseMLP, rope_inverse_frequencies
 from moetier.tiers.dispatcher import ExpertDispatcher
 from moetier.tiers.experts import ExpertLayout
@@ -170,7 +174,16 @@ class DeepseekV4MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, input_ids)
         out = self.dispatcher.dispatch(self.layer, x, ids, weights)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return self.add_shared(out, self.shared(x))
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's output (None without one)."""
+        return None if self.shared_experts is None else self.shared_experts(x)
+
+    @staticmethod
+    def add_shared(routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        """The block's output: the routed experts' sum plus the shared expert's output."""
+        return routed if shared is None else routed + shared
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -188,11 +201,62 @@ class DeepseekV4DecoderLayer(nn.Module):
         self, streams: torch.Tensor, input_ids: torch.Tensor, rope: StepRope, batch: ForwardBatch
     ) -> torch.Tensor:
         """``rope`` covers every row of ``batch``; attention handles the sequences itself."""
-        post, comb, x = self.attn_hc(streams)
+        post, comb, x = self.attn_input(streams)
         sequences = [(s.rows, s.cache.layers[self.layer]) for s in batch.slices]
-        streams = HyperConnection.merge(streams, self.attn(self.attn_norm(x), rope, sequences), post, comb)
+        streams = HyperConnection.merge(streams, self.attn(x, rope, sequences), post, comb)
+        post, comb, x = self.ffn_input(streams)
+        return HyperConnection.merge(streams, self.ffn(x, input_ids), post, comb)
+
+    def attn_input(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``post``, ``comb`` and the normed attention input of ``streams``."""
+        post, comb, x = self.attn_hc(streams)
+        return post, comb, self.attn_norm(x)
+
+    def ffn_input(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``post``, ``comb`` and the normed MoE input of ``streams``."""
         post, comb, x = self.ffn_hc(streams)
-        return HyperConnection.merge(streams, self.ffn(self.ffn_norm(x), input_ids), post, comb)
+        return post, comb, self.ffn_norm(x)
+
+    # The decode step's segments (:mod:`deepseek_v4_step`): the parts of the layer without per-sequence
+    # state or host decisions, captured as CUDA graphs on CUDA; the one-call forward above is the same math.
+
+    def decode_pre(
+        self, streams: torch.Tensor, token: dict[str, Rotation]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, Projections]:
+        """Before the attention of one token per sequence: ``post``, ``comb``, the rotated queries (the
+        attention's and the indexer's) and the projections of the normed input."""
+        post, comb, x = self.attn_input(streams)
+        inputs = self.attn.project(x, token[self.attn.rope_kind])
+        q, index_q = self.attn.decode_queries(inputs.q_residual, token)
+        return post, comb, q, index_q, inputs
+
+    def decode_post(
+        self,
+        out: torch.Tensor,
+        token: dict[str, Rotation],
+        streams: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        input_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """After the attention (``out``, still rotated): the streams with the attention merged in, the MoE's
+        ``post``, ``comb`` and normed input, the routing (ids, weights) and the shared expert's output (None
+        without one). The routed experts come next, from the dispatcher."""
+        streams = HyperConnection.merge(streams, self.attn.decode_output(out, token[self.attn.rope_kind]), post, comb)
+        post, comb, x = self.ffn_input(streams)
+        ids, weights = self.ffn.gate(x, input_ids)
+        return streams, post, comb, x, ids, weights, self.ffn.shared(x)
+
+    @staticmethod
+    def finish_ffn(
+        streams: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        routed: torch.Tensor,
+        shared: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The layer's output streams once the routed experts' output is in (the end of :meth:`forward`)."""
+        return HyperConnection.merge(streams, DeepseekV4MoE.add_shared(routed, shared), post, comb)
 
 
 _COMPRESSOR_LEAF = {"wkv": "kv_proj", "wgate": "gate_proj", "ape": "position_bias", "norm": "kv_norm"}
@@ -276,6 +340,9 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     # As transformers' ``_keep_in_fp32_modules_strict``: mHC mixers, sinks, pooling biases, router bias, norms.
     keep_fp32 = ("attn_hc.", "ffn_hc.", "hc_head.", "attn_sink", ".ape", "gate.bias", "norm")
+    # Decode steps (one token per sequence) run as segments (:mod:`deepseek_v4_step`), CUDA graphs where
+    # ``graphs`` allows; False runs them through the layers' one-call forward, as prefill does.
+    segmented_decode = True
 
     def __init__(self, config: DeepseekV4Config, dispatcher: ExpertDispatcher) -> None:
         super().__init__(config, dispatcher)
@@ -287,6 +354,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._aliases: dict[str, str] | None = None
+        self.graphs = SegmentGraphs()
 
     @classmethod
     def config_from_hf(cls, hf: dict[str, Any]) -> DeepseekV4Config:
@@ -338,7 +406,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     def post_load(self) -> None:
         cfg = self.config
         self.rope_tables: dict[str, RotaryTable] = {}
-        for kind, params in (("main", cfg.main_rope), ("compress", cfg.compress_rope)):
+        for kind, params in zip(ROPE_KINDS, (cfg.main_rope, cfg.compress_rope), strict=True):
             inv_freq, factor = rope_inverse_frequencies(
                 cfg.rope_head_dim, float(params["rope_theta"]), params, cfg.max_position_embeddings
             )
@@ -347,6 +415,10 @@ class DeepseekV4ForCausalLM(CausalLM):
             layer.attn.fuse_projections()
             if layer.ffn.shared_experts is not None:
                 layer.ffn.shared_experts.gate_up.fuse()
+            for hc in (layer.attn_hc, layer.ffn_hc):
+                hc._scale_index(self.device)  # built now: a CUDA graph capture cannot copy it in from the host
+        # Graphs read the weights in place: any captured before (e.g. of an earlier load) are stale.
+        self.graphs = SegmentGraphs()
 
     def new_cache(self, max_tokens: int, kv_dtype: str | None = None) -> DeepseekV4Cache:
         """``kv_dtype`` applies to the compressed entries (they grow with the context); the sliding
@@ -375,17 +447,37 @@ class DeepseekV4ForCausalLM(CausalLM):
     ) -> torch.Tensor:
         tokens = input_ids.shape[0]
         batch = ForwardBatch(cache, tokens, seq_lens, input_ids.device)
-        x = self.embed(input_ids)
         for s in batch.slices:
             s.cache.check_room(s.length)
-        # Rotations for every row, once per forward; layers and sequences take views of them.
-        positions = batch.positions
-        token = {kind: table(positions, x.dtype) for kind, table in self.rope_tables.items()}
-        rope = StepRope(positions, token, self.rope_tables["compress"])
-        streams = x[:, None, :].expand(tokens, self.config.hc_mult, -1).contiguous()
-        for layer in self.layers:
-            streams = layer(streams, input_ids, rope, batch)
+        if self.segmented_decode and all(s.length == 1 for s in batch.slices):
+            hidden = decode_step(self, input_ids, batch)
+        else:
+            x = self.embed(input_ids)
+            positions = batch.positions
+            rope = StepRope(positions, self.rotations(positions, x.dtype), self.rope_tables["compress"])
+            streams = self.input_streams(x)
+            for layer in self.layers:
+                streams = layer(streams, input_ids, rope, batch)
+            hidden = self.final_hidden(streams)
         batch.advance()
+        return hidden
+
+    def rotations(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Rotation]:
+        """Every rope kind's rotation of the rows at ``positions``: once per forward, layers share them."""
+        return {kind: table(positions, dtype) for kind, table in self.rope_tables.items()}
+
+    def input_streams(self, x: torch.Tensor) -> torch.Tensor:
+        """The embedded tokens ``[T, H]`` as the ``hc_mult`` residual streams ``[T, hc, H]``."""
+        return x[:, None, :].expand(x.shape[0], self.config.hc_mult, -1).contiguous()
+
+    def decode_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A decode step's first segment: ``input_ids`` (passed through, so later segments share one buffer),
+        the residual streams and the rotations' tensors (:func:`rotation_tensors`)."""
+        x = self.embed(input_ids)
+        return input_ids, self.input_streams(x), *rotation_tensors(self.rotations(positions, x.dtype))
+
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """The final hidden states ``[T, H]`` of the last layer's streams (the hyper-head's collapse, then the norm)."""
         return self.norm(self.hc_head(streams))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,13 +5,13 @@ Every layer attends over its last ``sliding_window`` tokens. HCA layers also att
 CSA layers pool overlapping windows (width ``2 * rate``, stride ``rate``) and a lightning indexer
 keeps only the ``index_topk`` best entries per query. One shared head serves as key and value
 (K = V), each head has a learned sink logit, and the output goes through a grouped projection.
-RoPE in V4 rotates *interleaved* channel pairs of the trailing ``rope_head_dim`` channels.
+RoPE (:mod:`deepseek_v4_rope`) rotates interleaved channel pairs of the trailing ``rope_head_dim`` channels.
 Long prefills run the indexer and the attention in blocks of queries (:data:`QUERY_BLOCK_BYTES`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,8 @@ from torch import nn
 from moetier.kernels.rmsnorm import rms_norm
 from moetier.models.deepseek_v4_cache import CompressorState, LayerCache
 from moetier.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
-from moetier.models.deepseek_v4_decode import MaskCache, sink_attention_decode
+from moetier.models.deepseek_v4_decode import sink_attention_decode
+from moetier.models.deepseek_v4_rope import Rotation, StepRope, rotate_
 from moetier.models.layers import RMSNorm
 
 
@@ -35,78 +36,6 @@ def rms_unweighted(x: torch.Tensor, eps: float, out_dtype: torch.dtype | None = 
     """RMS-normalise the last dim without a weight (statistics in float32), in ``out_dtype`` (default ``x``'s):
     ``rms_unweighted(x, eps, torch.float32)`` is ``rms_unweighted(x.float(), eps)`` without the extra cast."""
     return rms_norm(x, None, eps, out_dtype)
-
-
-@dataclass
-class Rotation:
-    """RoPE angles of ``N`` positions, laid out for :func:`rotate_`: ``cos`` ``[c0, c0, c1, c1, ...]`` and
-    ``sin`` ``[-s0, s0, -s1, s1, ...]`` (``[N, rope_head_dim]``, float32); ``sin_inverse`` is ``-sin``."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    sin_inverse: torch.Tensor
-
-    def rows(self, rows: slice) -> Rotation:
-        return Rotation(self.cos[rows], self.sin[rows], self.sin_inverse[rows])
-
-
-@dataclass
-class RotaryTable:
-    """Inverse frequencies (``[rope_head_dim / 2]``) and cos/sin factor of one rope kind."""
-
-    inv_freq: torch.Tensor
-    factor: float
-
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
-        """The rotation at ``positions``; cos/sin are rounded to ``dtype`` (the model's) as the reference does."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        cos = (freqs.cos() * self.factor).to(dtype).float()
-        sin = (freqs.sin() * self.factor).to(dtype).float()
-        signed = torch.stack((-sin, sin), dim=-1).flatten(-2)
-        return Rotation(cos.repeat_interleave(2, dim=-1), signed, -signed)
-
-
-def rotate_(x: torch.Tensor, rotation: Rotation, inverse: bool = False) -> torch.Tensor:
-    """Rotate channel pairs ``(2i, 2i+1)`` of the trailing ``rope_head_dim`` channels of ``x`` in place.
-
-    ``x`` is ``[N, D]`` or ``[N, heads, D]`` (``rotation`` of the same ``N``) and must own its storage:
-    callers pass fresh projections/outputs. The rotation runs in float32 (``x * cos + pair_swap(x) * sin``,
-    the same products as ``(even * cos - odd * sin, odd * cos + even * sin)``) and rounds into ``x``.
-    """
-    cos, sin = rotation.cos, rotation.sin_inverse if inverse else rotation.sin
-    if x.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    rope = x[..., -cos.shape[-1] :]
-    swapped = rope.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    rope.copy_(torch.addcmul(rope * cos, swapped, sin))
-    return x
-
-
-@dataclass
-class StepRope:
-    """Rotary inputs of one forward: token positions, their rotation per rope kind, and the compress table."""
-
-    positions: torch.Tensor
-    token: dict[str, Rotation]
-    compress: RotaryTable
-    # Rotations of compressed entries emitted this step, by (first entry, count, rate, dtype): the CSA
-    # compressor and its indexer's, and every layer of the same rate, close the same windows in a step.
-    emitted: dict[tuple[int, int, int, torch.dtype], Rotation] = field(default_factory=dict)
-    # Decode's key padding masks of this step (see :mod:`deepseek_v4_decode`), shared by the layers.
-    key_masks: MaskCache = field(default_factory=dict)
-
-    def rows(self, rows: slice) -> StepRope:
-        token = {k: r.rows(rows) for k, r in self.token.items()}
-        return StepRope(self.positions[rows], token, self.compress, self.emitted, self.key_masks)
-
-    def entries(self, first: int, count: int, rate: int, dtype: torch.dtype) -> Rotation:
-        """The rotation of entries ``first .. first + count - 1`` (at positions ``w * rate``), computed once a step."""
-        key = (first, count, rate, dtype)
-        if key not in self.emitted:
-            device = self.positions.device
-            positions = torch.arange(first * rate, (first + count) * rate, rate, device=device)
-            self.emitted[key] = self.compress(positions, dtype)
-        return self.emitted[key]
 
 
 def visible_entries(positions: torch.Tensor, count: int, rate: int) -> torch.Tensor:
@@ -495,7 +424,7 @@ class DeepseekV4Attention(nn.Module):
         keys, compressors and the indexer see all its tokens at once (they roll the cache forward) and
         queries run in blocks (:func:`query_blocks`).
         """
-        inputs = self._project(x, rope)
+        inputs = self.project(x, rope.token[self.rope_kind])
         if all(rows.stop - rows.start == 1 for rows, _ in sequences):
             return self._decode(inputs, rope, [state for _, state in sequences])
         outs = []
@@ -504,46 +433,72 @@ class DeepseekV4Attention(nn.Module):
             outs.append(self._sequence(inputs if len(sequences) == 1 else inputs.rows(rows), seq_rope, state))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _project(self, x: torch.Tensor, rope: StepRope) -> Projections:
+    def project(self, x: torch.Tensor, rotation: Rotation) -> Projections:
+        """The token-wise projections of ``x`` (``[T, hidden]``); ``rotation`` (this layer's kind) rotates ``kv``."""
         parts = self.x_proj(x)
         q_residual = self.q_norm(parts[0])
-        kv = rotate_(self.kv_norm(parts[1]), rope.token[self.rope_kind])
+        kv = rotate_(self.kv_norm(parts[1]), rotation)
         kv_gate = parts[2] if self.compressor is not None else None
         index_kv_gate, index_weights = (parts[3], parts[4]) if self.indexer is not None else (None, None)
         return Projections(q_residual, kv, kv_gate, index_kv_gate, index_weights)
 
+    # Decode (one token per sequence) in three parts: the token-wise query side and output side hold no
+    # per-sequence state (a decode step captures them in CUDA graphs), the attention between them does.
+
     def _decode(self, inputs: Projections, rope: StepRope, states: list[LayerCache]) -> torch.Tensor:
         """One token per sequence: every window key and emitted entry is visible to it."""
-        tokens, rotation = len(states), rope.token[self.rope_kind]
-        projected = self.q_proj(inputs.q_residual)
-        q = rotate_(rms_unweighted(projected[0].view(tokens, self.heads, self.head_dim), self.eps), rotation)
-        index_q = None
-        if self.indexer is not None:
-            index_q = projected[1].view(tokens, self.indexer.heads, self.indexer.dim)
-            rotate_(index_q, rope.token["compress"])  # in place: its rows of the fused GEMM's output
-        keys = []  # per sequence: its window keys, then the compressed entries it attends
-        for i, state in enumerate(states):
-            parts = [state.window.extend(inputs.kv[i : i + 1])]
-            if self.compressor is not None:
-                entries = self.compressor(inputs.kv_gate[i : i + 1], state.compressor, rope)
-                if self.indexer is not None:
-                    ids, _ = self.indexer(
-                        inputs.index_kv_gate[i : i + 1],
-                        inputs.index_weights[i : i + 1],
-                        None,
-                        rope,
-                        state.indexer,
-                        q=index_q[i : i + 1],
-                    )
-                    self._check_counts(state)
-                    entries = entries[ids[0]]
-                if entries.shape[0]:
-                    parts.append(entries)
-            keys.append(parts)
+        q, index_q = self.decode_queries(inputs.q_residual, rope.token)
+        return self.decode_output(self.decode_attend(q, index_q, inputs, rope, states), rope.token[self.rope_kind])
+
+    def decode_queries(
+        self, q_residual: torch.Tensor, token: dict[str, Rotation]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rotated queries ``[B, heads, head_dim]`` (normed) and the indexer's (``[B, index heads, dim]``, None
+        without an indexer) of one token per sequence; ``token`` holds the rows' rotations by rope kind."""
+        tokens = q_residual.shape[0]
+        projected = self.q_proj(q_residual)
+        q = rms_unweighted(projected[0].view(tokens, self.heads, self.head_dim), self.eps)
+        q = rotate_(q, token[self.rope_kind])
+        if self.indexer is None:
+            return q, None
+        index_q = projected[1].view(tokens, self.indexer.heads, self.indexer.dim)
+        return q, rotate_(index_q, token["compress"])  # in place: its rows of the fused GEMM's output
+
+    def decode_attend(
+        self,
+        q: torch.Tensor,
+        index_q: torch.Tensor | None,
+        inputs: Projections,
+        rope: StepRope,
+        states: list[LayerCache],
+    ) -> torch.Tensor:
+        """Append each sequence's token to its state (row ``i`` of ``inputs`` to ``states[i]``) and attend:
+        the per-sequence part of decode. Returns the attention output ``[B, heads, head_dim]``, still rotated."""
+        keys = [self._decode_keys(i, state, inputs, index_q, rope) for i, state in enumerate(states)]
         seen = max(sum(part.shape[0] for part in parts) for parts in keys)
         elem = inputs.kv.element_size()
         (_,) = query_blocks(1, attention_query_bytes(self.heads, self.head_dim, seen, seen, elem))
-        out = sink_attention_decode(q, keys, self.attn_sink, self.head_dim**-0.5, rope.key_masks)
+        return sink_attention_decode(q, keys, self.attn_sink, self.head_dim**-0.5, rope.key_masks)
+
+    def _decode_keys(
+        self, i: int, state: LayerCache, inputs: Projections, index_q: torch.Tensor | None, rope: StepRope
+    ) -> list[torch.Tensor]:
+        """Sequence ``i``'s keys after appending its token: its window, then the compressed entries it attends."""
+        parts = [state.window.extend(inputs.kv[i : i + 1])]
+        if self.compressor is None:
+            return parts
+        entries = self.compressor(inputs.kv_gate[i : i + 1], state.compressor, rope)
+        if self.indexer is not None:
+            kv_gate, weights = inputs.index_kv_gate[i : i + 1], inputs.index_weights[i : i + 1]
+            ids, _ = self.indexer(kv_gate, weights, None, rope, state.indexer, q=index_q[i : i + 1])
+            self._check_counts(state)
+            entries = entries[ids[0]]
+        if entries.shape[0]:
+            parts.append(entries)
+        return parts
+
+    def decode_output(self, out: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+        """Attention output ``[B, heads, head_dim]`` (rotated back in place) -> ``[B, hidden]``."""
         # K = V carries rope on its trailing channels: rotate the output back by the query's angle.
         return self._project_out(rotate_(out, rotation, inverse=True))
 

@@ -1,0 +1,105 @@
+"""One DeepSeek-V4 decode step (one new token per sequence) as segments: CUDA graphs around the eager parts.
+
+Decode of a few streams is bound by launches (issue 4: a 3-layer scaled V4-Flash step took 12.6 ms of wall
+time for ~2 ms of GPU work on an H200, ~670 kernels plus their Python). A step runs as
+
+    inputs    graph   embedding, residual streams, the rotations of the step's positions
+    per layer:
+      pre     graph   the previous layer's MoE output merged into the streams, attn_hc + norm, the fused
+                      projections of x, the rotated queries (the attention's and the indexer's)
+      core    eager   each sequence's window, compressor and indexer, then the padded sink attention
+      post    graph   rotate back, output projection, mHC merge, ffn_hc + norm, router, shared expert
+      experts eager   the dispatcher (its tiers decide on the host from the routing)
+    final     graph   the last MoE output merged in, hyper-head, final norm
+
+through :class:`~moetier.models.graph_segments.SegmentGraphs`, keyed by segment, layer and batch size: at
+most one capture per (segment, layer, batch size). Segments hand their outputs straight to the next one
+(read in place); only the eager parts' results and the step's token ids and positions are copied in. The
+math is the layers' own (:meth:`DeepseekV4DecoderLayer.decode_pre` and ``decode_post``, the attention's
+``decode_*`` methods), the same the one-call forward uses; without CUDA, or with graphs off, the segments
+run eagerly, so the CPU tests of this path test the graphed math.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+
+from moetier.models.base import ForwardBatch
+from moetier.models.deepseek_v4_attention import Projections
+from moetier.models.deepseek_v4_rope import StepRope, rotations_from
+from moetier.models.graph_segments import SegmentGraphs
+
+if TYPE_CHECKING:
+    from moetier.models.deepseek_v4 import DeepseekV4DecoderLayer, DeepseekV4ForCausalLM
+
+Carry = tuple[torch.Tensor | None, ...]  # the streams, or a layer's (streams, post, comb, routed, shared)
+
+
+def decode_step(model: DeepseekV4ForCausalLM, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """Final hidden states ``[B, H]`` (a fresh tensor) of ``batch``, whose ``B`` sequences bring one token each;
+    every layer's state is appended to. The caller advances the caches."""
+    graphs, size = model.graphs, len(batch.slices)
+    ids, streams, *rope_tensors = graphs.run(("inputs", size), model.decode_inputs, input_ids, batch.positions)
+    rope = StepRope(batch.positions, rotations_from(tuple(rope_tensors)), model.rope_tables["compress"])
+    carry: Carry = (streams,)
+    for layer in model.layers:
+        carry = _layer_step(graphs, layer, carry, ids, tuple(rope_tensors), rope, batch)
+    (hidden,) = graphs.run(("final", size), partial(_final, model), *carry)
+    return graphs.fresh(hidden)
+
+
+def _layer_step(
+    graphs: SegmentGraphs,
+    layer: DeepseekV4DecoderLayer,
+    carry: Carry,
+    ids: torch.Tensor,
+    rope_tensors: tuple[torch.Tensor, ...],
+    rope: StepRope,
+    batch: ForwardBatch,
+) -> Carry:
+    """One layer: pre (graph), attention core (eager), post (graph), routed experts (eager) -> its carry."""
+    index, size = layer.layer, len(batch.slices)
+    pre = graphs.run(("pre", index, size), partial(_pre, layer, len(carry)), *carry, *rope_tensors)
+    streams, post, comb, q, index_q = pre[:5]
+    states = [s.cache.layers[index] for s in batch.slices]
+    out = layer.attn.decode_attend(q, index_q, Projections(*pre[5:]), rope, states)
+    post_fn = partial(_post, layer)
+    streams, post, comb, x, topk_ids, weights, shared = graphs.run(
+        ("post", index, size), post_fn, out, streams, post, comb, ids, *rope_tensors
+    )
+    routed = layer.ffn.dispatcher.dispatch(index, x, topk_ids, weights)
+    return streams, post, comb, routed, shared
+
+
+def _settle(layer: DeepseekV4DecoderLayer, carry: Carry) -> torch.Tensor:
+    """The residual streams a carry stands for (merging a layer's MoE output in)."""
+    return carry[0] if len(carry) == 1 else layer.finish_ffn(*carry)
+
+
+def _pre(layer: DeepseekV4DecoderLayer, carried: int, *tensors: torch.Tensor | None) -> tuple:
+    """Segment: ``carried`` carry tensors then the rotations' -> streams, post, comb, q, index_q, projections."""
+    streams = _settle(layer, tensors[:carried])
+    post, comb, q, index_q, inputs = layer.decode_pre(streams, rotations_from(tensors[carried:]))
+    projected = (inputs.q_residual, inputs.kv, inputs.kv_gate, inputs.index_kv_gate, inputs.index_weights)
+    return streams, post, comb, q, index_q, *projected
+
+
+def _post(
+    layer: DeepseekV4DecoderLayer,
+    out: torch.Tensor,
+    streams: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    ids: torch.Tensor,
+    *rope_tensors: torch.Tensor,
+) -> tuple:
+    """Segment: :meth:`DeepseekV4DecoderLayer.decode_post` with the rotations passed as tensors."""
+    return layer.decode_post(out, rotations_from(rope_tensors), streams, post, comb, ids)
+
+
+def _final(model: DeepseekV4ForCausalLM, *carry: torch.Tensor | None) -> torch.Tensor:
+    """Segment: the last layer's output streams -> the final hidden states."""
+    return model.final_hidden(_settle(model.layers[-1], carry))
