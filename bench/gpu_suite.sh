@@ -11,6 +11,7 @@
 # paths against the split). HF_BASELINE=1 adds transformers + accelerate to the decode bench (HF_ARGS:
 # its extra flags). The serve stage starts `moetier serve` on the bench model with SERVE_GPU_MEMORY
 # (default 8GiB: backbone, KV, an auto 4096-token chunk and a few % of the experts) and drives it at 1/2/4 streams.
+# CPU_TIER=1 adds `moetier bench cpu-tier` (torch vs the C kernel at CPU_TIER_THREADS, default 8,14,16).
 # One command runs at most 10 minutes on the device:
 # split the stages over several calls (e.g. SKIP_TESTS=1 SKIP_DECODE=1 for the prefill receipt).
 # The device returns at most 8 files: every log goes to one suite.log, next to the decode receipt
@@ -37,7 +38,8 @@ status=0
 if [ -z "${SKIP_TESTS:-}" ]; then
     echo "=== gpu tests" >> "$LOG"
     gpu_files=$(grep -l "mark.gpu" tests/test_*.py)
-    timeout 300 python3 -m pytest -q -m gpu $gpu_files ${GPU_TEST_ARGS:-} -p no:cacheprovider 2>&1 | tee -a "$LOG"
+    eval "test_args=(${GPU_TEST_ARGS:-})"  # shell words, so -k "a or b" stays one expression
+    timeout 300 python3 -m pytest -q -m gpu $gpu_files "${test_args[@]}" -p no:cacheprovider 2>&1 | tee -a "$LOG"
     status=${PIPESTATUS[0]}
     echo "gpu tests exit status: $status" | tee -a "$LOG"
 fi
@@ -51,6 +53,12 @@ bench() {  # bench KIND SECONDS ARGS...: one benchmark, its log appended, its st
     echo "bench $kind exit status: $code" | tee -a "$LOG"
     [ "$code" -eq 0 ] || status=$code
 }
+if [ -n "${CPU_TIER:-}" ]; then  # the CPU tier's kernels alone (torch and C), no model needed
+    echo "=== bench cpu-tier" >> "$LOG"
+    timeout 240 python3 -m moetier.cli bench cpu-tier --threads "${CPU_TIER_THREADS:-8,14,16}" --out "$OUT" 2>&1 \
+        | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 if [ -z "${SKIP_BENCH:-}" ]; then
     model=/tmp/moetier-bench/v4flash-${BENCH_LAYERS:-3}l
     echo "=== make-bench-model" >> "$LOG"
