@@ -1,4 +1,4 @@
-"""The two-launch grouped expert kernels against the per-expert reference path.
+"""The grouped expert kernels against the per-expert reference path.
 
 On CPU the kernels run under Triton's interpreter (chosen before Triton is imported, so in a
 subprocess). The interpreter truncates float32 -> bf16 instead of rounding to nearest, so its bf16
@@ -56,6 +56,7 @@ _CASES = [
     ("float32", 64, 48, 3, [2, 1, 3], None),
     ("float32", 160, 96, 5, [5, 1, 2, 4, 3, 1, 2], 0.7),  # 7 groups: the group loop is padded to 8
     ("float32", 64, 32, 16, [16, 3], None),  # a full token tile
+    ("float32", 64, 32, 6, [1, 2], None),  # tokens with no pair in this call (a split call's device part)
     ("bfloat16", 128, 64, 4, [1, 4, 2, 3, 1], None),
     ("bfloat16", 128, 64, 2, [2, 1, 2], 0.5),
 ]

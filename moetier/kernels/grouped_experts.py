@@ -1,12 +1,14 @@
-"""Every routed expert of a decode call in two kernel launches, wherever each expert's block lives.
+"""Every routed expert of a decode call in three kernel launches, wherever each expert's block lives.
 
 Eager, one expert costs ~12 small ops (gather its tokens, gate/up GEMM, split, clamps, SiLU, product,
 down GEMM, casts, gate scaling, scatter-add); a decode step of DeepSeek-V4-Flash runs six or more
 experts per layer, so the step is bound by their launches, not by reading the weights. Here the
 experts are described by a small table (each expert block's device address, and the run of
 expert-sorted pairs it serves), so one launch computes every expert's gate/up projection and
-activation and a second computes the down projections, scales them by the routing weights and adds
-them into the float32 accumulator. The blocks may be anywhere in device memory (resident store,
+activation, a second every (token, expert) pair's down projection scaled by its routing weight, and
+a third adds each token's pairs, in a fixed order, into the float32 accumulator. Every loop has a
+trip count fixed per model, so each kernel compiles once (Triton compiles per constant: a count that
+varied per call would compile mid-decode). The blocks may be anywhere in device memory (resident store,
 cache slots, staging slots): the kernel reads them through their addresses.
 
 Roundings follow :func:`moetier.tiers.experts.swiglu_expert` in the weights' dtype: gate and up are
@@ -37,7 +39,7 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
 MAX_GROUP_TOKENS = 16  # the token tile of the gate/up kernel; tl.dot needs at least 16 rows
-_BLOCK_I, _BLOCK_H, _BLOCK_K = 32, 32, 128
+_BLOCK_I, _BLOCK_H, _BLOCK_K, _SUM_BLOCK = 32, 32, 128, 1024
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # One (expert block, run of sorted pairs) per group: what the per-expert path loops over.
@@ -62,11 +64,12 @@ if triton is not None:
         BLOCK_I: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
+        # One program per (group, block of intermediate channels), for all of the group's tokens at once.
         group, block = tl.program_id(0), tl.program_id(1)
         dtype = x_ptr.dtype.element_ty
-        weights = tl.load(table_ptr + 1 + 3 * group).to(tl.pointer_type(dtype))
-        start = tl.load(table_ptr + 2 + 3 * group)
-        count = tl.load(table_ptr + 3 + 3 * group)
+        weights = tl.load(table_ptr + 3 * group).to(tl.pointer_type(dtype))
+        start = tl.load(table_ptr + 3 * group + 1)
+        count = tl.load(table_ptr + 3 * group + 2)
         t = tl.arange(0, BLOCK_T)
         t_ok = t < count
         rows = tl.load(pair_token_ptr + start + t, mask=t_ok, other=0)
@@ -101,44 +104,41 @@ if triton is not None:
     def _down_kernel(
         act_ptr,
         table_ptr,
-        pair_token_ptr,
         pair_gate_ptr,
-        out_ptr,
+        y_ptr,
         hidden: tl.constexpr,
         inter: tl.constexpr,
-        MAX_GROUPS: tl.constexpr,
-        MAX_TOKENS: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        # One program per (token, block of output channels): it owns those outputs, so the sum over the
-        # token's experts needs no atomics and runs in group order (deterministic).
-        token, block = tl.program_id(0), tl.program_id(1)
+        # One program per (pair of this call, block of output channels): y = round(down @ act) * gate.
+        row, block = tl.program_id(0), tl.program_id(1)
         dtype = act_ptr.dtype.element_ty
+        pair = tl.load(table_ptr + 2 * row)
+        down = tl.load(table_ptr + 2 * row + 1).to(tl.pointer_type(dtype)) + 2 * inter * hidden
+        h = block * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = h < hidden
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < inter
+            a = tl.load(act_ptr + pair * inter + k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(down + h[:, None] * inter + k[None, :], mask=h_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        gate = tl.load(pair_gate_ptr + pair).to(dtype).to(tl.float32)
+        tl.store(y_ptr + row * hidden + h, acc.to(dtype).to(tl.float32) * gate, mask=h_ok)
+
+    @triton.jit
+    def _sum_kernel(y_ptr, table_ptr, out_ptr, hidden: tl.constexpr, PER_TOKEN: tl.constexpr, BLOCK_H: tl.constexpr):
+        # One program per (token, block of channels) owns those outputs: the token's expert outputs are
+        # added in the call's pair order, with no atomics, so the sum is deterministic.
+        token, block = tl.program_id(0), tl.program_id(1)
         h = block * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = h < hidden
         total = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        groups = tl.load(table_ptr)
-        # Constant trip counts (the interpreter cannot loop over loaded values); the bounds are checked inside.
-        for group in range(MAX_GROUPS):
-            real = group < groups
-            base = tl.load(table_ptr + 1 + 3 * group, mask=real, other=0).to(tl.pointer_type(dtype))
-            down = base + 2 * inter * hidden
-            start = tl.load(table_ptr + 2 + 3 * group, mask=real, other=0)
-            count = tl.load(table_ptr + 3 + 3 * group, mask=real, other=0)
-            for j in range(MAX_TOKENS):
-                pair = start + j
-                if (j < count) & (tl.load(pair_token_ptr + pair, mask=j < count, other=-1) == token):
-                    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-                    for k0 in range(0, inter, BLOCK_K):
-                        k = k0 + tl.arange(0, BLOCK_K)
-                        k_ok = k < inter
-                        a = tl.load(act_ptr + pair * inter + k, mask=k_ok, other=0.0).to(tl.float32)
-                        w_mask = h_ok[:, None] & k_ok[None, :]
-                        w = tl.load(down + h[:, None] * inter + k[None, :], mask=w_mask, other=0.0)
-                        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-                    gate = tl.load(pair_gate_ptr + pair).to(dtype).to(tl.float32)
-                    total += acc.to(dtype).to(tl.float32) * gate
+        for j in range(PER_TOKEN):
+            row = tl.load(table_ptr + token * PER_TOKEN + j)
+            total += tl.load(y_ptr + row * hidden + h, mask=h_ok & (row >= 0), other=0.0)
         cur = tl.load(out_ptr + token * hidden + h, mask=h_ok, other=0.0)
         tl.store(out_ptr + token * hidden + h, cur + total, mask=h_ok)
 
@@ -147,7 +147,7 @@ _BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on
 
 
 def grouped_usable(hidden: torch.Tensor, groups: Sequence[Group]) -> bool:
-    """Whether :func:`run_experts` would take the two-launch path for these groups."""
+    """Whether :func:`run_experts` would take the grouped path for these groups."""
     return (
         not _BROKEN
         and bool(groups)
@@ -158,6 +158,26 @@ def grouped_usable(hidden: torch.Tensor, groups: Sequence[Group]) -> bool:
     )
 
 
+def _tables(groups: Sequence[Group], pair_tokens_host: torch.Tensor, tokens: int, per_token: int) -> tuple:
+    """The three launch tables in one int64 tensor (one host-to-device copy) and where each starts.
+
+    Per group ``(block address, first pair, pair count)``; per pair of this call ``(pair, block address)``;
+    per token its ``per_token`` rows of the pair list (-1 where it has fewer), in the call's pair order.
+    """
+    by_group = [v for w, s, c in groups for v in (w.block.data_ptr(), s, c)]
+    by_pair, by_token = [], [[] for _ in range(tokens)]
+    owners = pair_tokens_host.tolist()
+    for weights, start, count in groups:
+        address = weights.block.data_ptr()
+        for pair in range(start, start + count):
+            by_token[owners[pair]].append(len(by_pair) // 2)
+            by_pair += (pair, address)
+    width = max(per_token, max((len(rows) for rows in by_token), default=1))
+    padded = [v for rows in by_token for v in rows + [-1] * (width - len(rows))]
+    table = torch.tensor(by_group + by_pair + padded, dtype=torch.int64)
+    return table, len(by_group), len(by_group) + len(by_pair), len(by_pair) // 2, width
+
+
 def run_grouped(
     out: torch.Tensor,
     hidden: torch.Tensor,
@@ -165,35 +185,30 @@ def run_grouped(
     pair_gates: torch.Tensor,
     groups: Sequence[Group],
     swiglu_limit: float | None,
+    pair_tokens_host: torch.Tensor | None = None,
+    per_token: int = 1,
 ) -> None:
     """The Triton path of :func:`run_experts` (no checks: see :func:`grouped_usable`)."""
-    first = groups[0][0]
-    inter, size = first.down.shape[1], hidden.shape[1]
-    # [groups, then (block address, first pair, pair count) per group]; the count is read on the device.
-    table = torch.tensor([len(groups)] + [v for w, s, c in groups for v in (w.block.data_ptr(), s, c)])
+    inter, size = groups[0][0].down.shape[1], hidden.shape[1]
+    host = pair_tokens.cpu() if pair_tokens_host is None else pair_tokens_host
+    table, pair_at, token_at, pairs, width = _tables(groups, host, hidden.shape[0], triton.next_power_of_2(per_token))
     table = table.to(hidden.device, non_blocking=True)
     pair_tokens = pair_tokens.contiguous()
     act = torch.empty((pair_tokens.shape[0], inter), dtype=hidden.dtype, device=hidden.device)
+    y = torch.empty((pairs, size), dtype=torch.float32, device=hidden.device)
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     _gate_up_kernel[(len(groups), triton.cdiv(inter, _BLOCK_I))](
-        x,
-        table,
-        pair_tokens,
-        act,
-        x.stride(0),
-        float(swiglu_limit or 0.0),
-        size,
-        inter,
+        x, table, pair_tokens, act, x.stride(0), float(swiglu_limit or 0.0), size, inter,
         HAS_LIMIT=swiglu_limit is not None,
         IEEE=hidden.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-        BLOCK_T=MAX_GROUP_TOKENS,
-        BLOCK_I=_BLOCK_I,
-        BLOCK_K=_BLOCK_K,
-    )
-    _down_kernel[(hidden.shape[0], triton.cdiv(size, _BLOCK_H))](
-        act, table, pair_tokens, pair_gates.contiguous(), out, size, inter,
-        MAX_GROUPS=triton.next_power_of_2(len(groups)), MAX_TOKENS=MAX_GROUP_TOKENS, BLOCK_H=_BLOCK_H, BLOCK_K=_BLOCK_K,
+        BLOCK_T=MAX_GROUP_TOKENS, BLOCK_I=_BLOCK_I, BLOCK_K=_BLOCK_K,
     )  # fmt: skip
+    _down_kernel[(pairs, triton.cdiv(size, _BLOCK_H))](
+        act, table[pair_at:], pair_gates.contiguous(), y, size, inter, BLOCK_H=_BLOCK_H, BLOCK_K=_BLOCK_K
+    )
+    _sum_kernel[(hidden.shape[0], triton.cdiv(size, _SUM_BLOCK))](
+        y, table[token_at:], out, size, PER_TOKEN=width, BLOCK_H=_SUM_BLOCK
+    )
 
 
 def run_per_expert(
@@ -219,16 +234,20 @@ def run_experts(
     pair_gates: torch.Tensor,
     groups: Sequence[Group],
     swiglu_limit: float | None,
+    pair_tokens_host: torch.Tensor | None = None,
+    per_token: int = 1,
 ) -> None:
     """Add ``sum over groups and their pairs p of gate[p] * expert(hidden[token[p]])`` into ``out``.
 
     ``out`` is the float32 ``[T, H]`` accumulator; ``pair_tokens`` (int64) and ``pair_gates`` index the
     expert-sorted pairs, and each group ``(weights, start, count)`` is one expert and its run of pairs
-    (a token appears at most once per group). Two launches when :func:`grouped_usable`, else per expert.
+    (a token appears at most once per group). ``pair_tokens_host`` (the same on the host, when the caller
+    has it: saves a device sync) and ``per_token`` (the most pairs a token has, top-k: keeps one compiled
+    kernel per model) serve the grouped path: three launches when :func:`grouped_usable`, else per expert.
     """
     if grouped_usable(hidden, groups):
         try:
-            run_grouped(out, hidden, pair_tokens, pair_gates, groups, swiglu_limit)
+            run_grouped(out, hidden, pair_tokens, pair_gates, groups, swiglu_limit, pair_tokens_host, per_token)
             return
         except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
             _BROKEN.append(str(exc))

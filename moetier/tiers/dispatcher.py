@@ -60,8 +60,10 @@ class ResidentDispatcher(ExpertDispatcher):
         for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
             groups.append((self.store.expert(layer, expert), start, count))
             start += count
-        token_of_pair, weight_of_pair = order // topk_ids.shape[1], topk_weights.reshape(-1)[order]
-        run_experts(out, hidden, token_of_pair, weight_of_pair, groups, self.store.layout.swiglu_limit)
+        top_k = topk_ids.shape[1]
+        token_of_pair, weight_of_pair = order // top_k, topk_weights.reshape(-1)[order]
+        limit = self.store.layout.swiglu_limit
+        run_experts(out, hidden, token_of_pair, weight_of_pair, groups, limit, token_of_pair.cpu(), top_k)
         return out.to(hidden.dtype)
 
 

@@ -376,7 +376,8 @@ class TieredDispatcher(ExpertDispatcher):
         for _, slot in work:
             self.cache.wait_ready(slot, stream)
         groups = [(slot.weights, group.start, group.count) for group, slot in work]
-        run_experts(out, hidden, routing.tokens_dev, routing.gates_dev, groups, self.store.layout.swiglu_limit)
+        limit, top_k = self.store.layout.swiglu_limit, self.store.layout.top_k
+        run_experts(out, hidden, routing.tokens_dev, routing.gates_dev, groups, limit, routing.tokens_host, top_k)
 
     def _refill(self, layer: int, waiting: deque[_Group], staged: list[tuple[_Group, Slot]]) -> None:
         """Copy waiting groups into free staging slots (oldest release first) until either runs out."""
