@@ -71,11 +71,11 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
     assert "aten::" in path.with_name(path.stem + "-profile.txt").read_text()
 
 
-def test_gpu_wait_mode_runs_everywhere_and_says_when_the_host_waited(bench_model):
-    assert "tiered-gw" in MODES and "tiered-gw" not in DEFAULT_MODES
+def test_host_wait_mode_runs_everywhere_and_tiered_says_when_the_host_waited(bench_model):
+    assert "tiered-host" in MODES and "tiered-host" not in DEFAULT_MODES
     cfg = DecodeBenchConfig(
         model=bench_model,
-        modes=["naive", "tiered-gw"],
+        modes=["naive", "tiered", "tiered-host"],
         streams=[1],
         steps=2,
         repeats=1,
@@ -87,9 +87,10 @@ def test_gpu_wait_mode_runs_everywhere_and_says_when_the_host_waited(bench_model
         quick_bounds=True,
     )
     receipt = run_decode_bench(cfg)
-    assert {r["mode"] for r in receipt["results"]} == {"naive", "tiered-gw"}
-    assert any(note.startswith("tiered-gw: no CUDA stream memory operations") for note in receipt["notes"])
-    assert receipt["greedy_tokens_agree"]["tiered-gw@1"] == 1.0
+    assert {r["mode"] for r in receipt["results"]} == {"naive", "tiered", "tiered-host"}
+    assert any(note.startswith("tiered: the host thread waited") for note in receipt["notes"])  # no CUDA here
+    assert not any(note.startswith("tiered-host:") for note in receipt["notes"])  # it waits by design
+    assert receipt["greedy_tokens_agree"]["tiered-host@1"] == receipt["greedy_tokens_agree"]["tiered@1"] == 1.0
 
 
 def test_config_rejects_bad_values(bench_model):

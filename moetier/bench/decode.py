@@ -8,9 +8,9 @@ The same loaded model (one pinned home copy of the experts) is measured with eac
 - ``cpu`` / ``copy``: an expert cache of ``cache_fraction`` of all experts, misses all on the CPU
   tier / all copied in;
 - ``tiered``: the same cache, misses split between the CPU tier and the copy path by measured cost;
-- ``tiered-gw``: ``tiered`` with ``gpu_waits_for_cpu`` (the compute stream, not the host thread, waits
-  for the CPU tier; where the driver cannot, the receipt says so and the host waits). Not in the
-  default modes.
+- ``tiered-host``: ``tiered`` with ``gpu_waits_for_cpu`` off: the host thread, not the compute stream,
+  waits for the CPU tier (``tiered`` lets the GPU wait where the driver can, and the receipt says
+  when it cannot). Not in the default modes.
 
 Each result carries its expert coverage (distinct experts touched per layer), its traffic, and
 ratios to the naive baseline, to the resident run and to the bound ``streams * DRAM_bw / missed
@@ -53,7 +53,7 @@ from moetier.tiers.host_store import HostExpertArena
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
 from moetier.weights.loader import LoadedModel
 
-MODES = ("resident", "naive", "cpu", "copy", "tiered", "tiered-gw")
+MODES = ("resident", "naive", "cpu", "copy", "tiered", "tiered-host")
 DEFAULT_MODES = MODES[:5]
 
 
@@ -170,7 +170,7 @@ def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: t
         options |= {"cache_slots": 0, "miss_route": "copy", "calibrate": False}
     else:
         options |= {"cache_slots": slots, "miss_route": "auto" if mode.startswith("tiered") else mode}
-        options["gpu_waits_for_cpu"] = mode == "tiered-gw"
+        options["gpu_waits_for_cpu"] = mode != "tiered-host"
     dispatcher = TieredDispatcher(store, **options)
     dispatcher.prepare(device)
     return dispatcher
@@ -249,8 +249,8 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
         if dispatcher is None:
             notes.append(f"{mode}: skipped, {store.total_bytes() / 1e9:.1f} GB of experts do not fit in free VRAM")
             continue
-        if mode == "tiered-gw" and not dispatcher.gpu_waits_for_cpu:
-            notes.append("tiered-gw: no CUDA stream memory operations here, so the host waited as in tiered")
+        if mode in ("cpu", "tiered") and not dispatcher.gpu_waits_for_cpu:
+            notes.append(f"{mode}: the host thread waited for the CPU tier (no CUDA stream memory operations here)")
         replay = None if trace is None else trace_routing.TraceRoutingDispatcher(dispatcher, trace)
         model.use_dispatcher(replay or dispatcher)
         for streams in cfg.streams:

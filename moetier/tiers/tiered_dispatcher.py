@@ -76,7 +76,7 @@ class TieredConfig:
     streaming calls (module docstring); ``prefetch`` turns their cross-layer prefetch on, and up to
     ``lend_slots`` cache slots join the staging ring while they last (the experts those slots held
     are reloaded when the next non-streaming call starts; 0 disables). With ``gpu_waits_for_cpu``
-    (experimental; CUDA with stream memory operations), a decode call's CPU-tier result is awaited by
+    (the default; CUDA with stream memory operations), a decode call's CPU-tier result is awaited by
     the compute stream instead of the host thread, except at the last MoE layer
     (:mod:`moetier.tiers.gpu_wait`).
     """
@@ -94,7 +94,7 @@ class TieredConfig:
     stream_min_tokens: int = 64
     prefetch: bool = True
     lend_slots: int = DEFAULT_LEND_SLOTS
-    gpu_waits_for_cpu: bool = False  # experimental: not yet validated on a GPU whose driver allows it
+    gpu_waits_for_cpu: bool = True  # where the driver allows it (moetier.tiers.gpu_wait); else the host waits
 
     def __post_init__(self) -> None:
         if (self.cache_slots is None) == (self.cache_bytes is None):
