@@ -213,6 +213,13 @@ def _setup_serve(parser: argparse.ArgumentParser) -> None:
         help="a streamed request waiting for its first token (long prefill) gets an SSE comment with the prefill's "
         "progress this often (default 5; 0: off)",
     )
+    parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the start-up warm-up (on CUDA: a few decode steps per batch size, to compile kernels and "
+        "capture decode graphs before the first request)",
+    )
     add_kv_dtype_argument(parser)
     add_prefill_chunk_argument(parser)
     add_tier_arguments(parser)
@@ -237,6 +244,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         kv_dtype=args.kv_dtype,
         keepalive_seconds=args.sse_keepalive,
+        warmup=args.warmup,
         prefill_chunk_tokens=args.prefill_chunk,
         tiers=tier_options(args),
     )

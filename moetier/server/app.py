@@ -63,7 +63,8 @@ class ServeConfig:
     ``keepalive_seconds``: a streamed request still waiting for its first token (a long prefill) gets an
     SSE comment this often, with the prefill's progress when known; 0 sends none.
     ``prefill_chunk_tokens``: prefill tokens per engine step; ``None`` (auto): the placement plan's choice
-    with ``tiers``, else the engine's default.
+    with ``tiers``, else the engine's default. ``warmup``: on CUDA, run a few decode steps per batch size
+    up to ``max_streams`` before reporting ready (:mod:`moetier.engine.warmup`).
     """
 
     model: str | None = None
@@ -83,6 +84,7 @@ class ServeConfig:
     kv_dtype: str = "auto"
     keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS
     prefill_chunk_tokens: int | None = None
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -100,6 +102,8 @@ class ServeConfig:
         chunk = self.prefill_chunk_tokens
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ConfigError(f"prefill_chunk_tokens must be an integer >= 1 (None: auto), got {chunk!r}")
+        if not isinstance(self.warmup, bool):
+            raise ConfigError(f"warmup must be true or false, got {self.warmup!r}")
         keepalive = self.keepalive_seconds
         if isinstance(keepalive, bool) or not isinstance(keepalive, int | float) or not 0 <= keepalive < math.inf:
             raise ConfigError(f"keepalive_seconds must be a number >= 0 (0: off), got {keepalive!r}")
@@ -156,6 +160,10 @@ def load_serving_model(config: ServeConfig) -> ServingModel:
         tiers=config.tiers,
     )
     logger.info("prefill chunk: %d tokens (%s)", engine.config.prefill_chunk_tokens, _chunk_origin(config, engine))
+    if config.warmup and engine.device.type == "cuda":
+        from moetier.engine.warmup import warm_up
+
+        warm_up(engine.model, range(1, config.max_streams + 1), engine.model.config.vocab_size)
     model_type = str(engine.hf_config.get("model_type", ""))
     reasoning = _parser(
         "reasoning-parser", config.reasoning_parser, model_type, _REASONING_PARSERS, reasoning_parser_class
