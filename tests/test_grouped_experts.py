@@ -45,8 +45,10 @@ def case(seed, dtype, hidden, inter, tokens, counts, limit, device="cpu"):
         y = k.swiglu_expert(x.to(dtype).double()[t], w, limit) * gates.to(dtype).double()[s:s + c, None]
         ref.index_add_(0, t, y)
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
-    kernel, torch_path = run(k.run_grouped, dtype), run(k.run_per_expert, dtype)
-    return {"usable": k.grouped_usable(x.to(dtype).to(device), groups(dtype)),
+    mixed = max(counts) > k.MAX_GROUP_TOKENS  # a fat group: run_experts splits the call per group
+    kernel, torch_path = run(k.run_experts if mixed else k.run_grouped, dtype), run(k.run_per_expert, dtype)
+    thin = [g for g in groups(dtype) if g[2] <= k.MAX_GROUP_TOKENS]
+    return {"usable": k.grouped_usable(x.to(dtype).to(device), thin), "broken": list(k._BROKEN),
             "kernel_vs_torch": rel(kernel, torch_path), "kernel_vs_ref": rel(kernel, ref),
             "torch_vs_ref": rel(torch_path, ref)}
 """
@@ -57,6 +59,7 @@ _CASES = [
     ("float32", 160, 96, 5, [5, 1, 2, 4, 3, 1, 2], 0.7),  # 7 groups: the group loop is padded to 8
     ("float32", 64, 32, 16, [16, 3], None),  # a full token tile
     ("float32", 64, 32, 6, [1, 2], None),  # tokens with no pair in this call (a split call's device part)
+    ("float32", 64, 32, 24, [2, 20, 1], 0.9),  # one prefill-sized group among thin ones
     ("bfloat16", 128, 64, 4, [1, 4, 2, 3, 1], None),
     ("bfloat16", 128, 64, 2, [2, 1, 2], 0.5),
 ]
@@ -80,7 +83,7 @@ print(json.dumps(results))
 
 def test_grouped_kernels_match_the_per_expert_path_under_the_interpreter():
     for r, (dtype, *_rest) in zip(_run_cases("cpu"), _CASES, strict=True):
-        assert r["usable"], r
+        assert r["usable"] and not r["broken"], r
         if dtype == "float32":
             assert r["kernel_vs_torch"] < 1e-5, r
         else:  # truncating interpreter: within a few times torch's own bf16 error, far from garbage
@@ -90,7 +93,7 @@ def test_grouped_kernels_match_the_per_expert_path_under_the_interpreter():
 @pytest.mark.gpu
 def test_grouped_kernels_match_the_per_expert_path_on_cuda():
     for r, (dtype, *_rest) in zip(_run_cases("cuda"), _CASES, strict=True):
-        assert r["usable"], r
+        assert r["usable"] and not r["broken"], r
         if dtype == "float32":
             assert r["kernel_vs_torch"] < 1e-5, r
         else:  # issue 4's bf16 bar, and no worse than cuBLAS against float64

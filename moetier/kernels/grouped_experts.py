@@ -14,9 +14,10 @@ cache slots, staging slots): the kernel reads them through their addresses.
 Roundings follow :func:`moetier.tiers.experts.swiglu_expert` in the weights' dtype: gate and up are
 rounded to it after their float32 dot products, as are SiLU(gate), the activation and the expert's
 output before the gate scaling; only the order of the float32 sums differs from cuBLAS. Groups of
-more than ``MAX_GROUP_TOKENS`` tokens (prefill) keep the per-expert GEMMs, which use the tensor cores
-better. Used on CUDA when Triton is importable (``MOETIER_TRITON=0`` turns it off); after one failure
-the per-expert path runs from then on.
+more than ``MAX_GROUP_TOKENS`` tokens (prefill's busy experts) keep the per-expert GEMMs, which use the
+tensor cores better; the choice is made per group, so a group computes the same in every placement.
+Used on CUDA when Triton is importable (``MOETIER_TRITON=0`` turns it off); after one failure the
+per-expert path runs from then on.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ _BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on
 
 
 def grouped_usable(hidden: torch.Tensor, groups: Sequence[Group]) -> bool:
-    """Whether :func:`run_experts` would take the grouped path for these groups."""
+    """Whether :func:`run_experts` would take the grouped path for these (thin) groups."""
     return (
         not _BROKEN
         and bool(groups)
@@ -243,12 +244,16 @@ def run_experts(
     expert-sorted pairs, and each group ``(weights, start, count)`` is one expert and its run of pairs
     (a token appears at most once per group). ``pair_tokens_host`` (the same on the host, when the caller
     has it: saves a device sync) and ``per_token`` (the most pairs a token has, top-k: keeps one compiled
-    kernel per model) serve the grouped path: three launches when :func:`grouped_usable`, else per expert.
+    kernel per model) serve the grouped path: groups of at most ``MAX_GROUP_TOKENS`` tokens run in three
+    launches when :func:`grouped_usable`, larger ones (and everything off CUDA) per expert.
     """
-    if grouped_usable(hidden, groups):
+    # Per group, not per call: a group of a given size takes the same kernel whichever call it is in
+    # (a resident prefill, a streamed expert, a decode), so placements agree to the order of fp32 sums.
+    thin = [g for g in groups if g[2] <= MAX_GROUP_TOKENS]
+    if grouped_usable(hidden, thin):
         try:
-            run_grouped(out, hidden, pair_tokens, pair_gates, groups, swiglu_limit, pair_tokens_host, per_token)
-            return
+            run_grouped(out, hidden, pair_tokens, pair_gates, thin, swiglu_limit, pair_tokens_host, per_token)
+            groups = [g for g in groups if g[2] > MAX_GROUP_TOKENS]
         except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
             _BROKEN.append(str(exc))
             log.warning("grouped expert kernel failed (%s); using per-expert GEMMs from now on", exc)
