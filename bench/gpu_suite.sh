@@ -4,7 +4,8 @@
 # everything lands in $OUT.
 # Usage (device tool): MOETIER_GIT_SHA=<sha> bash bench/gpu_suite.sh   (carry: .whl)
 # Stages can be skipped: SKIP_TESTS=1, SKIP_BENCH=1 (all benchmarks), SKIP_DECODE=1, SKIP_PREFILL=1, SKIP_SERVE=1.
-# BENCH_LAYERS (default 3) sets the model depth; GPU_TEST_ARGS adds pytest arguments (e.g. "-k deepseek_v4");
+# BENCH_LAYERS (default 3) sets the model depth; ROUTING_SKEW=alpha draws each layer's expert popularity
+# from Dirichlet(alpha) (make-bench-model --routing-skew: small alpha, few hot experts; unset: uniform); GPU_TEST_ARGS adds pytest arguments (e.g. "-k deepseek_v4");
 # BENCH_ARGS replaces the decode bench's "--profile"; PREFILL_ARGS replaces the prefill bench's
 # "--prompt-lens 8k,32k,128k --profile"; the prefill bench runs once per chunk size in PREFILL_CHUNKS
 # (default "4096 16384"); SHORT_TURNS=1 adds the short-turn prefill (512/2048 tokens, pure CPU and copy
@@ -60,11 +61,13 @@ if [ -n "${CPU_TIER:-}" ]; then  # the CPU tier's kernels alone (torch and C), n
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-    model=/tmp/moetier-bench/v4flash-${BENCH_LAYERS:-3}l
+    model=/tmp/moetier-bench/v4flash-${BENCH_LAYERS:-3}l${ROUTING_SKEW:+-skew$ROUTING_SKEW}
+    skew=()
+    [ -n "${ROUTING_SKEW:-}" ] && skew=(--routing-skew "$ROUTING_SKEW")
     echo "=== make-bench-model" >> "$LOG"
     # Progress bars are dropped from the log (carriage returns).
     timeout 240 python3 -m moetier.cli make-bench-model --shape deepseek-v4-flash --layers "${BENCH_LAYERS:-3}" \
-        --out "$model" --device cuda --force 2>&1 | tr '\r' '\n' | grep -v '^writing' | tee -a "$LOG"
+        "${skew[@]}" --out "$model" --device cuda --force 2>&1 | tr '\r' '\n' | grep -v '^writing' | tee -a "$LOG"
     if [ -z "${SKIP_DECODE:-}" ]; then
         hf=()
         [ -n "${HF_BASELINE:-}" ] && hf=(--hf-baseline --hf-args "${HF_ARGS---fallback autocast --steps 3 --max-seconds 60}")
