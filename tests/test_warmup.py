@@ -41,10 +41,8 @@ def test_warm_up_runs_every_batch_size_and_changes_no_output(families, family):
     assert report.batch_sizes == [1, 2, 3] and report.decode_steps == 2 and report.seconds > 0
     # Per size: one prefill of 5 tokens per sequence, then 2 one-token steps per sequence.
     assert calls == [(b, n) for b in (1, 2, 3) for n in (5 * b, b, b)]
-    if family == "deepseek_v4":
-        assert report.graphs_captured == 0  # CPU: segments run eagerly, nothing to capture
-    else:
-        assert report.graphs_captured is None  # no decode graphs in this family
+    # CPU: decode segments run eagerly, nothing is captured; a family without decode graphs reports None.
+    assert report.graphs_captured == (0 if hasattr(loaded.model, "graphs") else None)
     assert "batch sizes 1,2,3" in report.describe()
     assert _greedy(loaded, prompts) == before
 

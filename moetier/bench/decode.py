@@ -193,6 +193,8 @@ def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams
         "cpu_pairs_per_token": total.cpu_pairs / tokens,
         "cpu_ms_per_layer_call": 1e3 * total.cpu_seconds / max(1, total.calls),
         "distinct_experts_per_layer": {str(k): len(v) for k, v in sorted(metrics.routing_counts().items())},
+        # Measured / start-up cost of each miss route while decoding (tiers.route_costs.RouteAdapter).
+        "route_cost_scales": dict(getattr(getattr(dispatcher, "adapter", None), "scales", {})),
         "timed_steps": steps,
     }
 

@@ -9,7 +9,7 @@ concurrently, so the split is a two-machine scheduling problem over the call's m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 MissRoute = Literal["auto", "cpu", "copy"]
@@ -30,6 +30,12 @@ class RouteCosts:
         cpu = 1.0 / cpu_share if cpu_share > 0 else math.inf
         copy = 1.0 / (1.0 - cpu_share) if cpu_share < 1 else math.inf
         return cls(cpu_fixed=cpu, copy_fixed=copy)
+
+    def scaled(self, cpu: float, copy: float) -> RouteCosts:
+        """These costs with the CPU route's times multiplied by ``cpu`` and the copy route's by ``copy``."""
+        return RouteCosts(
+            self.cpu_fixed * cpu, self.cpu_per_token * cpu, self.copy_fixed * copy, self.copy_per_token * copy
+        )
 
     def cpu(self, tokens: int) -> float:
         return self.cpu_fixed + self.cpu_per_token * tokens
@@ -68,3 +74,47 @@ def split_misses(
             copy.append(i)
             copy_load = copy_finish
     return sorted(cpu), sorted(copy)
+
+
+ROUTES = ("cpu", "copy")
+
+
+@dataclass
+class RouteAdapter:
+    """Keeps the split true to what each route costs while serving, not just at start-up.
+
+    The start-up calibration times each route alone; while decoding, the CPU tier and the copy
+    engine read host memory at the same time and both slow down, by different amounts (on the H200
+    host the CPU kernel read 74 GB/s alone and ~46 GB/s beside the copies). Each decode call reports,
+    per route, the seconds its share took and the seconds the start-up costs predicted for it; the
+    ratio's exponential average (``weight`` per observation, one observation moving it by at most
+    ``max_step``x) rescales that route's costs. Until both routes have been observed the start-up
+    costs stand, so a split never compares a measured route with an unmeasured one.
+    """
+
+    weight: float = 0.25
+    max_step: float = 4.0
+    scales: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.weight <= 1.0 or self.max_step < 1.0:
+            raise ValueError(f"route adapter needs 0 < weight <= 1 and max_step >= 1: {self.weight}, {self.max_step}")
+
+    def observe(self, route: str, predicted: float, seconds: float) -> None:
+        """One call's share of ``route`` took ``seconds`` where the start-up costs said ``predicted``."""
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+        if not (predicted > 0 and seconds > 0 and math.isfinite(predicted) and math.isfinite(seconds)):
+            return
+        ratio, old = seconds / predicted, self.scales.get(route)
+        if old is None:
+            self.scales[route] = ratio
+            return
+        ratio = min(max(ratio, old / self.max_step), old * self.max_step)
+        self.scales[route] = (1.0 - self.weight) * old + self.weight * ratio
+
+    def costs(self, base: RouteCosts) -> RouteCosts:
+        """``base`` rescaled by the observed ratios (``base`` itself until both routes were observed)."""
+        if any(route not in self.scales for route in ROUTES):
+            return base
+        return base.scaled(self.scales["cpu"], self.scales["copy"])

@@ -41,7 +41,7 @@ from moetier.tiers.experts import ExpertStore, swiglu_expert
 from moetier.tiers.gpu_wait import HostFlag
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.policies import make_policy
-from moetier.tiers.route_costs import MissRoute, RouteCosts, split_misses
+from moetier.tiers.route_costs import MissRoute, RouteAdapter, RouteCosts, split_misses
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,8 @@ class TieredConfig:
     are reloaded when the next non-streaming call starts; 0 disables). With ``gpu_waits_for_cpu``
     (the default; CUDA with stream memory operations), a decode call's CPU-tier result is awaited by
     the compute stream instead of the host thread, except at the last MoE layer
-    (:mod:`moetier.tiers.gpu_wait`).
+    (:mod:`moetier.tiers.gpu_wait`). With ``adapt_costs`` (``auto`` with measured costs), decode calls
+    rescale each route's costs by what its share of each call took (:class:`RouteAdapter`).
     """
 
     cache_slots: int | None = None
@@ -95,6 +96,7 @@ class TieredConfig:
     prefetch: bool = True
     lend_slots: int = DEFAULT_LEND_SLOTS
     gpu_waits_for_cpu: bool = True  # where the driver allows it (moetier.tiers.gpu_wait); else the host waits
+    adapt_costs: bool = True
 
     def __post_init__(self) -> None:
         if (self.cache_slots is None) == (self.cache_bytes is None):
@@ -168,6 +170,8 @@ class TieredDispatcher(ExpertDispatcher):
         self._flag: HostFlag | None = None
         # CPU jobs the GPU waits for (not the host): (layer, future, buffers kept alive until the GPU is past them)
         self._pending: list[tuple[int, Any, tuple]] = []
+        self.adapter = RouteAdapter()
+        self._copy_timings: list[tuple[float, Any, Any]] = []  # (predicted seconds, start, end) of a call's copies
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -250,8 +254,10 @@ class TieredDispatcher(ExpertDispatcher):
         # A prefetched miss is already on its way to the device: it is not the CPU's any more.
         prefetched = [g for g in misses if self.cache.is_prefetched((layer, g.expert))]
         others = [g for g in misses if not self.cache.is_prefetched((layer, g.expert))]
+        adapt = self._adapting(streaming)
+        costs = self.adapter.costs(self.costs) if adapt else self.costs
         cpu_idx, copy_idx = split_misses(
-            [g.count for g in others], self.config.miss_route, self.costs, self.config.fat_threshold
+            [g.count for g in others], self.config.miss_route, costs, self.config.fat_threshold
         )
         cpu_groups, copy_groups = [others[i] for i in cpu_idx], prefetched + [others[i] for i in copy_idx]
         if not streaming:  # a prefill chunk never reshapes the decode cache
@@ -265,8 +271,14 @@ class TieredDispatcher(ExpertDispatcher):
         if cpu_groups and self._flag is not None and not streaming and layer != self._last_layer:
             release = self._flag.next_value()
         started = self._start_cpu(layer, hidden, routing, cpu_groups, release) if cpu_groups else None
+        if adapt and started is not None:
+            # The start-up costs' seconds for this job, compared with its measured seconds when it is collected.
+            started[0].predicted_seconds = sum(self.costs.cpu(g.count) for g in cpu_groups)
         try:
+            timer = self._start_copy_timer() if adapt and copy_groups else None
             read = self._run_on_device(layer, out, hidden, routing, hits, copy_groups, streaming)
+            if timer is not None:
+                self._stop_copy_timer(timer, sum(self.costs.copy(g.count) for g in copy_groups))
             if streaming and self.config.prefetch:
                 self._prefetch_next(layer, routing)
             for group in cpu_groups:  # admitted CPU-routed misses: copy in behind the critical path
@@ -304,6 +316,7 @@ class TieredDispatcher(ExpertDispatcher):
         ids_host = topk_ids.reshape(-1).cpu()
         if self._pending:  # the copy above waited for the GPU, which waited for the pending CPU jobs
             self._collect_pending()
+        self._poll_copy_timings()
         order_host = torch.argsort(ids_host, stable=True)
         experts, counts = torch.unique_consecutive(ids_host[order_host], return_counts=True)
         experts_l, counts_l = experts.tolist(), counts.tolist()
@@ -468,6 +481,7 @@ class TieredDispatcher(ExpertDispatcher):
         counters = self.metrics.layer(layer)
         counters.cpu_wait_seconds += time.perf_counter() - wait_start
         counters.cpu_seconds += result.seconds
+        self._observe_cpu(future, result.seconds)
         values = result.out.to(rows_dev.device, non_blocking=True)
         return rows_dev, values
 
@@ -477,6 +491,40 @@ class TieredDispatcher(ExpertDispatcher):
         for layer, future, _ in pending:
             result = future.result()  # raises the worker's error: this forward's sums were incomplete
             self.metrics.layer(layer).cpu_seconds += result.seconds
+            self._observe_cpu(future, result.seconds)
+
+    # --- keeping the split's costs true (RouteAdapter) ------------------------------------------
+
+    def _adapting(self, streaming: bool) -> bool:
+        cfg = self.config
+        return cfg.adapt_costs and cfg.miss_route == "auto" and cfg.cpu_share is None and not streaming
+
+    def _observe_cpu(self, future: Any, seconds: float) -> None:
+        predicted = getattr(future, "predicted_seconds", None)
+        if predicted is not None:
+            self.adapter.observe("cpu", predicted, seconds)
+
+    def _start_copy_timer(self) -> Any:
+        """An event on the copy stream before this call's copies (CUDA), or the host clock (CPU: copies block)."""
+        if self.cache.copy_stream is None:
+            return time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(self.cache.copy_stream)
+        return start
+
+    def _stop_copy_timer(self, start: Any, predicted: float) -> None:
+        if self.cache.copy_stream is None:
+            self.adapter.observe("copy", predicted, time.perf_counter() - start)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.cache.copy_stream)
+        self._copy_timings.append((predicted, start, end))
+
+    def _poll_copy_timings(self) -> None:
+        """Feed the adapter the copy timings whose events have completed (never waits for one)."""
+        while self._copy_timings and self._copy_timings[0][2].query():
+            predicted, start, end = self._copy_timings.pop(0)
+            self.adapter.observe("copy", predicted, start.elapsed_time(end) / 1e3)
 
     def _count(self, layer: int, hits: list[_Group], misses: list[_Group]) -> None:
         counters = self.metrics.layer(layer)

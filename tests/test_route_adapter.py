@@ -1,0 +1,95 @@
+"""The miss split follows what each route has cost while serving, not only the start-up calibration."""
+
+import time
+
+import pytest
+import torch
+from test_tiers_policies import random_store
+
+from moetier.tiers import cpu_tier
+from moetier.tiers.route_costs import RouteAdapter, RouteCosts, split_misses
+from moetier.tiers.tiered_dispatcher import TieredDispatcher
+
+
+def test_adapter_waits_for_both_routes_then_rescales_each():
+    base = RouteCosts(cpu_fixed=1.0, cpu_per_token=0.5, copy_fixed=2.0, copy_per_token=0.1)
+    adapter = RouteAdapter(weight=0.5)
+    adapter.observe("cpu", predicted=1.0, seconds=3.0)
+    assert adapter.costs(base) is base  # the copy route is not measured yet: no half-measured comparison
+    adapter.observe("copy", predicted=2.0, seconds=1.0)
+    costs = adapter.costs(base)
+    assert (costs.cpu_fixed, costs.cpu_per_token) == (3.0, 1.5)
+    assert (costs.copy_fixed, costs.copy_per_token) == (1.0, 0.05)
+    adapter.observe("cpu", predicted=1.0, seconds=1.0)  # exponential average: halfway from 3 to 1
+    assert adapter.scales["cpu"] == pytest.approx(2.0)
+
+
+def test_adapter_bounds_one_outlier_and_ignores_empty_observations():
+    adapter = RouteAdapter(weight=1.0, max_step=4.0)
+    adapter.observe("copy", 1.0, 1.0)
+    adapter.observe("copy", 1.0, 1000.0)  # a stall: moves the scale 4x at most
+    assert adapter.scales["copy"] == pytest.approx(4.0)
+    for predicted, seconds in ((0.0, 1.0), (1.0, 0.0), (float("inf"), 1.0), (1.0, float("nan"))):
+        adapter.observe("copy", predicted, seconds)
+    assert adapter.scales["copy"] == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="route"):
+        adapter.observe("disk", 1.0, 1.0)
+    with pytest.raises(ValueError, match="weight"):
+        RouteAdapter(weight=0.0)
+
+
+def test_a_slower_measured_route_gets_fewer_misses():
+    base = RouteCosts(cpu_fixed=1.0, copy_fixed=1.0)
+    tokens = [1] * 6
+    cpu, copy = split_misses(tokens, "auto", base)
+    assert len(cpu) == len(copy) == 3
+    adapter = RouteAdapter()
+    adapter.observe("cpu", 1.0, 2.0)  # the CPU took twice what the start-up costs said
+    adapter.observe("copy", 1.0, 1.0)
+    cpu, copy = split_misses(tokens, "auto", adapter.costs(base))
+    assert len(cpu) == 2 and len(copy) == 4
+
+
+def _decode_calls(dispatcher: TieredDispatcher, calls: int, seed: int = 0) -> list[int]:
+    """Run 1-token decode calls over random routing; returns the CPU pairs each call sent."""
+    layout = dispatcher.store.layout
+    g = torch.Generator().manual_seed(seed)
+    sent = []
+    for _ in range(calls):
+        before = dispatcher.metrics.total().cpu_pairs
+        hidden = torch.randn(1, layout.hidden_size, generator=g)
+        ids = torch.randperm(layout.num_experts, generator=g)[: layout.top_k][None]
+        weights = torch.rand(1, layout.top_k, generator=g)
+        dispatcher.dispatch(0, hidden, ids, weights)
+        sent.append(dispatcher.metrics.total().cpu_pairs - before)
+    return sent
+
+
+def test_dispatcher_moves_misses_off_a_route_that_turned_slow(monkeypatch):
+    """Equal start-up costs split a decode call's misses evenly; once the CPU tier runs 20 ms per job
+    (as when another reader saturates host memory) the split sends it far fewer."""
+    store = random_store()  # 16 experts per layer, top-2, fp32, on the CPU
+    dispatcher = TieredDispatcher(store, cache_slots=0, miss_route="auto", calibrate=False, policy="lru")
+    dispatcher.prepare("cpu")
+    dispatcher.costs = RouteCosts(cpu_fixed=1e-3, copy_fixed=1e-3)
+    expert = cpu_tier.swiglu_expert
+
+    def slow(*args):
+        time.sleep(0.02)
+        return expert(*args)
+
+    monkeypatch.setattr(cpu_tier, "swiglu_expert", slow)  # fp32 jobs run torch's path through it
+    first = _decode_calls(dispatcher, 1)
+    assert first == [1]  # 2 misses, equal costs: one each way
+    later = _decode_calls(dispatcher, 8, seed=1)
+    assert dispatcher.adapter.scales["cpu"] > 10 * dispatcher.adapter.scales["copy"]
+    assert later[-4:] == [0, 0, 0, 0]
+
+
+def test_fixed_shares_and_pure_routes_do_not_adapt():
+    store = random_store()
+    for options in ({"miss_route": "auto", "cpu_share": 0.5}, {"miss_route": "cpu"}, {"adapt_costs": False}):
+        dispatcher = TieredDispatcher(store, cache_slots=0, calibrate=False, **options)
+        dispatcher.prepare("cpu")
+        _decode_calls(dispatcher, 3)
+        assert dispatcher.adapter.scales == {}, options
