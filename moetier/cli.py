@@ -214,6 +214,13 @@ def _setup_serve(parser: argparse.ArgumentParser) -> None:
         "progress this often (default 5; 0: off)",
     )
     parser.add_argument(
+        "--kv-layout",
+        default="contiguous",
+        choices=["contiguous", "paged"],
+        help="KV cache rows: contiguous per sequence (default), or paged: blocks from shared pools, allocated as "
+        "tokens arrive and shared by prefix-cache hits instead of copied",
+    )
+    parser.add_argument(
         "--no-warmup",
         dest="warmup",
         action="store_false",
@@ -243,6 +250,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         log_level=args.log_level,
         kv_dtype=args.kv_dtype,
+        kv_layout=args.kv_layout,
         keepalive_seconds=args.sse_keepalive,
         warmup=args.warmup,
         prefill_chunk_tokens=args.prefill_chunk,

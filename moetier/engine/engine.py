@@ -68,6 +68,7 @@ from moetier.engine.types import (
 )
 from moetier.errors import ConfigError
 from moetier.models.base import SequenceCache
+from moetier.models.paged_kv import PagedKVSpace
 from moetier.weights.loader import LoadedModel, load_model
 
 __all__ = ["Engine", "EngineBusyError", "EngineConfig", "EngineStats", "RequestUpdate", "TokenLogprob"]
@@ -151,7 +152,9 @@ class Engine:
             headroom=self.config.kv_headroom_tokens,
         )
         self.scheduler.on_preempt = self._preempted
-        self.runner = ModelRunner(self.model, kv_dtype=self.config.cache_kv_dtype)
+        paged = self.config.kv_layout == "paged"
+        space = PagedKVSpace(self.device, self.config.kv_block_tokens) if paged else None
+        self.runner = ModelRunner(self.model, kv_dtype=self.config.cache_kv_dtype, kv_space=space)
         self._setup_prefix_cache()
         self.elastic: ElasticExpertBudget | None = None
         if self.plan is not None:
@@ -311,6 +314,7 @@ class Engine:
             **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
             **(self.sharing.stats() if self.sharing is not None else {}),
             **(self.elastic.stats() if self.elastic is not None else {}),
+            **(self.runner.kv_space.engine_stats() if self.runner.kv_space is not None else {}),
         )
 
     def _prefill_stats(self) -> dict[str, Any]:

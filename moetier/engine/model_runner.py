@@ -1,10 +1,11 @@
 """Executes a :class:`StepPlan` on the model.
 
 Every scheduled chunk of a step runs in one ``model.forward`` (rows concatenated, attention per
-sequence), each sequence with its own contiguous cache of its KV reservation (``Sequence.cache_tokens``);
-when the scheduler grows the reservation, the cache is copied into a larger one as a chunk needs the
-room (``SequenceCache.clone_into``; geometric growth keeps the copies few). The paged runner
-replaces this class behind the same ``execute``/``free`` contract. Every cache the runner takes on
+sequence), each sequence with its own cache of its KV reservation (``Sequence.cache_tokens``); when
+the scheduler grows the reservation, the cache moves into a larger one as a chunk needs the room
+(``SequenceCache.clone_into``). Contiguous caches copy their rows then (geometric growth keeps the
+copies few); with a ``kv_space`` the caches are paged (:mod:`moetier.models.paged_kv`): rows live in
+pool blocks allocated as tokens arrive, and a move shares the blocks. Every cache the runner takes on
 (allocated, rebuilt or adopted) and every one it drops is reported to ``kv_listener`` (the elastic
 expert budget, :mod:`moetier.engine.elastic`) with its ``nbytes``.
 """
@@ -18,6 +19,7 @@ import torch
 
 from moetier.engine.scheduler import ScheduledChunk, Sequence, StepPlan
 from moetier.models.base import CausalLM, SequenceCache
+from moetier.models.paged_kv import PagedKVSpace, paged_kv
 
 
 @dataclass
@@ -54,9 +56,16 @@ class ModelRunner:
     (recompute); a sequence that still fails alone is the culprit and only it is failed.
     """
 
-    def __init__(self, model: CausalLM, mark_every: int | None = None, kv_dtype: str | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        mark_every: int | None = None,
+        kv_dtype: str | None = None,
+        kv_space: PagedKVSpace | None = None,
+    ) -> None:
         self.model = model
         self.kv_dtype = kv_dtype  # CausalLM.new_cache's storage choice; None = the model dtype
+        self.kv_space = kv_space  # paged KV: the sequences' caches take their rows from these pools
         self.device = model.device
         self._caches: dict[str, SequenceCache] = {}
         self._capacity: dict[str, int] = {}  # tokens each cache was allocated for
@@ -90,7 +99,7 @@ class ModelRunner:
         try:
             cache = self._caches.get(request_id)
             if cache is None:
-                cache = self._store(request_id, self.new_cache(chunk.seq.cache_tokens), chunk.seq.cache_tokens)
+                cache = self._store(request_id, self._allocate(chunk.seq.cache_tokens), chunk.seq.cache_tokens)
             elif self._capacity[request_id] < min(chunk.start + chunk.num_tokens, chunk.seq.cache_tokens):
                 # The reservation grew and the chunk needs it: move the state into a cache of the new size.
                 cache = self._store(request_id, cache.clone_into(chunk.seq.cache_tokens), chunk.seq.cache_tokens)
@@ -106,8 +115,13 @@ class ModelRunner:
         self.free(request_id)
         return False
 
+    def _allocate(self, max_tokens: int) -> SequenceCache:
+        """A sequence's cache: paged when the runner has a KV space, else :meth:`new_cache`."""
+        with paged_kv(self.kv_space):
+            return self.new_cache(max_tokens)
+
     def new_cache(self, max_tokens: int) -> SequenceCache:
-        """An empty cache of ``max_tokens`` as this runner allocates it (not tracked until stored)."""
+        """An empty contiguous cache of ``max_tokens`` (not tracked until stored; also what sizing measures)."""
         if self.kv_dtype is None:  # the plain call: a family without kv_dtype support still works
             return self.model.new_cache(max_tokens)
         return self.model.new_cache(max_tokens, kv_dtype=self.kv_dtype)
@@ -124,7 +138,7 @@ class ModelRunner:
         for chunk in chunks:
             request_id = chunk.seq.request_id
             try:
-                cache = self._store(request_id, self.new_cache(chunk.seq.cache_tokens), chunk.seq.cache_tokens)
+                cache = self._store(request_id, self._allocate(chunk.seq.cache_tokens), chunk.seq.cache_tokens)
                 if chunk.start:
                     history = chunk.seq.token_slice(0, chunk.start)
                     self.model(torch.tensor(history, device=self.device), cache)

@@ -14,6 +14,7 @@ from moetier.engine.sampling import TokenLogprob
 from moetier.engine.scheduler import KV_ADMISSION_MODES
 from moetier.errors import CheckpointError, ConfigError, MoetierError
 from moetier.models.cache import KV_DTYPES
+from moetier.models.paged_kv import KV_LAYOUTS
 from moetier.tiers.workspace import DEFAULT_PREFILL_CHUNK
 
 _CHECKPOINT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -56,6 +57,9 @@ class EngineConfig:
       prefilling it too (:mod:`moetier.engine.prefix_sharing`).
     - ``kv_dtype``: storage of the KV cache (the state that grows with the context): ``auto`` (the
       model dtype), ``bf16``, or ``fp8`` (e4m3 with per-token scales; :mod:`moetier.models.cache`).
+    - ``kv_layout``: ``"contiguous"`` (each sequence's rows preallocated for its reservation, copied when
+      it grows) or ``"paged"`` (blocks of ``kv_block_tokens`` rows from shared pools, allocated as tokens
+      arrive and shared, not copied, by growth and prefix snapshots; :mod:`moetier.models.paged_kv`).
     """
 
     max_streams: int = 4
@@ -71,6 +75,8 @@ class EngineConfig:
     prefix_share_min_blocks: int = 4
     prefix_share_max_wait_s: float = 60.0
     kv_dtype: str = "auto"
+    kv_layout: str = "contiguous"
+    kv_block_tokens: int = 16
 
     def __post_init__(self) -> None:
         _positive_int("max_streams", self.max_streams)
@@ -91,6 +97,9 @@ class EngineConfig:
             raise ConfigError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ConfigError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        _positive_int("kv_block_tokens", self.kv_block_tokens)
 
     def with_chunk_from(self, plan: Any) -> EngineConfig:
         """This config with ``prefill_chunk_tokens`` resolved: the given one, else the placement plan's
@@ -161,6 +170,9 @@ class EngineStats:
     # and the prompt tokens such requests then took from the cache instead of computing them.
     prefix_shared_deferrals_total: int = 0
     prefix_shared_tokens_saved_total: int = 0
+    # Paged KV only (None otherwise): bytes of the blocks sequences and snapshots hold, and of the pools.
+    kv_pool_bytes_used: int | None = None
+    kv_pool_bytes_allocated: int | None = None
     # Tiered experts only (None otherwise): the elastic VRAM expert cache now, its bounds, how often it was
     # resized, and the KV bytes the running sequences hold against the plan's reservation.
     expert_cache_slots: int | None = None

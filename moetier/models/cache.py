@@ -123,6 +123,25 @@ class KVRows:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def kv_rows(
+    lead: Sequence[int],
+    capacity: int,
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    kv_dtype: str | None = None,
+    groups: Sequence[int] | None = None,
+) -> KVRows:
+    """A row store (arguments as :class:`KVRows`): paged blocks inside ``moetier.models.paged_kv.paged_kv``,
+    else preallocated rows. Every cache builds the state that grows with the context through this."""
+    from moetier.models.paged_kv import PagedKVRows, active_space  # paged_kv builds on this module
+
+    space = active_space()
+    if space is None:
+        return KVRows(lead, capacity, width, dtype, device, kv_dtype, groups)
+    return PagedKVRows(space, lead, capacity, width, dtype, kv_dtype, groups)
+
+
 class ContiguousKVCache(SequenceCache):
     """Preallocated ``[heads, max_tokens, dim]`` key and value rows for every layer.
 
@@ -146,8 +165,8 @@ class ContiguousKVCache(SequenceCache):
     ) -> None:
         self.length = 0
         self.max_tokens = max_tokens
-        self.keys = [KVRows((kv_heads,), max_tokens, key_dim, dtype, device, kv_dtype) for _ in range(num_layers)]
-        self.values = [KVRows((kv_heads,), max_tokens, value_dim, dtype, device, kv_dtype) for _ in range(num_layers)]
+        self.keys = [kv_rows((kv_heads,), max_tokens, key_dim, dtype, device, kv_dtype) for _ in range(num_layers)]
+        self.values = [kv_rows((kv_heads,), max_tokens, value_dim, dtype, device, kv_dtype) for _ in range(num_layers)]
 
     @property
     def kv_dtype(self) -> str | None:

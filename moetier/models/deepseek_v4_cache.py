@@ -14,7 +14,7 @@ import torch
 
 from moetier.errors import ConfigError
 from moetier.models.base import SequenceCache
-from moetier.models.cache import KVRows
+from moetier.models.cache import kv_rows
 
 
 class SlidingWindowKV:
@@ -98,7 +98,7 @@ class CompressorState:
         self.n_open = 0
         self.prev_kv: torch.Tensor | None = None
         self.prev_gate: torch.Tensor | None = None
-        self.entries = KVRows((), max_entries, dim, dtype, device, kv_dtype)
+        self.entries = kv_rows((), max_entries, dim, dtype, device, kv_dtype)
         self.count = 0
 
     def close_windows(self, kv_gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:

@@ -116,6 +116,12 @@ class _EngineStatsCollector(Collector):
         yield gauge("num_requests_running", "Requests decoding in the engine.", stats.running)
         yield gauge("num_requests_waiting", "Requests queued for the engine.", stats.waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache use, 0 to 1 (1 = full).", used / capacity if capacity else 0.0)
+        pool_used = getattr(stats, "kv_pool_bytes_used", None)
+        if pool_used is not None:  # paged KV: what the blocks really hold (shared prefixes counted once)
+            yield gauge("kv_pool_used_bytes", "Bytes of paged-KV blocks held by sequences and snapshots.", pool_used)
+            yield gauge(
+                "kv_pool_allocated_bytes", "Bytes of the paged-KV pools.", getattr(stats, "kv_pool_bytes_allocated", 0)
+            )
         yield counter("prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
         yield counter(
