@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from moetier.errors import ConfigError
+from moetier.kernels.kv_read import try_read_rows
 from moetier.models.base import SequenceCache
 
 KV_DTYPES = ("auto", "bf16", "fp8")
@@ -97,6 +98,9 @@ class KVRows:
         data = self.data[..., :end, :]
         if self.scales is None:
             return data if data.dtype == self.dtype else data.to(self.dtype)
+        fused = try_read_rows(self.data, self.scales, self.groups, end, self.dtype, token_axis=-2)
+        if fused is not None:  # one kernel on CUDA instead of ~5 ops
+            return fused
         scales = self.scales[..., :end, :]
         parts = [part.float() * scales[..., g : g + 1] for g, (_, part) in enumerate(self._split(data))]
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(self.dtype)

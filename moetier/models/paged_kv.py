@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from moetier.errors import ConfigError
+from moetier.kernels.kv_read import try_read_rows
 from moetier.models.cache import FP8_DTYPE, KVRows, kv_storage_dtype, quantize_fp8
 
 KV_LAYOUTS = ("contiguous", "paged")
@@ -231,6 +232,10 @@ class PagedKVRows(KVRows):
         if self._pool.scales is None:
             data = self._pool.flat(self._pool.data).index_select(0, index).movedim(0, -2)
             return data if data.dtype == self.dtype else data.to(self.dtype)
+        pool = self._pool
+        fused = try_read_rows(pool.flat(pool.data), pool.flat(pool.scales), self.groups, end, self.dtype, 0, index)
+        if fused is not None:  # gather and dequantisation in one kernel on CUDA
+            return fused
         raw = self._pool.flat(self._pool.data).view(torch.uint8).index_select(0, index)
         data = raw.view(self._pool.data.dtype).movedim(0, -2)
         scales = self._pool.flat(self._pool.scales).index_select(0, index).movedim(0, -2)
