@@ -98,3 +98,17 @@ def test_config_rejects_bad_values(bench_model):
         DecodeBenchConfig(model=bench_model, modes=["warp"])
     with pytest.raises(ConfigError, match="cache-fraction"):
         DecodeBenchConfig(model=bench_model, cache_fraction=1.5)
+
+
+def test_paged_fp8_kv_caches_run_and_bad_layouts_are_refused(bench_model):
+    cfg = DecodeBenchConfig(
+        model=bench_model, modes=["naive"], streams=[2], steps=2, repeats=1, warmup=1, prompt_len=8,
+        dtype="fp32", device="cpu", quick_bounds=True, kv_layout="paged", kv_dtype="fp8",
+    )  # fmt: skip
+    receipt = run_decode_bench(cfg)
+    assert receipt["config"]["kv_layout"] == "paged" and receipt["config"]["kv_dtype"] == "fp8"
+    assert receipt["results"][0]["tok_s"]["median"] > 0
+    with pytest.raises(ConfigError, match="kv-layout"):
+        DecodeBenchConfig(model=bench_model, kv_layout="ring")
+    with pytest.raises(ConfigError, match="kv-dtype"):
+        DecodeBenchConfig(model=bench_model, kv_dtype="int4")

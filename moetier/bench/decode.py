@@ -47,6 +47,7 @@ from moetier.bench.common import (
 from moetier.bench.environment import environment
 from moetier.errors import ConfigError
 from moetier.models.base import CausalLM
+from moetier.models.paged_kv import KV_LAYOUTS, PagedKVSpace, paged_kv
 from moetier.tiers.dispatcher import ExpertDispatcher, ResidentDispatcher
 from moetier.tiers.experts import ExpertStore
 from moetier.tiers.host_store import HostExpertArena
@@ -81,6 +82,8 @@ class DecodeBenchConfig:
     host_memory: str | None = None
     hf_args: str = ""  # extra ``moetier bench hf`` flags
     routing_trace: Path | None = None  # replay this recorded routing (see moetier.bench.trace_routing)
+    kv_layout: str = "contiguous"  # "paged": the streams' caches take blocks from a shared pool (models.paged_kv)
+    kv_dtype: str | None = None  # None: the model dtype; "fp8" / "bf16" as the engine's kv_dtype
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -92,6 +95,10 @@ class DecodeBenchConfig:
             raise ConfigError(f"--streams must be positive integers, got {self.streams}")
         if not 0.0 <= self.cache_fraction <= 1.0:
             raise ConfigError(f"--cache-fraction must be in [0, 1], got {self.cache_fraction}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ConfigError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.kv_dtype not in (None, "bf16", "fp8"):
+            raise ConfigError(f"--kv-dtype must be bf16 or fp8 (default: the model dtype), got {self.kv_dtype!r}")
         if min(self.prompt_len, self.steps, self.repeats) < 1 or self.warmup < 0:
             raise ConfigError("--prompt-len, --steps and --repeats must be >= 1 and --warmup >= 0")
 
@@ -103,7 +110,9 @@ class _DecodeRun:
         self.model, self.streams, self.cfg = model, streams, cfg
         self.prompts = hf_baseline.bench_prompts(cfg.seed, streams, cfg.prompt_len, vocab)
         capacity = cfg.prompt_len + cfg.warmup + cfg.steps * cfg.repeats + 2
-        self.caches = [model.new_cache(capacity) for _ in range(streams)]
+        space = PagedKVSpace(model.device) if cfg.kv_layout == "paged" else None
+        with paged_kv(space):
+            self.caches = [model.new_cache(capacity, kv_dtype=cfg.kv_dtype) for _ in range(streams)]
 
     @torch.inference_mode()
     def prefill(self) -> torch.Tensor:
@@ -354,6 +363,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also write a torch.profiler summary per mode")
+    parser.add_argument("--kv-layout", default="contiguous", choices=KV_LAYOUTS, help="the streams' KV caches")
+    parser.add_argument("--kv-dtype", default=None, choices=["bf16", "fp8"], help="KV storage (default: model dtype)")
     hf_baseline.add_decode_arguments(parser)
     parser.set_defaults(handler=run)
 
@@ -367,6 +378,8 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         repeats=args.repeats,
         profile=args.profile,
+        kv_layout=args.kv_layout,
+        kv_dtype=args.kv_dtype,
         **hf_baseline.decode_options(args),
     )
     receipt = run_decode_bench(cfg)
