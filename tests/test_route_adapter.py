@@ -69,7 +69,8 @@ def test_dispatcher_moves_misses_off_a_route_that_turned_slow(monkeypatch):
     """Equal start-up costs split a decode call's misses evenly; once the CPU tier runs 20 ms per job
     (as when another reader saturates host memory) the split sends it far fewer."""
     store = random_store()  # 16 experts per layer, top-2, fp32, on the CPU
-    dispatcher = TieredDispatcher(store, cache_slots=0, miss_route="auto", calibrate=False, policy="lru")
+    options = {"cache_slots": 0, "miss_route": "auto", "calibrate": False, "policy": "lru", "adapt_costs": True}
+    dispatcher = TieredDispatcher(store, **options)
     dispatcher.prepare("cpu")
     dispatcher.costs = RouteCosts(cpu_fixed=1e-3, copy_fixed=1e-3)
     expert = cpu_tier.swiglu_expert
@@ -88,7 +89,12 @@ def test_dispatcher_moves_misses_off_a_route_that_turned_slow(monkeypatch):
 
 def test_fixed_shares_and_pure_routes_do_not_adapt():
     store = random_store()
-    for options in ({"miss_route": "auto", "cpu_share": 0.5}, {"miss_route": "cpu"}, {"adapt_costs": False}):
+    for options in (
+        {"miss_route": "auto", "cpu_share": 0.5, "adapt_costs": True},
+        {"miss_route": "cpu", "adapt_costs": True},
+        {"adapt_costs": False},
+        {},  # the default adapts on CUDA only: CPU runs split reproducibly
+    ):
         dispatcher = TieredDispatcher(store, cache_slots=0, calibrate=False, **options)
         dispatcher.prepare("cpu")
         _decode_calls(dispatcher, 3)

@@ -78,8 +78,10 @@ class TieredConfig:
     are reloaded when the next non-streaming call starts; 0 disables). With ``gpu_waits_for_cpu``
     (the default; CUDA with stream memory operations), a decode call's CPU-tier result is awaited by
     the compute stream instead of the host thread, except at the last MoE layer
-    (:mod:`moetier.tiers.gpu_wait`). With ``adapt_costs`` (``auto`` with measured costs), decode calls
-    rescale each route's costs by what its share of each call took (:class:`RouteAdapter`).
+    (:mod:`moetier.tiers.gpu_wait`). With ``adapt_costs`` (``None``: on CUDA, where the costs are
+    measured; ``True``: anywhere; ``auto`` route without ``cpu_share`` only), decode calls rescale each
+    route's costs by what its share of each call took (:class:`RouteAdapter`); the split then follows
+    wall-clock timings, so it is not reproducible run to run (the math is the same either way).
     """
 
     cache_slots: int | None = None
@@ -96,7 +98,7 @@ class TieredConfig:
     prefetch: bool = True
     lend_slots: int = DEFAULT_LEND_SLOTS
     gpu_waits_for_cpu: bool = True  # where the driver allows it (moetier.tiers.gpu_wait); else the host waits
-    adapt_costs: bool = True
+    adapt_costs: bool | None = None
 
     def __post_init__(self) -> None:
         if (self.cache_slots is None) == (self.cache_bytes is None):
@@ -497,7 +499,8 @@ class TieredDispatcher(ExpertDispatcher):
 
     def _adapting(self, streaming: bool) -> bool:
         cfg = self.config
-        return cfg.adapt_costs and cfg.miss_route == "auto" and cfg.cpu_share is None and not streaming
+        wanted = cfg.adapt_costs if cfg.adapt_costs is not None else self.device.type == "cuda"
+        return wanted and cfg.miss_route == "auto" and cfg.cpu_share is None and not streaming
 
     def _observe_cpu(self, future: Any, seconds: float) -> None:
         predicted = getattr(future, "predicted_seconds", None)
