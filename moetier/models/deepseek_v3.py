@@ -4,7 +4,9 @@ Attention caches the compressed latent (``kv_lora_rank`` normalised values plus 
 key, ``qk_rope_head_dim``) instead of per-head keys and values: 576 numbers per token and layer
 for the full model instead of 128 heads x (192 + 128), 71x less. Each forward picks the cheaper of two exact forms:
 expanding the cached latent to per-head keys/values (prefill), or folding ``kv_b_proj`` into the
-query and the output (decode, the "absorbed" form). They differ only by float rounding.
+query and the output (the "absorbed" form). They differ only by float rounding. A decode step (one token
+per sequence) takes the absorbed form and runs as segments, CUDA graphs on CUDA, around the cache writes,
+the attention and the expert dispatch (:mod:`decode_segments`).
 """
 
 from __future__ import annotations
@@ -30,16 +32,18 @@ from moetier.models.base import (
     WeightTarget,
     register_model,
 )
-from moetier.models.cache import KVRows
-from moetier.models.layers import (
-    DenseMLP,
-    PreNormDecoderLayer,
-    RMSNorm,
-    apply_rope,
-    causal_mask,
-    prenorm_stack_forward,
-    rope_inverse_frequencies,
+from moetier.models.cache import kv_rows
+from moetier.models.decode_segments import (
+    Rope,
+    RoutedMoE,
+    SegmentedDecoderLayer,
+    apply_rope_rows,
+    padding_mask,
+    prenorm_forward,
+    stack_padded,
 )
+from moetier.models.graph_segments import SegmentGraphs
+from moetier.models.layers import DenseMLP, RMSNorm, apply_rope, causal_mask, rope_inverse_frequencies
 from moetier.models.qwen3_moe import rope_settings
 from moetier.tiers.dispatcher import ExpertDispatcher
 from moetier.tiers.experts import ExpertLayout
@@ -144,7 +148,7 @@ class LatentKVCache(SequenceCache):
     ) -> None:
         self.length = 0
         self.max_tokens = max_tokens
-        self.latents = [KVRows((), max_tokens, width, dtype, device, kv_dtype, groups) for _ in range(num_layers)]
+        self.latents = [kv_rows((), max_tokens, width, dtype, device, kv_dtype, groups) for _ in range(num_layers)]
 
     @property
     def kv_dtype(self) -> str | None:
@@ -211,26 +215,65 @@ class DeepseekV3Attention(nn.Module):
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
-    def _rope(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return apply_rope(deinterleave(x) if self.cfg.rope_interleave else x, *rope)
+    def _pairs_to_halves(self, x: torch.Tensor) -> torch.Tensor:
+        return deinterleave(x) if self.cfg.rope_interleave else x
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: LatentKVCache) -> torch.Tensor:
-        cfg, tokens = self.cfg, x.shape[0]
-        q = self._queries(x).view(tokens, -1, cfg.qk_head_dim).transpose(0, 1)  # [H, T, Dqk]
-        q_nope, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        q_rot = self._rope(q_rot, rope)
-        kv_latent, k_rot = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        latent = torch.cat((self.kv_a_layernorm(kv_latent), self._rope(k_rot, rope)), dim=-1)
+    def forward(self, x: torch.Tensor, rope: Rope, cache: LatentKVCache) -> torch.Tensor:
+        """One sequence's normed rows ``x`` ``[T, H]`` at the rope's positions, appended to ``cache`` -> ``[T, H]``,
+        in whichever exact form is cheaper at this length (:func:`absorbed_is_cheaper`)."""
+        tokens = x.shape[0]
+        q_nope, q_rot, latent = self.project(x, rope)
+        q_nope, q_rot = q_nope.transpose(0, 1), q_rot.transpose(0, 1)  # [heads, T, *]
         latents = cache.write(self.layer, latent)  # [S, r + rope]
         mask = causal_mask(tokens, latents.shape[0], x.device)
-        if absorbed_is_cheaper(cfg, tokens, latents.shape[0]):
+        if absorbed_is_cheaper(self.cfg, tokens, latents.shape[0]):
             out = self._absorbed(q_nope, q_rot, latents, mask)
         else:
             out = self._expanded(q_nope, q_rot, latents, mask)
         return self.o_proj(out.transpose(0, 1).reshape(tokens, -1))
 
-    def _softmax(self, scores: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        scores = (scores * self.scale).masked_fill(~mask, float("-inf"))
+    def project(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed rows ``[T, H]`` -> ``q_nope`` ``[T, heads, n]``, roped ``q_rot`` ``[T, heads, rope]`` and the
+        latent to cache ``[T, r + rope]`` (normed compressed KV, roped shared key)."""
+        cfg, tokens = self.cfg, x.shape[0]
+        q = self._queries(x).view(tokens, -1, cfg.qk_head_dim)
+        q_nope, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_rot = apply_rope_rows(self._pairs_to_halves(q_rot), *rope)
+        kv_latent, k_rot = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        k_rot = apply_rope(self._pairs_to_halves(k_rot), *rope)
+        return q_nope, q_rot, torch.cat((self.kv_a_layernorm(kv_latent), k_rot), dim=-1)
+
+    # Decode (one token per sequence, :mod:`decode_segments`) always takes the absorbed form (the cheaper one
+    # from two cached tokens on); its query and output sides are capturable, the cache writes and the
+    # attention between them are not.
+
+    def decode_project(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normed rows ``[B, H]`` -> absorbed queries ``[B, heads, r + rope]`` and the latents to cache."""
+        q_nope, q_rot, latent = self.project(x, rope)
+        return self._absorb_query(q_nope.transpose(0, 1), q_rot.transpose(0, 1)).transpose(0, 1), latent
+
+    def decode_attend(
+        self, q: torch.Tensor, latent: torch.Tensor, caches: list[LatentKVCache], positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Row ``i`` of ``latent`` appended to ``caches[i]``; each query row attends over its sequence's latents,
+        all sequences in one padded computation -> the latent-space output ``[B, heads, r]``."""
+        written = [c.write(self.layer, latent[i : i + 1]) for i, c in enumerate(caches)]
+        padding = padding_mask(positions, [w.shape[0] for w in written])
+        hidden = None if padding is None else padding[:, None, :]  # over every head
+        latents = stack_padded(written)  # [B, S, r + rope]
+        probs = self._softmax(torch.bmm(q, latents.transpose(1, 2)), hidden, q.dtype)
+        return torch.bmm(probs, latents[..., : self.cfg.kv_lora_rank])
+
+    def decode_output(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """``[B, heads, r]`` -> ``[B, H]``."""
+        out = self._expand_output(out_latent.transpose(0, 1)).transpose(0, 1)
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+    def _softmax(self, scores: torch.Tensor, hidden: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Softmax of ``scores * scale`` over the last dim, without the keys ``hidden`` marks (None: all keys)."""
+        scores = scores * self.scale
+        if hidden is not None:
+            scores = scores.masked_fill(hidden, float("-inf"))
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
 
     def _expanded(self, q_nope, q_rot, latents, mask) -> torch.Tensor:
@@ -241,17 +284,28 @@ class DeepseekV3Attention(nn.Module):
         k_nope, v = kv.transpose(0, 1).split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         # The roped key is shared by all heads: q_rot . k_rot is a broadcast matmul, not a copy per head.
         scores = torch.matmul(q_nope, k_nope.transpose(-1, -2)) + torch.matmul(q_rot, k_rot.T)
-        return torch.matmul(self._softmax(scores, mask, q_nope.dtype), v)
+        return torch.matmul(self._softmax(scores, ~mask, q_nope.dtype), v)
 
     def _absorbed(self, q_nope, q_rot, latents, mask) -> torch.Tensor:
         """``kv_b_proj`` folded into the query and the output; attention runs in latent space: ``[H, T, Dv]``."""
+        q = self._absorb_query(q_nope, q_rot)
+        probs = self._softmax(torch.matmul(q, latents.T), ~mask, q.dtype)
+        out_latent = torch.matmul(probs, latents[:, : self.cfg.kv_lora_rank])  # [H, T, r]
+        return self._expand_output(out_latent)
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b_proj``'s key and value parts per head: ``[H, n, r]``, ``[H, v, r]`` (views)."""
         cfg = self.cfg
         w = self.kv_b_proj.weight.view(-1, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        w_k, w_v = w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [H, n, r], [H, v, r]
-        q = torch.cat((torch.matmul(q_nope, w_k), q_rot), dim=-1)  # [H, T, r + rope]
-        probs = self._softmax(torch.matmul(q, latents.T), mask, q.dtype)
-        out_latent = torch.matmul(probs, latents[:, : cfg.kv_lora_rank])  # [H, T, r]
-        return torch.matmul(out_latent, w_v.transpose(-1, -2))
+        return w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+
+    def _absorb_query(self, q_nope: torch.Tensor, q_rot: torch.Tensor) -> torch.Tensor:
+        """``[H, T, n]``, ``[H, T, rope]`` -> the query in latent space ``[H, T, r + rope]``."""
+        return torch.cat((torch.matmul(q_nope, self._absorbed_weights()[0]), q_rot), dim=-1)
+
+    def _expand_output(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """Latent-space attention output ``[H, T, r]`` -> per-head values ``[H, T, v]``."""
+        return torch.matmul(out_latent, self._absorbed_weights()[1].transpose(-1, -2))
 
 
 def absorbed_is_cheaper(cfg: DeepseekV3Config, q_len: int, kv_len: int) -> bool:
@@ -296,7 +350,7 @@ class DeepseekV3Router(nn.Module):
         return ids, weights * cfg.routed_scaling_factor
 
 
-class DeepseekV3MoE(nn.Module):
+class DeepseekV3MoE(RoutedMoE):
     """Routed experts (through the dispatcher) plus always-on shared experts."""
 
     def __init__(self, cfg: DeepseekV3Config, layer: int, dispatcher: ExpertDispatcher) -> None:
@@ -310,18 +364,17 @@ class DeepseekV3MoE(nn.Module):
         )
         object.__setattr__(self, "dispatcher", dispatcher)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)
-        out = self.dispatcher.dispatch(self.layer, x, ids, weights)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        return *self.gate(x), shared
 
 
-def _decoder_layer(cfg: DeepseekV3Config, layer: int, dispatcher: ExpertDispatcher) -> PreNormDecoderLayer:
+def _decoder_layer(cfg: DeepseekV3Config, layer: int, dispatcher: ExpertDispatcher) -> SegmentedDecoderLayer:
     if cfg.is_moe_layer(layer):
         mlp: nn.Module = DeepseekV3MoE(cfg, layer, dispatcher)
     else:
         mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
-    return PreNormDecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, DeepseekV3Attention(cfg, layer), mlp)
+    return SegmentedDecoderLayer(layer, cfg.hidden_size, cfg.rms_norm_eps, DeepseekV3Attention(cfg, layer), mlp)
 
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
@@ -336,6 +389,9 @@ class DeepseekV3ForCausalLM(CausalLM):
     """DeepSeek-V3 / R1 / V3.1 (671B) and smaller models of the same architecture."""
 
     keep_fp32 = ("e_score_correction_bias",)
+    # Decode steps (one token per sequence) run as segments (:mod:`decode_segments`), CUDA graphs where
+    # ``graphs`` allows; False runs them through the layers' one-call forward, as prefill does.
+    segmented_decode = True
 
     def __init__(self, config: DeepseekV3Config, dispatcher: ExpertDispatcher) -> None:
         super().__init__(config, dispatcher)
@@ -343,6 +399,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.layers = nn.ModuleList(_decoder_layer(config, i, dispatcher) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.graphs = SegmentGraphs()
 
     @classmethod
     def config_from_hf(cls, hf: dict[str, Any]) -> DeepseekV3Config:
@@ -408,9 +465,12 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def post_load(self) -> None:
         cfg = self.config
-        self.inv_freq, self.rope_factor = rope_inverse_frequencies(
+        inv_freq, self.rope_factor = rope_inverse_frequencies(
             cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         )
+        self.inv_freq = inv_freq.to(self.device)  # on the device: a graph capture cannot copy it in
+        # Graphs read the weights in place: any captured before (e.g. of an earlier load) are stale.
+        self.graphs = SegmentGraphs()
 
     def new_cache(self, max_tokens: int, kv_dtype: str | None = None) -> LatentKVCache:
         cfg = self.config
@@ -424,7 +484,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         seq_lens: Sequence[int] | None = None,
     ) -> torch.Tensor:
         batch = ForwardBatch(cache, input_ids.shape[0], seq_lens, input_ids.device)
-        return prenorm_stack_forward(self, input_ids, batch)
+        return prenorm_forward(self, input_ids, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

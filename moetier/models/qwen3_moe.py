@@ -1,4 +1,8 @@
-"""Qwen3-MoE: grouped-query attention with per-head q/k RMS norm, softmax top-k router, no shared expert."""
+"""Qwen3-MoE: grouped-query attention with per-head q/k RMS norm, softmax top-k router, no shared expert.
+
+A decode step (one token per sequence) runs as segments, CUDA graphs on CUDA, around the per-sequence
+attention and the expert dispatch (:mod:`decode_segments`).
+"""
 
 from __future__ import annotations
 
@@ -14,16 +18,17 @@ from torch import nn
 from moetier.errors import ConfigError
 from moetier.models.base import CausalLM, ExpertTarget, ForwardBatch, ParamTarget, WeightTarget, register_model
 from moetier.models.cache import ContiguousKVCache
-from moetier.models.layers import (
-    DenseMLP,
-    PreNormDecoderLayer,
-    RMSNorm,
-    apply_rope,
-    attention,
-    causal_mask,
-    prenorm_stack_forward,
-    rope_inverse_frequencies,
+from moetier.models.decode_segments import (
+    Rope,
+    RoutedMoE,
+    SegmentedDecoderLayer,
+    apply_rope_rows,
+    padding_mask,
+    prenorm_forward,
+    stack_padded,
 )
+from moetier.models.graph_segments import SegmentGraphs
+from moetier.models.layers import DenseMLP, RMSNorm, attention, causal_mask, rope_inverse_frequencies
 from moetier.tiers.dispatcher import ExpertDispatcher
 from moetier.tiers.experts import ExpertLayout
 
@@ -81,17 +86,56 @@ class Qwen3MoeAttention(nn.Module):
         self.o_proj = nn.Linear(heads * dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(dim, cfg.rms_norm_eps)
+        self.scale = dim**-0.5
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: ContiguousKVCache):
+    def forward(self, x: torch.Tensor, rope: Rope, cache: ContiguousKVCache) -> torch.Tensor:
+        """One sequence's normed rows ``x`` ``[T, H]`` at the rope's positions, appended to ``cache`` -> ``[T, H]``."""
+        q, k, v = self.project(x, rope)
+        keys, values = cache.write(self.layer, k.transpose(0, 1), v.transpose(0, 1))
+        mask = causal_mask(x.shape[0], keys.shape[1], x.device)
+        out = attention(q.transpose(0, 1), keys, values, mask, self.scale)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def project(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed rows ``[T, H]`` -> roped queries ``[T, heads, D]``, roped keys and values ``[T, kv_heads, D]``."""
         tokens, dim = x.shape[0], self.cfg.head_dim
-        q = self.q_norm(self.q_proj(x).view(tokens, -1, dim)).transpose(0, 1)
-        k = self.k_norm(self.k_proj(x).view(tokens, -1, dim)).transpose(0, 1)
-        v = self.v_proj(x).view(tokens, -1, dim).transpose(0, 1)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        keys, values = cache.write(self.layer, k, v)
-        mask = causal_mask(tokens, keys.shape[1], x.device)
-        out = attention(q, keys, values, mask, dim**-0.5)
-        return self.o_proj(out.reshape(tokens, -1))
+        q = self.q_norm(self.q_proj(x).view(tokens, -1, dim))
+        k = self.k_norm(self.k_proj(x).view(tokens, -1, dim))
+        v = self.v_proj(x).view(tokens, -1, dim)
+        return apply_rope_rows(q, *rope), apply_rope_rows(k, *rope), v
+
+    # Decode (one token per sequence, :mod:`decode_segments`): the projections and the output projection
+    # are capturable; the cache writes and the attention between them are not.
+
+    decode_project = project
+
+    def decode_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        caches: list[ContiguousKVCache],
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """Row ``i`` of ``k``/``v`` appended to ``caches[i]``; each query row attends over its sequence's keys,
+        all sequences in one padded computation -> ``[B, heads * D]``."""
+        written = [
+            c.write(self.layer, k[i : i + 1].transpose(0, 1), v[i : i + 1].transpose(0, 1))
+            for i, c in enumerate(caches)
+        ]
+        keys, values = (list(rows) for rows in zip(*written, strict=True))
+        padding = padding_mask(positions, [rows.shape[-2] for rows in keys])
+        keys, values = stack_padded(keys), stack_padded(values)  # [B, kv_heads, S, D]
+        # Query heads grouped by the KV head they share (repeat_interleave's order): no expanded keys needed.
+        tokens, kv_heads = q.shape[0], keys.shape[1]
+        scores = torch.matmul(q.view(tokens, kv_heads, -1, q.shape[-1]), keys.transpose(-1, -2)) * self.scale
+        if padding is not None:
+            scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values).reshape(tokens, -1)
+
+    def decode_output(self, out: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(out)
 
 
 class Qwen3MoeRouter(nn.Module):
@@ -111,24 +155,25 @@ class Qwen3MoeRouter(nn.Module):
         return ids, weights.to(logits.dtype)
 
 
-class Qwen3MoeBlock(nn.Module):
+class Qwen3MoeBlock(RoutedMoE):
+    """The router's top-k experts, from the dispatcher; no shared expert."""
+
     def __init__(self, cfg: Qwen3MoeConfig, layer: int, dispatcher: ExpertDispatcher) -> None:
         super().__init__()
         self.layer = layer
         self.gate = Qwen3MoeRouter(cfg)
         object.__setattr__(self, "dispatcher", dispatcher)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)
-        return self.dispatcher.dispatch(self.layer, x, ids, weights)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return *self.gate(x), None
 
 
-def _decoder_layer(cfg: Qwen3MoeConfig, layer: int, dispatcher: ExpertDispatcher) -> PreNormDecoderLayer:
+def _decoder_layer(cfg: Qwen3MoeConfig, layer: int, dispatcher: ExpertDispatcher) -> SegmentedDecoderLayer:
     if cfg.is_moe_layer(layer):
         mlp: nn.Module = Qwen3MoeBlock(cfg, layer, dispatcher)
     else:
         mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
-    return PreNormDecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, Qwen3MoeAttention(cfg, layer), mlp)
+    return SegmentedDecoderLayer(layer, cfg.hidden_size, cfg.rms_norm_eps, Qwen3MoeAttention(cfg, layer), mlp)
 
 
 _EXPERT_NAME = re.compile(
@@ -141,12 +186,17 @@ _PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "gate_up_pro
 class Qwen3MoeForCausalLM(CausalLM):
     """Qwen3-MoE (e.g. Qwen3-30B-A3B, Qwen3-235B-A22B)."""
 
+    # Decode steps (one token per sequence) run as segments (:mod:`decode_segments`), CUDA graphs where
+    # ``graphs`` allows; False runs them through the layers' one-call forward, as prefill does.
+    segmented_decode = True
+
     def __init__(self, config: Qwen3MoeConfig, dispatcher: ExpertDispatcher) -> None:
         super().__init__(config, dispatcher)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(_decoder_layer(config, i, dispatcher) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.graphs = SegmentGraphs()
 
     @classmethod
     def config_from_hf(cls, hf: dict[str, Any]) -> Qwen3MoeConfig:
@@ -198,9 +248,12 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     def post_load(self) -> None:
         cfg = self.config
-        self.inv_freq, self.rope_factor = rope_inverse_frequencies(
+        inv_freq, self.rope_factor = rope_inverse_frequencies(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         )
+        self.inv_freq = inv_freq.to(self.device)  # on the device: a graph capture cannot copy it in
+        # Graphs read the weights in place: any captured before (e.g. of an earlier load) are stale.
+        self.graphs = SegmentGraphs()
 
     def new_cache(self, max_tokens: int, kv_dtype: str | None = None) -> ContiguousKVCache:
         cfg = self.config
@@ -222,7 +275,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         seq_lens: Sequence[int] | None = None,
     ) -> torch.Tensor:
         batch = ForwardBatch(cache, input_ids.shape[0], seq_lens, input_ids.device)
-        return prenorm_stack_forward(self, input_ids, batch)
+        return prenorm_forward(self, input_ids, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,242 @@
+"""Pre-norm MoE decoders (Qwen3-MoE, DeepSeek-V3): the layer cut into pieces, and the decode step as segments.
+
+A decode step of a few streams is bound by kernel launches (the V4 step, :mod:`deepseek_v4_step`, went from
+303 to 79 launches per step under CUDA graphs). Here the layers of the Llama-style families are cut where
+per-sequence cache work or host decisions start, and a step where every sequence brings one token runs as
+
+    inputs    graph   embedding, rope cos/sin of the step's positions
+    per layer:
+      pre     graph   the previous layer's MoE output added to the residual, input norm, the attention's
+                      projections (q/k norms, rope of the new token)
+      attend  eager   each sequence's cache write, then one attention over all sequences' (padded) keys
+      post    graph   output projection, residual, post-attention norm, then the router and shared expert
+                      (a MoE layer) or the whole dense MLP and its residual (a dense layer)
+      experts eager   the dispatcher (its tiers decide on the host from the routing)
+    final     graph   the last MoE output added in, final norm
+
+through the model's :class:`~moetier.models.graph_segments.SegmentGraphs`, keyed by segment, layer and batch
+size. Segments hand their outputs straight on (read in place); only the token ids, positions, attention
+outputs and routed-expert outputs are copied in.
+
+One implementation of the math: when every sequence brings one token, :class:`SegmentedDecoderLayer`'s
+one-call ``forward`` is the composition of the very methods the segments call, on the same shapes, so both
+paths give identical numbers (other batches run :class:`PreNormDecoderLayer`'s forward, per sequence, as
+before). Without CUDA, or with graphs off, the segments run eagerly: the CPU tests of this path test the
+graphed math.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import nn
+
+from moetier.models.base import ForwardBatch, SequenceCache, SequenceSlice
+from moetier.models.layers import PreNormDecoderLayer, apply_rope, prenorm_stack_forward, rope_cos_sin
+
+if TYPE_CHECKING:
+    from moetier.models.graph_segments import SegmentGraphs
+    from moetier.tiers.dispatcher import ExpertDispatcher
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, rot_dim] each
+MaybeTensor = torch.Tensor | None
+# A layer's output as the next segment receives it: (residual,) or, after a MoE layer, (residual before the
+# MoE, routed experts' output, shared experts' output or None) (the sum is left to the next segment).
+Carry = tuple[MaybeTensor, ...]
+
+
+def apply_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate token-major ``x`` (``[T, heads, D]``) with ``cos``/``sin`` of shape ``[T, D]``."""
+    return apply_rope(x, cos[:, None], sin[:, None])
+
+
+def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Tensors ``[*lead, L_i, D]`` (token axis -2) -> one ``[B, *lead, max L_i, D]``, zeros after each one's rows
+    (one tensor: a view, nothing copied)."""
+    if len(rows) == 1:
+        return rows[0][None]
+    first, longest = rows[0], max(r.shape[-2] for r in rows)
+    padded = first.new_zeros(len(rows), *first.shape[:-2], longest, first.shape[-1])
+    for row, keys in zip(padded, rows, strict=True):
+        row[..., : keys.shape[-2], :] = keys
+    return padded
+
+
+def padding_mask(positions: torch.Tensor, lengths: list[int]) -> torch.Tensor | None:
+    """``[B, max(lengths)]`` bool, True past each sequence's keys (the padding of :func:`stack_padded`), for one
+    token per sequence at ``positions`` ``[B]`` with ``lengths[b]`` keys each (``positions + 1``); None when
+    nothing is padded (one sequence, or equal lengths)."""
+    if min(lengths) == max(lengths):
+        return None
+    # From the device's positions: no host-to-device copy of the lengths.
+    return torch.arange(max(lengths), device=positions.device)[None, :] > positions[:, None]
+
+
+def is_decode(slices: list[SequenceSlice]) -> bool:
+    """Whether every sequence brings exactly one token (a decode step)."""
+    return all(s.length == 1 for s in slices)
+
+
+def combine_experts(routed: torch.Tensor, shared: MaybeTensor) -> torch.Tensor:
+    """A MoE block's output: the routed experts' plus the shared experts' (when the block has them)."""
+    return routed if shared is None else routed + shared
+
+
+class SplitAttention(Protocol):
+    """An attention module's decode path (one token per sequence, ``B`` sequences), cut for segments.
+
+    ``forward(x, rope, cache)`` runs one sequence's rows (any number; prefill). For decode,
+    ``decode_project(x, rope)`` maps the normed rows ``[B, H]`` to tensors with the sequences on dim 0 (rope
+    applied) and ``decode_output(out)`` maps the attention output back to ``[B, H]``: both are capturable.
+    ``decode_attend(*projected, caches, positions)`` appends each sequence's row to its cache and attends
+    (eagerly: it depends on the caches' lengths and storage).
+    """
+
+    def decode_project(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, ...]: ...
+
+    def decode_attend(self, *args: torch.Tensor | list[SequenceCache]) -> torch.Tensor: ...
+
+    def decode_output(self, out: torch.Tensor) -> torch.Tensor: ...
+
+
+class RoutedMoE(nn.Module):
+    """A MoE block: a router (and optional shared experts) on the device, routed experts through the dispatcher.
+
+    Subclasses set ``layer`` and ``dispatcher`` (a plain attribute, as :meth:`CausalLM.use_dispatcher` expects)
+    and implement :meth:`route`.
+    """
+
+    layer: int
+    dispatcher: ExpertDispatcher
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, MaybeTensor]:
+        """``x`` ``[T, H]`` -> expert ids ``[T, k]``, their weights ``[T, k]``, shared experts' output (or None).
+        Capturable: it runs inside the decode step's post segment."""
+        raise NotImplementedError
+
+    def experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for ``x`` (the dispatcher decides where each expert runs)."""
+        return self.dispatcher.dispatch(self.layer, x, ids, weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights, shared = self.route(x)
+        return combine_experts(self.experts(x, ids, weights), shared)
+
+
+class SegmentedDecoderLayer(PreNormDecoderLayer):
+    """:class:`PreNormDecoderLayer` (same parameter names) over a :class:`SplitAttention`. A decode batch runs
+    the pieces a decode step's segments run (``forward`` is their composition); any other batch runs the
+    parent's forward (each sequence's attention on its own)."""
+
+    def __init__(self, layer: int, hidden: int, eps: float, attention: nn.Module, mlp: nn.Module) -> None:
+        super().__init__(hidden, eps, attention, mlp)
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch) -> torch.Tensor:
+        """``rope`` covers every row of ``batch``; each sequence's attention runs against its own cache."""
+        if not is_decode(batch.slices):
+            return super().forward(x, rope, batch)
+        h, y = self.decode_post_attention(x, self.decode_attend(self.decode_pre_attention(x, rope), batch))
+        return h + self.mlp(y)
+
+    def decode_pre_attention(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, ...]:
+        """The attention's decode projections of the residual ``x`` ``[B, H]`` (normed, roped)."""
+        return self.self_attn.decode_project(self.input_layernorm(x), rope)
+
+    def decode_attend(self, projected: tuple[torch.Tensor, ...], batch: ForwardBatch) -> torch.Tensor:
+        """Each sequence's token appended to its cache, then attention over every sequence's keys."""
+        return self.self_attn.decode_attend(*projected, [s.cache for s in batch.slices], batch.positions)
+
+    def decode_post_attention(self, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual with the attention output ``out`` added, and its post-attention norm (the MLP's input)."""
+        h = x + self.self_attn.decode_output(out)
+        return h, self.post_attention_layernorm(h)
+
+    def decode_mlp(self, h: torch.Tensor, y: torch.Tensor) -> tuple[MaybeTensor, ...]:
+        """The capturable part of the MLP: ``(h + mlp(y),)`` for a dense MLP; for a MoE block ``(h, y, ids,
+        weights, shared)``, whose routed experts run next (eagerly, :meth:`RoutedMoE.experts`)."""
+        if isinstance(self.mlp, RoutedMoE):
+            return h, y, *self.mlp.route(y)
+        return (h + self.mlp(y),)
+
+
+class PreNormModel(Protocol):
+    """What :func:`prenorm_forward` needs of a family's model."""
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList  # of SegmentedDecoderLayer
+    norm: nn.Module
+    inv_freq: torch.Tensor  # on the model's device (a capture cannot copy it in)
+    rope_factor: float
+    graphs: SegmentGraphs
+    segmented_decode: bool
+
+
+def prenorm_forward(model: PreNormModel, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """The model's forward: final hidden states ``[T, H]`` of ``batch``, whose caches are appended to and advanced.
+
+    A step where every sequence brings one token runs as segments (:func:`decode_step`); anything else runs
+    the layers' one-call forward."""
+    if not (model.segmented_decode and is_decode(batch.slices)):
+        return prenorm_stack_forward(model, input_ids, batch)
+    hidden = decode_step(model, input_ids, batch)
+    batch.advance()
+    return hidden
+
+
+def decode_step(model: PreNormModel, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """Final hidden states ``[B, H]`` (a fresh tensor) of ``B`` sequences bringing one token each; every layer's
+    cache is appended to. The caller advances the caches."""
+    graphs, size = model.graphs, len(batch.slices)
+    x, cos, sin = graphs.run(("inputs", size), partial(_inputs, model), input_ids, batch.positions)
+    carry: Carry = (x,)
+    for layer in model.layers:
+        carry = _layer_step(graphs, layer, carry, (cos, sin), batch)
+    (hidden,) = graphs.run(("final", size), partial(_final, model), *carry)
+    return graphs.fresh(hidden)
+
+
+def _layer_step(
+    graphs: SegmentGraphs, layer: SegmentedDecoderLayer, carry: Carry, rope: Rope, batch: ForwardBatch
+) -> Carry:
+    """One layer: pre (graph), attention over the caches (eager), post (graph), routed experts (eager)."""
+    size = len(batch.slices)
+    x, *projected = graphs.run(("pre", layer.layer, size), partial(_pre, layer, len(carry)), *carry, *rope)
+    out = layer.decode_attend(tuple(projected), batch)
+    post = graphs.run(("post", layer.layer, size), partial(_post, layer), x, out)
+    if len(post) == 1:  # a dense layer: its output is complete
+        return post
+    h, y, ids, weights, shared = post
+    return h, layer.mlp.experts(y, ids, weights), shared
+
+
+def _settle(carry: Carry) -> torch.Tensor:
+    """The residual a carry stands for (adding a MoE layer's output in, as :meth:`SegmentedDecoderLayer.forward`)."""
+    if len(carry) == 1:
+        return carry[0]
+    h, routed, shared = carry
+    return h + combine_experts(routed, shared)
+
+
+def _inputs(model: PreNormModel, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Segment: the embedded tokens and the rope tables of their positions (as ``prenorm_stack_forward``)."""
+    x = model.embed_tokens(input_ids)
+    return x, *rope_cos_sin(positions, model.inv_freq, model.rope_factor, x.dtype)
+
+
+def _pre(layer: SegmentedDecoderLayer, carried: int, *tensors: MaybeTensor) -> tuple[torch.Tensor, ...]:
+    """Segment: ``carried`` carry tensors, then cos and sin -> the residual and the attention's projections."""
+    x = _settle(tensors[:carried])
+    return x, *layer.decode_pre_attention(x, (tensors[carried], tensors[carried + 1]))
+
+
+def _post(layer: SegmentedDecoderLayer, x: torch.Tensor, out: torch.Tensor) -> tuple[MaybeTensor, ...]:
+    """Segment: the attention output merged into the residual, then the MLP's capturable part."""
+    return layer.decode_mlp(*layer.decode_post_attention(x, out))
+
+
+def _final(model: PreNormModel, *carry: MaybeTensor) -> torch.Tensor:
+    """Segment: the last layer's carry -> the final hidden states."""
+    return model.norm(_settle(carry))
