@@ -58,13 +58,14 @@ def test_copies_share_blocks_and_copy_on_write_keeps_both_sides(lead, width, kv_
     used = space.stats().blocks_used
     snapshot, ref_snapshot = paged.copy(200, 6), reference.copy(200, 6)  # mid-block: block 1 is shared
     assert space.stats().blocks_used == used and snapshot.blocks == paged.blocks[:2]
+    assert space.stats().blocks_shared == 2
     more = torch.randn(*lead, 5, width, generator=g)
     snapshot.write(6, more)  # copy-on-write of the shared partial block, then a fresh block
     ref_snapshot.write(6, more)
     assert torch.equal(snapshot.read(11), ref_snapshot.read(11))
     assert torch.equal(paged.read(10), reference.read(10))  # the original never sees the snapshot's rows
     assert snapshot.blocks[0] == paged.blocks[0] and snapshot.blocks[1] != paged.blocks[1]
-    assert space.stats().blocks_used == used + 2
+    assert space.stats().blocks_used == used + 2 and space.stats().blocks_shared == 1
 
 
 def test_blocks_return_to_the_pool_when_the_last_holder_goes_and_the_pool_grows():
@@ -91,7 +92,7 @@ def _greedy(loaded, prompts, **config):
     return engine, {rid: [t for u in ups for t in u.new_token_ids] for rid, ups in updates.items()}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v4"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v4"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 def test_engine_on_paged_kv_generates_what_it_does_on_contiguous_kv(families, family, kv_dtype):
     loaded, vocab = families(family)
@@ -103,21 +104,27 @@ def test_engine_on_paged_kv_generates_what_it_does_on_contiguous_kv(families, fa
     assert stats.kv_pool_bytes_allocated >= stats.kv_pool_bytes_used > 0  # the prefix cache holds snapshots
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v4"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "deepseek_v4"])
 def test_a_resent_conversation_shares_its_prefix_blocks(families, family):
     loaded, vocab = families(family)
     first = random_prompt(64, seed=3, vocab=vocab)
     engine = make_engine(loaded, tokenizer=None, max_streams=2, kv_layout="paged", kv_block_tokens=16)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     turn1 = run(engine, [("a", first, params)])["a"]
-    answer = [t for u in turn1 for t in u.new_token_ids]
-    follow = first + answer + random_prompt(5, seed=4, vocab=vocab)
-    before = engine.stats().prefix_cache_hits
-    turn2 = run(engine, [("b", follow, params)])["b"]
-    assert engine.stats().prefix_cache_hits > before
+    follow = first + [t for u in turn1 for t in u.new_token_ids] + random_prompt(5, seed=4, vocab=vocab)
+    space = engine.runner.kv_space
+    assert space.stats().blocks_shared == 0  # turn 1 is done: only its snapshot holds blocks
+    engine.add_request("b", follow, params)
+    updates = engine.step()  # admitted from the snapshot: only the new tokens are computed
+    assert engine.stats().prefix_cache_hits > 0
+    # Turn 2's cache holds the snapshot's full blocks too (its partly filled ones were copied on write).
+    assert space.stats().blocks_shared > 0
+    while engine.has_work():
+        updates += engine.step()
     alone = make_engine(loaded, tokenizer=None, max_streams=1, enable_prefix_caching=False)
     expected = run(alone, [("b", follow, params)])["b"]
-    assert [t for u in turn2 for t in u.new_token_ids] == [t for u in expected for t in u.new_token_ids]
+    got = [t for u in updates if u.request_id == "b" for t in u.new_token_ids]
+    assert got == [t for u in expected for t in u.new_token_ids]
 
 
 def test_preempted_requests_recompute_on_paged_kv(families):

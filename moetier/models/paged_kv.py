@@ -113,9 +113,11 @@ class KVBlockPool:
 
 @dataclass
 class KVSpaceStats:
-    """What the pools of a :class:`PagedKVSpace` hold: blocks in use and allocated, and their bytes."""
+    """What the pools of a :class:`PagedKVSpace` hold: blocks in use (``blocks_shared`` of them by more
+    than one table: what sharing saved), blocks allocated, and their bytes."""
 
     blocks_used: int
+    blocks_shared: int
     blocks_allocated: int
     bytes_used: int
     bytes_allocated: int
@@ -145,6 +147,7 @@ class PagedKVSpace:
         pools = list(self._pools.values())
         return KVSpaceStats(
             blocks_used=sum(p.used for p in pools),
+            blocks_shared=sum(sum(1 for r in p.refs if r > 1) for p in pools),
             blocks_allocated=sum(p.blocks for p in pools),
             bytes_used=sum(p.used * p.block_bytes for p in pools),
             bytes_allocated=sum(p.blocks * p.block_bytes for p in pools),
