@@ -101,3 +101,29 @@ def compare_with_transformers(
         ours_tokens=ours_tokens,
         reference_tokens=ref_tokens,
     )
+
+
+@torch.inference_mode()
+def greedy_groups(model, groups: tuple[int, ...] = (1, 2, 4), steps: int = 8) -> tuple[list[list[int]], list]:
+    """Batched prefill of a group of sequences per size in ``groups``, then ``steps`` greedy decode steps of
+    every group in turn (batch sizes alternate, so decode graphs of several sizes share their pool).
+    Returns the tokens per group and the logits per step (on the CPU)."""
+    generator = torch.Generator().manual_seed(9)
+    vocab, device = model.config.vocab_size, model.device
+    runs = []
+    for size in groups:
+        lengths = [9 + 5 * i for i in range(size)]
+        caches = [model.new_cache(96) for _ in range(size)]
+        prompt = torch.randint(0, vocab, (sum(lengths),), generator=generator).to(device)
+        hidden = model(prompt, caches, lengths)
+        last = torch.tensor([sum(lengths[: i + 1]) - 1 for i in range(size)], device=device)
+        runs.append((caches, model.compute_logits(hidden[last]).argmax(-1)))
+    tokens: list[list[int]] = [[] for _ in groups]
+    logits = []
+    for _ in range(steps):
+        for g, (caches, next_tokens) in enumerate(runs):
+            step_logits = model.compute_logits(model(next_tokens, caches, [1] * len(caches)))
+            logits.append(step_logits.cpu())
+            tokens[g].extend(next_tokens.tolist())
+            runs[g] = (caches, step_logits.argmax(-1))
+    return tokens, logits

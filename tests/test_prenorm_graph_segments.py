@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import moetier_run, relative_error, save_tiny
+from reference import greedy_groups, moetier_run, relative_error, save_tiny
 from test_deepseek_v3 import VARIANTS, tiny_v3_config
 from test_qwen3_moe import tiny_qwen3_config
 from test_v4_graph_segments import FakeGraph, FakeGraphs, PhaseCounter, describe
@@ -297,40 +297,15 @@ def cuda_checkpoint(request, tmp_path_factory):
     return save_family(request.param, tmp_path_factory.mktemp(f"cuda_{request.param}"))
 
 
-@torch.inference_mode()
-def greedy_groups(model) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Batched prefill of each group, then greedy steps of every group in turn (batch sizes alternate, so
-    graphs of several sizes share the pool). Tokens per group and logits per step."""
-    generator = torch.Generator().manual_seed(9)
-    vocab, device = model.embed_tokens.num_embeddings, model.device
-    groups = []
-    for size in CUDA_GROUPS:
-        lengths = [9 + 5 * i for i in range(size)]
-        caches = [model.new_cache(96) for _ in range(size)]
-        prompt = torch.randint(0, vocab, (sum(lengths),), generator=generator).to(device)
-        hidden = model(prompt, caches, lengths)
-        last = torch.tensor([sum(lengths[: i + 1]) - 1 for i in range(size)], device=device)
-        groups.append((caches, model.compute_logits(hidden[last]).argmax(-1)))
-    tokens: list[list[int]] = [[] for _ in CUDA_GROUPS]
-    logits = []
-    for _ in range(CUDA_STEPS):
-        for g, (caches, next_tokens) in enumerate(groups):
-            step_logits = model.compute_logits(model(next_tokens, caches, [1] * len(caches)))
-            logits.append(step_logits.cpu())
-            tokens[g].extend(next_tokens.tolist())
-            groups[g] = (caches, step_logits.argmax(-1))
-    return tokens, logits
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_cuda_graphs_match_eager_decode(cuda_checkpoint, dtype):
     model = load(cuda_checkpoint, DTYPES[dtype], "cuda")
     assert model.inv_freq.is_cuda
     model.graphs = SegmentGraphs(enabled=False)
-    eager_tokens, eager_logits = greedy_groups(model)
+    eager_tokens, eager_logits = greedy_groups(model, CUDA_GROUPS)
     model.graphs = graphs = SegmentGraphs(enabled=True)
-    graph_tokens, graph_logits = greedy_groups(model)
+    graph_tokens, graph_logits = greedy_groups(model, CUDA_GROUPS)
     errors = [relative_error(a, b) for a, b in zip(graph_logits, eager_logits, strict=True)]
     print(f"\n{dtype}: worst relative error graphs vs eager {max(errors):.2e}; {graphs.captures} captures")
     assert graphs.failures == {}

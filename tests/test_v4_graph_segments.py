@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import moetier_run, relative_error
+from reference import greedy_groups, moetier_run, relative_error
 from test_v4_decode_ops import _VIEWS, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -392,39 +392,14 @@ def test_graphs_take_most_ops_and_copy_only_eager_results(model, monkeypatch, st
 CUDA_GROUPS = (1, 2, 4)
 
 
-@torch.inference_mode()
-def greedy_groups(model, steps: int = 8) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Batched prefill of each group, then ``steps`` greedy steps of every group in turn (batch sizes
-    alternate, so graphs of several sizes share the pool). Tokens per group and logits per step."""
-    generator = torch.Generator().manual_seed(9)
-    vocab, device = model.embed.num_embeddings, model.device
-    groups = []
-    for size in CUDA_GROUPS:
-        lengths = [9 + 5 * i for i in range(size)]
-        caches = [model.new_cache(96) for _ in range(size)]
-        prompt = torch.randint(0, vocab, (sum(lengths),), generator=generator).to(device)
-        hidden = model(prompt, caches, lengths)
-        last = torch.tensor([sum(lengths[: i + 1]) - 1 for i in range(size)], device=device)
-        groups.append((caches, model.compute_logits(hidden[last]).argmax(-1)))
-    tokens: list[list[int]] = [[] for _ in CUDA_GROUPS]
-    logits = []
-    for _ in range(steps):
-        for g, (caches, next_tokens) in enumerate(groups):
-            step_logits = model.compute_logits(model(next_tokens, caches, [1] * len(caches)))
-            logits.append(step_logits.cpu())
-            tokens[g].extend(next_tokens.tolist())
-            groups[g] = (caches, step_logits.argmax(-1))
-    return tokens, logits
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_graphs_match_eager_decode(checkpoint, dtype):
     model = load_model(checkpoint, ModelLoadConfig(dtype=dtype, device="cuda"), progress=False).model
     model.graphs = SegmentGraphs(enabled=False)
-    eager_tokens, eager_logits = greedy_groups(model)
+    eager_tokens, eager_logits = greedy_groups(model, CUDA_GROUPS)
     model.graphs = graphs = SegmentGraphs(enabled=True)
-    graph_tokens, graph_logits = greedy_groups(model)
+    graph_tokens, graph_logits = greedy_groups(model, CUDA_GROUPS)
     errors = [relative_error(a, b) for a, b in zip(graph_logits, eager_logits, strict=True)]
     print(f"\n{dtype}: worst relative error graphs vs eager {max(errors):.2e}; {graphs.captures} captures")
     assert graphs.failures == {}
