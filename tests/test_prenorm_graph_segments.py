@@ -23,7 +23,7 @@ import torch
 from reference import greedy_groups, moetier_run, relative_error, save_tiny
 from test_deepseek_v3 import VARIANTS, tiny_v3_config
 from test_qwen3_moe import tiny_qwen3_config
-from test_v4_graph_segments import FakeGraph, FakeGraphs, PhaseCounter, describe
+from test_v4_graph_segments import FakeGraph, FakeGraphs, PhaseCounter, describe, step_phases
 
 import moetier.models.decode_segments as segments
 from moetier.config import ModelLoadConfig
@@ -228,35 +228,11 @@ def phases(model, monkeypatch):
 
 
 @torch.no_grad()
-def step_phases(model, monkeypatch, streams: int) -> PhaseCounter:
-    """One decode step of ``streams`` sequences (prompts of 21 + i tokens), counted by phase, with graphs
-    captured beforehand by two steps of other sequences."""
-    monkeypatch.setattr(model, "graphs", FakeGraphs(warmup=1))
-    vocab = model.embed_tokens.num_embeddings
-
-    def prefill(seed: int) -> tuple[list, torch.Generator]:
-        generator = torch.Generator().manual_seed(seed)
-        caches = [model.new_cache(64) for _ in range(streams)]
-        for i, cache in enumerate(caches):
-            model(torch.randint(0, vocab, (21 + i,), generator=generator), cache)
-        return caches, generator
-
-    warm, generator = prefill(6)
-    for _ in range(2):
-        model(torch.randint(0, vocab, (streams,), generator=generator), warm, [1] * streams)
-    caches, generator = prefill(5)
-    tokens = torch.randint(0, vocab, (streams,), generator=generator)
-    with phases(model, monkeypatch) as counter:
-        model(tokens, caches, [1] * streams)
-    return counter
-
-
-@torch.no_grad()
 def one_call_ops(model, monkeypatch, streams: int) -> int:
     """Non-view, non-expert ops of the same step through the one-call forward (graphs off: one launch each)."""
     monkeypatch.setattr(model, "segmented_decode", False)
     try:
-        counter = step_phases(model, monkeypatch, streams)
+        counter = step_phases(model, monkeypatch, streams, phases)
     finally:
         monkeypatch.setattr(model, "segmented_decode", True)
     return counter.ops[("eager", False)]
@@ -270,7 +246,7 @@ LAUNCH_CEILINGS = {"qwen3_moe": (56, 137), "v3_q_lora": (52, 100), "v3_yarn_plai
 
 @pytest.mark.parametrize("streams", [1, 4])
 def test_graphs_take_most_ops_and_copy_only_eager_results(request, model, monkeypatch, streams):
-    counter = step_phases(model, monkeypatch, streams)
+    counter = step_phases(model, monkeypatch, streams, phases)
     print(f"\n{model.dtype}, {streams} stream(s): {describe(counter)}")
     launches = counter.ops[("eager", False)] + counter.ops[("copy", False)] + counter.replays
     ceiling = LAUNCH_CEILINGS[request.node.callspec.params["checkpoint"]][streams > 1]
@@ -350,6 +326,6 @@ if __name__ == "__main__":
                 tiny = load(path, dtype)
                 for n in (1, 4):
                     with pytest.MonkeyPatch.context() as patch:
-                        phases_ = describe(step_phases(tiny, patch, n))
+                        phases_ = describe(step_phases(tiny, patch, n, phases))
                         eager = one_call_ops(tiny, patch, n)
                     print(f"{name} {dtype}, {n} stream(s): {phases_}; one-call forward {eager} ops")

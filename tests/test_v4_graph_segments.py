@@ -340,11 +340,12 @@ def phases(model, monkeypatch):
 
 
 @torch.no_grad()
-def step_phases(model, monkeypatch, streams: int) -> PhaseCounter:
+def step_phases(model, monkeypatch, streams: int, counting=None) -> PhaseCounter:
     """Ops of the decode step :func:`test_v4_decode_ops.decode_step_ops` counts (same prompts and tokens),
-    with graphs captured beforehand (two steps of other sequences warm up and capture the segments)."""
+    with graphs captured beforehand (two steps of other sequences warm up and capture the segments).
+    ``counting`` is the family's :func:`phases` (default: this module's, for V4)."""
     monkeypatch.setattr(model, "graphs", FakeGraphs(warmup=1))
-    vocab = model.embed.num_embeddings
+    vocab = model.config.vocab_size
 
     def prefill(seed: int) -> tuple[list, torch.Generator]:
         generator = torch.Generator().manual_seed(seed)
@@ -358,7 +359,7 @@ def step_phases(model, monkeypatch, streams: int) -> PhaseCounter:
         model(torch.randint(0, vocab, (streams,), generator=generator), warm, [1] * streams)
     caches, generator = prefill(5)
     tokens = torch.randint(0, vocab, (streams,), generator=generator)
-    with phases(model, monkeypatch) as counter:
+    with (counting or phases)(model, monkeypatch) as counter:
         model(tokens, caches, [1] * streams)
     return counter
 
