@@ -13,9 +13,10 @@ from server_harness import LiveServer, demo_config
 CLIENTS, REQUESTS, MAX_TOKENS = 8, 32, 8
 
 
-@pytest.fixture(scope="module")
-def server():
-    live = LiveServer(demo_config(max_streams=4, context=512)).start()
+@pytest.fixture(scope="module", params=["contiguous", "paged"])
+def server(request):
+    live = LiveServer(demo_config(max_streams=4, context=512, kv_layout=request.param)).start()
+    live.kv_layout = request.param
     yield live
     live.stop()
 
@@ -113,6 +114,11 @@ def test_load_32_requests_from_8_clients(server):
         if line.startswith("moetier:request_success_total")
     )
     assert finished >= REQUESTS
+    pool_lines = [line for line in metrics.splitlines() if line.startswith("moetier:kv_pool_used_bytes")]
+    if server.kv_layout == "paged":  # the prefix cache's snapshots hold blocks; the finished requests none
+        assert len(pool_lines) == 1 and float(pool_lines[0].rsplit(" ", 1)[1]) > 0
+    else:
+        assert not pool_lines
     # Still serving normally after the burst.
     reply = server.client().chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
                                                      max_tokens=2)  # fmt: skip

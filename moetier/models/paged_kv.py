@@ -24,6 +24,7 @@ contiguous.
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -58,6 +59,9 @@ class KVBlockPool:
             self.scales = torch.empty(INITIAL_BLOCKS, block_tokens, *lead, groups, dtype=torch.float32, device=device)
         self.refs = [0] * INITIAL_BLOCKS
         self.free = list(range(INITIAL_BLOCKS - 1, -1, -1))
+        # A store's blocks go back when its last holder is dropped, in whichever thread that happens
+        # (a garbage-collection pass may run anywhere): reference counts change under this lock.
+        self._lock = threading.Lock()
 
     @property
     def blocks(self) -> int:
@@ -77,21 +81,24 @@ class KVBlockPool:
         return tensor.view(-1, *tensor.shape[2:])
 
     def allocate(self) -> int:
-        if not self.free:
-            self._grow()
-        block = self.free.pop()
-        self.refs[block] = 1
-        return block
+        with self._lock:
+            if not self.free:
+                self._grow()
+            block = self.free.pop()
+            self.refs[block] = 1
+            return block
 
     def retain(self, blocks: Sequence[int]) -> None:
-        for block in blocks:
-            self.refs[block] += 1
+        with self._lock:
+            for block in blocks:
+                self.refs[block] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
-        for block in blocks:
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                self.free.append(block)
+        with self._lock:
+            for block in blocks:
+                self.refs[block] -= 1
+                if self.refs[block] == 0:
+                    self.free.append(block)
 
     def copy_block(self, source: int) -> int:
         """A private copy of ``source`` (copy-on-write); the caller drops its reference to ``source``."""
