@@ -43,6 +43,9 @@ def test_paged_rows_read_back_what_contiguous_rows_do(block, lead, width, kv_dty
         end += n
         assert torch.equal(paged.read(end), reference.read(end))
         assert torch.equal(paged.read(end // 2), reference.read(end // 2))
+        some = torch.randperm(end, generator=g)[:5]  # a reader of a few rows (V4's top-k entries)
+        assert torch.equal(reference.read_at(some), reference.read(end).index_select(-2, some))
+        assert torch.equal(paged.read_at(some), reference.read_at(some))
     assert paged.nbytes == reference.nbytes  # the engine's accounting is the same on both layouts
     assert len(paged.blocks) == -(-end // block)
 

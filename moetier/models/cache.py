@@ -101,7 +101,24 @@ class KVRows:
         fused = try_read_rows(self.data, self.scales, self.groups, end, self.dtype, token_axis=-2)
         if fused is not None:  # one kernel on CUDA instead of ~5 ops
             return fused
-        scales = self.scales[..., :end, :]
+        return self._dequantize(data, self.scales[..., :end, :])
+
+    def read_at(self, index: torch.Tensor) -> torch.Tensor:
+        """The rows at ``index`` (int64 ``[n]``, each below the rows written) in the compute dtype,
+        ``[*lead, n, width]``: a reader that needs a few rows (V4's top-k entries) converts only those."""
+        if self.scales is None:
+            rows = self.data.index_select(-2, index)
+            return rows if rows.dtype == self.dtype else rows.to(self.dtype)
+        n = index.shape[0]
+        fused = try_read_rows(self.data, self.scales, self.groups, n, self.dtype, token_axis=-2, index=index)
+        if fused is not None:
+            return fused
+        # Index kernels lack float8 on some devices: fp8 bytes move as uint8 (same bits).
+        data = self.data.view(torch.uint8).index_select(-2, index).view(self.data.dtype)
+        return self._dequantize(data, self.scales.index_select(-2, index))
+
+    def _dequantize(self, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """fp8 rows and their per-group scales (token axis -2) -> the compute dtype."""
         parts = [part.float() * scales[..., g : g + 1] for g, (_, part) in enumerate(self._split(data))]
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(self.dtype)
 

@@ -174,9 +174,12 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.empty(rate, width))
         self.norm = V4RMSNorm(dim, eps)
 
-    def forward(self, kv_gate: torch.Tensor, state: CompressorState, rope: StepRope) -> torch.Tensor:
+    def forward(
+        self, kv_gate: torch.Tensor, state: CompressorState, rope: StepRope, read: bool = True
+    ) -> torch.Tensor | None:
         """Feed the tokens' projections ``kv_gate`` (``[T, 2 * width]``) into ``state``; return every entry
-        emitted so far ``[count, dim]``. A step that closes no window only stores its row."""
+        emitted so far ``[count, dim]`` (None with ``read`` False: the caller reads what it needs). A step
+        that closes no window only stores its row."""
         closed = state.close_windows(kv_gate)
         if closed is not None:
             kv, gate, first = closed
@@ -186,7 +189,7 @@ class Compressor(nn.Module):
             weights = torch.softmax(gate, dim=1).to(kv.dtype)
             pooled = self.norm((kv * weights).sum(dim=1))
             state.append(rotate_(pooled, rope.entries(first, kv.shape[0], self.rate, pooled.dtype)))
-        return state.emitted
+        return state.emitted if read else None
 
     def _pair_with_previous(
         self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState
@@ -487,12 +490,14 @@ class DeepseekV4Attention(nn.Module):
         parts = [state.window.extend(inputs.kv[i : i + 1])]
         if self.compressor is None:
             return parts
-        entries = self.compressor(inputs.kv_gate[i : i + 1], state.compressor, rope)
-        if self.indexer is not None:
+        if self.indexer is None:  # HCA: every emitted entry
+            entries = self.compressor(inputs.kv_gate[i : i + 1], state.compressor, rope)
+        else:  # CSA: only the top-k entries are read back (paged or fp8 stores convert just those)
+            self.compressor(inputs.kv_gate[i : i + 1], state.compressor, rope, read=False)
             kv_gate, weights = inputs.index_kv_gate[i : i + 1], inputs.index_weights[i : i + 1]
             ids, _ = self.indexer(kv_gate, weights, None, rope, state.indexer, q=index_q[i : i + 1])
             self._check_counts(state)
-            entries = entries[ids[0]]
+            entries = state.compressor.emitted_at(ids[0])
         if entries.shape[0]:
             parts.append(entries)
         return parts

@@ -140,6 +140,10 @@ class CompressorState:
     def emitted(self) -> torch.Tensor:
         return self.entries.read(self.count)
 
+    def emitted_at(self, ids: torch.Tensor) -> torch.Tensor:
+        """The emitted entries at ``ids`` (int64, each below ``count``): only they are read back."""
+        return self.entries.read_at(ids)
+
     def copy(self, max_entries: int | None = None, count: int | None = None) -> CompressorState:
         """A deep copy with room for ``max_entries`` entries (default: exactly the emitted ones), keeping
         the first ``count`` entries (default all). Only the rolling tensors' current values are copied."""

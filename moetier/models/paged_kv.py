@@ -238,19 +238,24 @@ class PagedKVRows(KVRows):
             self._pool.flat(self._pool.scales)[..., g : g + 1].index_copy_(0, index, scale)
 
     def read(self, end: int) -> torch.Tensor:
-        index = self._index[:end]
-        if self._pool.scales is None:
-            data = self._pool.flat(self._pool.data).index_select(0, index).movedim(0, -2)
-            return data if data.dtype == self.dtype else data.to(self.dtype)
+        return self._gather(self._index[:end])
+
+    def read_at(self, index: torch.Tensor) -> torch.Tensor:
+        return self._gather(self._index[index])
+
+    def _gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Pool ``rows`` (int64 ``[n]``) as ``[*lead, n, width]`` in the compute dtype."""
         pool = self._pool
-        fused = try_read_rows(pool.flat(pool.data), pool.flat(pool.scales), self.groups, end, self.dtype, 0, index)
+        if pool.scales is None:
+            data = pool.flat(pool.data).index_select(0, rows).movedim(0, -2)
+            return data if data.dtype == self.dtype else data.to(self.dtype)
+        n = rows.shape[0]
+        fused = try_read_rows(pool.flat(pool.data), pool.flat(pool.scales), self.groups, n, self.dtype, 0, rows)
         if fused is not None:  # gather and dequantisation in one kernel on CUDA
             return fused
-        raw = self._pool.flat(self._pool.data).view(torch.uint8).index_select(0, index)
-        data = raw.view(self._pool.data.dtype).movedim(0, -2)
-        scales = self._pool.flat(self._pool.scales).index_select(0, index).movedim(0, -2)
-        parts = [part.float() * scales[..., g : g + 1] for g, (_, part) in enumerate(self._split(data))]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(self.dtype)
+        raw = pool.flat(pool.data).view(torch.uint8).index_select(0, rows)
+        scales = pool.flat(pool.scales).index_select(0, rows).movedim(0, -2)
+        return self._dequantize(raw.view(pool.data.dtype).movedim(0, -2), scales)
 
     def copy(self, capacity: int, length: int) -> PagedKVRows:
         """A store of ``capacity`` rows sharing this one's blocks for its first ``length`` rows (no data copied)."""
