@@ -4,6 +4,7 @@
 # everything lands in $OUT.
 # Usage (device tool): MOETIER_GIT_SHA=<sha> bash bench/gpu_suite.sh   (carry: .whl)
 # Stages can be skipped: SKIP_TESTS=1, SKIP_BENCH=1 (all benchmarks), SKIP_DECODE=1, SKIP_PREFILL=1, SKIP_SERVE=1.
+# BENCH_SHAPE picks the bench model's widths (deepseek-v4-flash, the default; deepseek-v3; qwen3-235b);
 # BENCH_LAYERS (default 3) sets the model depth; ROUTING_SKEW=alpha draws each layer's expert popularity
 # from Dirichlet(alpha) (make-bench-model --routing-skew: small alpha, few hot experts; unset: uniform); GPU_TEST_ARGS adds pytest arguments (e.g. "-k deepseek_v4");
 # BENCH_ARGS replaces the decode bench's "--profile"; PREFILL_ARGS replaces the prefill bench's
@@ -12,6 +13,7 @@
 # paths against the split). HF_BASELINE=1 adds transformers + accelerate to the decode bench (HF_ARGS:
 # its extra flags). The serve stage starts `moetier serve` on the bench model with SERVE_GPU_MEMORY
 # (default 8GiB: backbone, KV, an auto 4096-token chunk and a few % of the experts) and drives it at 1/2/4 streams.
+# KV_LAYOUT_CHECK=1 adds two decode runs with fp8 KV, contiguous then paged.
 # CPU_TIER=1 adds `moetier bench cpu-tier` (torch vs the C kernel at CPU_TIER_THREADS, default 8,14,16).
 # One command runs at most 10 minutes on the device:
 # split the stages over several calls (e.g. SKIP_TESTS=1 SKIP_DECODE=1 for the prefill receipt).
@@ -61,17 +63,23 @@ if [ -n "${CPU_TIER:-}" ]; then  # the CPU tier's kernels alone (torch and C), n
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-    model=/tmp/moetier-bench/v4flash-${BENCH_LAYERS:-3}l${ROUTING_SKEW:+-skew$ROUTING_SKEW}
+    shape=${BENCH_SHAPE:-deepseek-v4-flash}
+    model=/tmp/moetier-bench/$shape-${BENCH_LAYERS:-3}l${ROUTING_SKEW:+-skew$ROUTING_SKEW}
     skew=()
     [ -n "${ROUTING_SKEW:-}" ] && skew=(--routing-skew "$ROUTING_SKEW")
     echo "=== make-bench-model" >> "$LOG"
     # Progress bars are dropped from the log (carriage returns).
-    timeout 240 python3 -m moetier.cli make-bench-model --shape deepseek-v4-flash --layers "${BENCH_LAYERS:-3}" \
+    timeout 240 python3 -m moetier.cli make-bench-model --shape "$shape" --layers "${BENCH_LAYERS:-3}" \
         "${skew[@]}" --out "$model" --device cuda --force 2>&1 | tr '\r' '\n' | grep -v '^writing' | tee -a "$LOG"
     if [ -z "${SKIP_DECODE:-}" ]; then
         hf=()
         [ -n "${HF_BASELINE:-}" ] && hf=(--hf-baseline --hf-args "${HF_ARGS---fallback autocast --steps 3 --max-seconds 60}")
         bench decode 480 --streams 1,2,4 --cache-fraction 0.05 --policy lfu ${BENCH_ARGS---profile} "${hf[@]}"
+    fi
+    if [ -n "${KV_LAYOUT_CHECK:-}" ]; then  # fp8 KV, contiguous then paged: the paged read's cost in decode
+        for layout in contiguous paged; do
+            bench decode 300 --streams 1,4 --repeats 2 --modes resident,tiered --kv-dtype fp8 --kv-layout "$layout"
+        done
     fi
     if [ -z "${SKIP_PREFILL:-}" ]; then
         for chunk in ${PREFILL_CHUNKS:-4096 16384}; do
