@@ -273,6 +273,16 @@ class _TierCollector(Collector):
             for layer, counters in snap["per_layer"].items():
                 family.add_metric([name, str(layer)], counters[key])
             yield family
+        scales = dict(getattr(metrics, "route_cost_scales", {}))
+        if scales:  # the miss split adapting: seconds measured per second the start-up costs predicted
+            family = GaugeMetricFamily(
+                PREFIX + "tier_route_cost_scale",
+                "Measured / start-up cost of a miss route (cpu, copy) while decoding.",
+                labels=["model_name", "route"],
+            )
+            for route, scale in sorted(scales.items()):
+                family.add_metric([name, route], scale)
+            yield family
 
 
 class ServerMetrics:

@@ -56,6 +56,9 @@ class TierMetrics:
     """
 
     def __init__(self) -> None:
+        # Measured / start-up cost of each miss route (tiers.route_costs.RouteAdapter): state, not a
+        # counter, so reset() keeps it. The dispatcher shares its adapter's dict here.
+        self.route_cost_scales: dict[str, float] = {}
         self.reset()
 
     def reset(self) -> None:

@@ -173,6 +173,7 @@ class TieredDispatcher(ExpertDispatcher):
         # CPU jobs the GPU waits for (not the host): (layer, future, buffers kept alive until the GPU is past them)
         self._pending: list[tuple[int, Any, tuple]] = []
         self.adapter = RouteAdapter()
+        self.metrics.route_cost_scales = self.adapter.scales  # the same dict: /metrics reads it live
         self._copy_timings: list[tuple[float, Any, Any]] = []  # (predicted seconds, start, end) of a call's copies
 
     # --- set-up --------------------------------------------------------------------------------
