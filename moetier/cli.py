@@ -53,6 +53,17 @@ def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_expert_format_argument(parser: argparse.ArgumentParser) -> None:
+    """--expert-format: the routed experts' home copy, shared by ``serve``, ``generate`` and ``plan``."""
+    parser.add_argument(
+        "--expert-format",
+        default="dense",
+        choices=["dense", "fp8"],
+        help="routed experts' home copy: dense (dequantised to --dtype at load, default) or fp8 (an fp8-block "
+        "checkpoint such as DeepSeek-V3/R1 keeps its float8 weights and scales: half the host RAM and miss bytes)",
+    )
+
+
 def add_prefill_chunk_argument(parser: argparse.ArgumentParser) -> None:
     """--prefill-chunk: prefill tokens per step, shared by ``serve``, ``generate`` and ``plan``."""
     parser.add_argument(
@@ -122,6 +133,7 @@ def _setup_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     add_kv_dtype_argument(parser)
+    add_expert_format_argument(parser)
     add_prefill_chunk_argument(parser)
     add_tier_arguments(parser)
     parser.set_defaults(handler=_run_generate)
@@ -157,6 +169,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         miss_route=args.miss_route,
         kv_dtype=args.kv_dtype,
         prefill_chunk_tokens=args.prefill_chunk,
+        expert_format=args.expert_format,
     )
     # Options left out keep the checkpoint's generation_config defaults.
     params = replace(llm.get_default_sampling_params(), **chosen)
@@ -228,6 +241,7 @@ def _setup_serve(parser: argparse.ArgumentParser) -> None:
         "capture decode graphs before the first request)",
     )
     add_kv_dtype_argument(parser)
+    add_expert_format_argument(parser)
     add_prefill_chunk_argument(parser)
     add_tier_arguments(parser)
     parser.set_defaults(handler=_run_serve)
@@ -254,6 +268,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         keepalive_seconds=args.sse_keepalive,
         warmup=args.warmup,
         prefill_chunk_tokens=args.prefill_chunk,
+        expert_format=args.expert_format,
         tiers=tier_options(args),
     )
     return serve(config)
@@ -274,6 +289,7 @@ def _setup_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-read-gbps", type=float, default=None, help="host DRAM read GB/s (default: H200 box)")
     parser.add_argument("--pcie-gbps", type=float, default=None, help="PCIe host->device GB/s (default: H200 box)")
     add_kv_dtype_argument(parser)
+    add_expert_format_argument(parser)
     add_prefill_chunk_argument(parser)
     parser.set_defaults(handler=_run_plan)
 
@@ -300,6 +316,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         workspace=args.workspace,
         device_memory=plan.device_memory(device),
         kv_dtype=args.kv_dtype,
+        expert_format=args.expert_format,
         **{k: v for k, v in bandwidths.items() if v is not None},
     )
     print(plan.make_plan(path, budget, resolve_dtype(args.dtype, hf_config, device)).table())

@@ -32,19 +32,37 @@ def parse_dtype(value: str | torch.dtype | None, default: torch.dtype = torch.bf
         raise ConfigError(f"unknown dtype {value!r}; use one of bf16, fp16, fp32") from None
 
 
+# How routed experts are kept in the home copy: "dense" dequantises them to the compute dtype at load;
+# "fp8" keeps an fp8-block checkpoint's float8 bytes and scales (half the host RAM and PCIe bytes).
+EXPERT_FORMATS = ("dense", "fp8")
+
+
+def check_expert_format(value: str) -> str:
+    """``value`` if it names an expert format, else a one-line :class:`ConfigError`."""
+    if value not in EXPERT_FORMATS:
+        raise ConfigError(f"expert_format must be one of {', '.join(EXPERT_FORMATS)}, got {value!r}")
+    return value
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @dataclass
 class ModelLoadConfig:
-    """How to load a checkpoint: compute dtype, device and the longest sequence the caches must hold."""
+    """How to load a checkpoint: compute dtype, device and the longest sequence the caches must hold.
+
+    ``expert_format``: ``"dense"`` (routed experts dequantised to ``dtype`` at load) or ``"fp8"`` (an
+    fp8-block checkpoint's experts stay float8 + scales in the home copy; see :data:`EXPERT_FORMATS`).
+    """
 
     dtype: torch.dtype = torch.bfloat16
     device: torch.device | str = "cpu"
     max_model_len: int | None = None
+    expert_format: str = "dense"
 
     def __post_init__(self) -> None:
+        check_expert_format(self.expert_format)
         self.dtype = parse_dtype(self.dtype)
         self.device = torch.device(self.device)
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -76,6 +76,7 @@ class LLM:
     (``auto``, ``bf16``, ``fp8``), when given, overrides the engine config's KV cache storage, and
     ``prefill_chunk_tokens`` its prefill tokens per step (left as ``None`` in both, the placement plan
     picks the chunk with ``gpu_memory``; ``self.engine.config.prefill_chunk_tokens`` is the one used).
+    ``expert_format`` (``dense``, ``fp8``), when given, overrides the engine config's experts' home copy.
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class LLM:
         miss_route: str = "auto",
         kv_dtype: str | None = None,
         prefill_chunk_tokens: int | None = None,
+        expert_format: str | None = None,
     ) -> None:
         self.path = Path(model).expanduser()
         config = engine_config or EngineConfig()
@@ -103,6 +105,8 @@ class LLM:
             config = replace(config, kv_dtype=kv_dtype)  # validated by EngineConfig
         if prefill_chunk_tokens is not None:
             config = replace(config, prefill_chunk_tokens=prefill_chunk_tokens)
+        if expert_format is not None:
+            config = replace(config, expert_format=expert_format)  # validated by EngineConfig
         tiers = None
         if gpu_memory is not None:
             from moetier.tiers.plan import TierOptions

@@ -122,7 +122,9 @@ class SyncCopyDispatcher(ExpertDispatcher):
 
     def _buffer(self, rows: int, device: torch.device) -> torch.Tensor:
         if self._staging is None or self._staging.shape[0] < rows or self._staging.device != device:
-            self._staging = torch.empty((rows, self.store.layout.block_numel), dtype=self.store.dtype, device=device)
+            self._staging = torch.empty(
+                (rows, self.store.layout.block_numel), dtype=self.store.block_dtype, device=device
+            )
         return self._staging
 
     def dispatch(

@@ -126,7 +126,7 @@ class Engine:
             hf_config = checkpoint_config(self.path)
             self.max_model_len = resolve_window(hf_config, self.config.max_model_len)
             target = torch.device(device) if device is not None else default_device()
-            load_config = ModelLoadConfig(resolve_dtype(dtype, hf_config, target), target, self.max_model_len)
+            load_config = self.config.load_config(resolve_dtype(dtype, hf_config, target), target, self.max_model_len)
             if tiers is not None:
                 self.plan, self.loaded = self._load_tiered(load_config, tiers, load_progress)
             else:
@@ -183,8 +183,7 @@ class Engine:
         plan = plan_for(
             self.path,
             tiers,
-            load_config.dtype,
-            load_config.device,
+            load_config,
             self.max_model_len,
             streams,
             self.config.prefill_chunk_tokens,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from moetier.config import parse_dtype
+from moetier.config import ModelLoadConfig, check_expert_format, parse_dtype
 from moetier.engine.sampling import TokenLogprob
 from moetier.engine.scheduler import KV_ADMISSION_MODES
 from moetier.errors import CheckpointError, ConfigError, MoetierError
@@ -60,6 +60,9 @@ class EngineConfig:
     - ``kv_layout``: ``"contiguous"`` (each sequence's rows preallocated for its reservation, copied when
       it grows) or ``"paged"`` (blocks of ``kv_block_tokens`` rows from shared pools, allocated as tokens
       arrive and shared, not copied, by growth and prefix snapshots; :mod:`moetier.models.paged_kv`).
+    - ``expert_format``: the routed experts' home copy when the engine loads a checkpoint: ``"dense"``
+      (dequantised to the model dtype) or ``"fp8"`` (an fp8-block checkpoint's float8 + scales, half the
+      bytes; :class:`moetier.config.ModelLoadConfig`).
     """
 
     max_streams: int = 4
@@ -77,8 +80,10 @@ class EngineConfig:
     kv_dtype: str = "auto"
     kv_layout: str = "contiguous"
     kv_block_tokens: int = 16
+    expert_format: str = "dense"
 
     def __post_init__(self) -> None:
+        check_expert_format(self.expert_format)
         _positive_int("max_streams", self.max_streams)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
         _positive_int("prefill_chunk_tokens", self.prefill_chunk_tokens, allow_none=True)
@@ -108,6 +113,10 @@ class EngineConfig:
             return self
         chunk = DEFAULT_PREFILL_CHUNK if plan is None else plan.prefill_chunk_tokens
         return replace(self, prefill_chunk_tokens=chunk)
+
+    def load_config(self, dtype: torch.dtype, device: torch.device, max_model_len: int) -> ModelLoadConfig:
+        """How the engine loads its checkpoint: ``dtype`` on ``device``, experts in ``expert_format``."""
+        return ModelLoadConfig(dtype, device, max_model_len, expert_format=self.expert_format)
 
     @property
     def cache_kv_dtype(self) -> str | None:

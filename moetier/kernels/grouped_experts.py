@@ -154,7 +154,10 @@ def grouped_usable(hidden: torch.Tensor, groups: Sequence[Group]) -> bool:
         and bool(groups)
         and triton_usable(hidden)
         and hidden.dtype in _DTYPES
-        and all(w.block.dtype == hidden.dtype and w.block.device == hidden.device for w, _, _ in groups)
+        # Dense blocks in the activations' dtype only: quantised (fp8) blocks take the per-expert path.
+        and all(
+            not w.quantized and w.block.dtype == hidden.dtype and w.block.device == hidden.device for w, _, _ in groups
+        )
         and max(count for _, _, count in groups) <= MAX_GROUP_TOKENS
     )
 

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from moetier import __version__
+from moetier.config import check_expert_format
 from moetier.errors import ChatTemplateError, ConfigError
 from moetier.server.metrics import ServerMetrics, dispatcher_metrics
 from moetier.server.openai_errors import (
@@ -65,7 +66,8 @@ class ServeConfig:
     SSE comment this often, with the prefill's progress when known; 0 sends none.
     ``prefill_chunk_tokens``: prefill tokens per engine step; ``None`` (auto): the placement plan's choice
     with ``tiers``, else the engine's default. ``warmup``: on CUDA, run a few decode steps per batch size
-    up to ``max_streams`` before reporting ready (:mod:`moetier.engine.warmup`).
+    up to ``max_streams`` before reporting ready (:mod:`moetier.engine.warmup`). ``expert_format``: the
+    routed experts' home copy, ``dense`` or ``fp8`` (:class:`moetier.config.ModelLoadConfig`).
     """
 
     model: str | None = None
@@ -87,8 +89,10 @@ class ServeConfig:
     keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS
     prefill_chunk_tokens: int | None = None
     warmup: bool = True
+    expert_format: str = "dense"
 
     def __post_init__(self) -> None:
+        check_expert_format(self.expert_format)
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port!r}")
         if isinstance(self.max_streams, bool) or not isinstance(self.max_streams, int) or self.max_streams < 1:
@@ -152,6 +156,7 @@ def load_serving_model(config: ServeConfig) -> ServingModel:
         kv_dtype=config.kv_dtype,
         kv_layout=config.kv_layout,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
+        expert_format=config.expert_format,
     )
     tokenizer = "auto" if (path / "tokenizer.json").is_file() else None
     engine = Engine.from_path(

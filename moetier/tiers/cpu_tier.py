@@ -137,6 +137,8 @@ class CpuExpertTier:
         if out.dtype != torch.float32 or not out.is_contiguous():
             return False
         for group in job.groups:
+            if group.weights.quantized:
+                return False  # the C kernel reads bf16 blocks only: fp8 experts dequantise in torch
             for w in (group.weights.gate_up, group.weights.down):
                 if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous():
                     return False

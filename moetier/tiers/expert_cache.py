@@ -307,5 +307,5 @@ class ExpertCache:
         return len(self._slots)
 
     def _new_slot(self) -> Slot:
-        tensor = torch.empty(self.store.layout.block_numel, dtype=self.store.dtype, device=self.device)
+        tensor = torch.empty(self.store.layout.block_numel, dtype=self.store.block_dtype, device=self.device)
         return Slot(tensor=tensor, weights=ExpertWeights.from_block(tensor, self.store.layout))

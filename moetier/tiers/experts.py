@@ -4,6 +4,10 @@ Each routed expert lives in ONE contiguous flat block holding ``[gate; up]`` (sh
 followed by ``down`` (shape ``[H, I]``). One block per expert means one DMA moves it between
 tiers, and the CPU tier can compute straight from it. Models never touch this store: they call
 an :class:`~moetier.tiers.dispatcher.ExpertDispatcher`.
+
+With :class:`ExpertQuant` (``expert_format="fp8"``) a block keeps the checkpoint's float8 weights and
+their per-tile float32 scales as raw bytes instead (about half of bf16): every reader dequantises
+with the loader's own function, so the math is unchanged.
 """
 
 from __future__ import annotations
@@ -15,6 +19,52 @@ import torch
 import torch.nn.functional as F
 
 from moetier.errors import ConfigError
+from moetier.weights.fp8 import dequantize_blocks, scale_grid
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Every part of a quantised block starts on a cache line: enough for the float32 scales, and what
+# vector loads of a future CPU kernel want.
+PART_ALIGN = 64
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // PART_ALIGN) * PART_ALIGN
+
+
+@dataclass(frozen=True)
+class ExpertQuant:
+    """How a quantised expert block stores its weights.
+
+    ``kind`` ``"fp8-block"``: each matrix as ``fp8`` values plus one float32 scale per ``tile``
+    (rows x cols) tile, DeepSeek's release format (:mod:`moetier.weights.fp8`).
+    """
+
+    kind: str = "fp8-block"
+    tile: tuple[int, int] = (128, 128)
+    fp8: torch.dtype = torch.float8_e4m3fn
+
+    def __post_init__(self) -> None:
+        if self.kind != "fp8-block":
+            raise ConfigError(f"unknown expert quantisation {self.kind!r}; the only one is 'fp8-block'")
+        tile_ok = len(self.tile) == 2 and all(isinstance(t, int) and t > 0 for t in self.tile)
+        if not tile_ok:
+            raise ConfigError(f"fp8-block tile must be two positive integers, got {self.tile!r}")
+        if self.fp8 not in FP8_DTYPES:
+            raise ConfigError(f"fp8-block values must be float8_e4m3fn or float8_e5m2, got {self.fp8}")
+
+
+@dataclass(frozen=True)
+class BlockPart:
+    """One matrix of a quantised block: ``shape`` in ``dtype`` starting ``offset`` bytes into the block."""
+
+    name: str
+    offset: int
+    shape: tuple[int, int]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -31,47 +81,136 @@ class ExpertLayout:
     intermediate_size: int
     top_k: int
     swiglu_limit: float | None = None
+    quant: ExpertQuant | None = None  # None: dense blocks in the store's dtype
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or self.hidden_size < 1 or self.intermediate_size < 1:
             raise ConfigError(f"expert layout has a non-positive size: {self}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.quant is not None and not isinstance(self.quant, ExpertQuant):
+            raise ConfigError(f"expert layout quant must be an ExpertQuant or None, got {self.quant!r}")
 
     @property
     def gate_up_numel(self) -> int:
+        """Elements of ``[gate; up]`` (dense), or their float8 bytes (quantised): ``2 * I * H`` either way."""
         return 2 * self.intermediate_size * self.hidden_size
 
     @property
     def block_numel(self) -> int:
-        """Elements in one expert's contiguous block (gate, up and down)."""
-        return 3 * self.intermediate_size * self.hidden_size
+        """Elements in one expert's contiguous block: ``3 * I * H`` dense, its byte count (uint8) quantised."""
+        if self.quant is None:
+            return 3 * self.intermediate_size * self.hidden_size
+        last = self.quant_parts()[-1]
+        return _align(last.offset + last.nbytes)
+
+    def block_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of a block for a store computing in ``dtype``: raw bytes when quantised."""
+        return dtype if self.quant is None else torch.uint8
 
     def block_bytes(self, dtype: torch.dtype) -> int:
-        return self.block_numel * torch.empty((), dtype=dtype).element_size()
+        """Bytes of one block for a store computing in ``dtype`` (the quantised size when quantised)."""
+        return self.block_numel * torch.empty((), dtype=self.block_dtype(dtype)).element_size()
+
+    def quant_parts(self) -> list[BlockPart]:
+        """Where each matrix of a quantised block lies: gate, up, down (float8), then their float32 scales.
+
+        Gate and up keep separate scale grids: ``I`` need not be a multiple of the tile.
+        """
+        if self.quant is None:
+            raise ValueError("a dense expert layout has no quantised parts")
+        inter, hidden, quant = self.intermediate_size, self.hidden_size, self.quant
+        shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+        wanted = [(name, shape, quant.fp8) for name, shape in shapes.items()]
+        wanted += [(f"{name}_scale", scale_grid(shape, quant.tile), torch.float32) for name, shape in shapes.items()]
+        parts, offset = [], 0
+        for name, shape, dtype in wanted:
+            part = BlockPart(name, offset, shape, dtype)
+            parts.append(part)
+            offset = _align(offset + part.nbytes)
+        return parts
 
 
 @dataclass
 class ExpertWeights:
-    """Views into one expert's block: ``gate_up`` is ``[2I, H]`` (gate rows first), ``down`` is ``[H, I]``."""
+    """Views into one expert's block.
+
+    Dense: ``gate_up`` is ``[2I, H]`` (gate rows first), ``down`` is ``[H, I]``. Quantised
+    (``quantized`` True, ``gate_up``/``down`` None): float8 ``gate_q``/``up_q`` ``[I, H]`` and ``down_q``
+    ``[H, I]``, float32 ``*_scale`` grids of one scale per ``tile``.
+    """
 
     block: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
+    gate_q: torch.Tensor | None = None
+    up_q: torch.Tensor | None = None
+    down_q: torch.Tensor | None = None
+    gate_scale: torch.Tensor | None = None
+    up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+    tile: tuple[int, int] | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.tile is not None
 
     @classmethod
     def from_block(cls, block: torch.Tensor, layout: ExpertLayout) -> ExpertWeights:
+        """Views into ``block`` (``layout.block_numel`` elements of ``layout.block_dtype``), no copy."""
+        if layout.quant is not None:
+            return cls._quantized_views(block, layout, layout.quant)
         inter, hidden = layout.intermediate_size, layout.hidden_size
         gate_up = block[: layout.gate_up_numel].view(2 * inter, hidden)
         down = block[layout.gate_up_numel :].view(hidden, inter)
         return cls(block=block, gate_up=gate_up, down=down)
 
+    @classmethod
+    def _quantized_views(cls, block: torch.Tensor, layout: ExpertLayout, quant: ExpertQuant) -> ExpertWeights:
+        if block.dtype != torch.uint8 or block.numel() < layout.block_numel:
+            raise ValueError(
+                f"a quantised expert block is {layout.block_numel} uint8, got {block.numel()} {block.dtype}"
+            )
+        views = {}
+        for part in layout.quant_parts():
+            raw = block[part.offset : part.offset + part.nbytes]
+            views[part.name] = raw.view(part.dtype).view(part.shape)
+        return cls(
+            block=block,
+            gate_q=views["gate"],
+            up_q=views["up"],
+            down_q=views["down"],
+            gate_scale=views["gate_scale"],
+            up_scale=views["up_scale"],
+            down_scale=views["down_scale"],
+            tile=quant.tile,
+        )
+
+    def dequantized(self, dtype: torch.dtype) -> ExpertWeights:
+        """Dense weights in ``dtype`` (a new block), dequantised exactly as the loader does at load time."""
+        if self.tile is None:  # dense: nothing to do
+            return self
+        gate = dequantize_blocks(self.gate_q, self.gate_scale, self.tile, dtype)
+        up = dequantize_blocks(self.up_q, self.up_scale, self.tile, dtype)
+        down = dequantize_blocks(self.down_q, self.down_scale, self.tile, dtype)
+        block = torch.cat([gate.flatten(), up.flatten(), down.flatten()])
+        inter, hidden = gate.shape
+        return ExpertWeights(
+            block=block,
+            gate_up=block[: 2 * inter * hidden].view(2 * inter, hidden),
+            down=block[2 * inter * hidden :].view(hidden, inter),
+        )
+
 
 def swiglu_expert(x: torch.Tensor, weights: ExpertWeights, swiglu_limit: float | None) -> torch.Tensor:
     """One expert's output ``down(silu(gate(x)) * up(x))`` for ``x`` of shape ``[T, H]``.
 
-    This is the reference every tier (resident GPU, CPU tier, staged prefill) is checked against.
+    This is the reference every tier (resident GPU, CPU tier, staged prefill) is checked against. A
+    quantised expert is first dequantised to ``x.dtype`` with the loader's own function, so it computes
+    exactly (bit for bit) what the same expert dequantised at load time computes.
     """
+    if weights.quantized:
+        weights = weights.dequantized(x.dtype)
     gate, up = F.linear(x, weights.gate_up).chunk(2, dim=-1)
     if swiglu_limit is not None:
         gate = gate.clamp(max=swiglu_limit)
@@ -97,7 +236,7 @@ class ExpertStore:
 
     def __init__(self, layout: ExpertLayout, dtype: torch.dtype, allocator: BlockAllocator) -> None:
         self.layout = layout
-        self.dtype = dtype
+        self.dtype = dtype  # the compute dtype; blocks are ``block_dtype`` (raw bytes when quantised)
         self._allocator = allocator
         self._experts: dict[tuple[int, int], ExpertWeights] = {}
 
@@ -115,9 +254,14 @@ class ExpertStore:
             raise KeyError(f"expert {expert} is outside [0, {self.layout.num_experts})")
         key = (layer, expert)
         if key not in self._experts:
-            block = self._allocator(self.layout.block_numel, self.dtype)
+            block = self._allocator(self.layout.block_numel, self.block_dtype)
             self._experts[key] = ExpertWeights.from_block(block, self.layout)
         return self._experts[key]
+
+    @property
+    def block_dtype(self) -> torch.dtype:
+        """The dtype of every block: the compute dtype, or uint8 for a quantised layout."""
+        return self.layout.block_dtype(self.dtype)
 
     def missing(self) -> list[tuple[int, int]]:
         """(layer, expert) pairs that the checkpoint never filled."""

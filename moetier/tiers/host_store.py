@@ -57,14 +57,15 @@ class HostExpertArena:
         return arena
 
     @classmethod
-    def for_checkpoint(cls, path: str | Path, dtype: torch.dtype, **options) -> HostExpertArena:
-        """An arena sized from a checkpoint folder's ``config.json`` (reads no weights)."""
-        from moetier.models import model_class_for
+    def for_checkpoint(
+        cls, path: str | Path, dtype: torch.dtype, expert_format: str = "dense", **options
+    ) -> HostExpertArena:
+        """An arena sized from a checkpoint folder's ``config.json`` (reads no weights), for its experts
+        in ``expert_format`` (``"fp8"``: float8 bytes + scales, as ``ModelLoadConfig.expert_format``)."""
         from moetier.weights.checkpoint import Checkpoint
+        from moetier.weights.fp8_experts import checkpoint_expert_layout
 
-        ckpt = Checkpoint(path)
-        family = model_class_for(ckpt.architectures)
-        return cls.for_layout(family.expert_layout(family.config_from_hf(ckpt.config)), dtype, **options)
+        return cls.for_layout(checkpoint_expert_layout(Checkpoint(path), expert_format), dtype, **options)
 
     @property
     def allocated_bytes(self) -> int:

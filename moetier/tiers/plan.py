@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from moetier.config import ModelLoadConfig
+from moetier.config import ModelLoadConfig, check_expert_format
 from moetier.errors import ConfigError
 from moetier.models.base import ExpertTarget, IgnoreTarget
 from moetier.tiers.dispatcher import make_dispatcher
@@ -49,6 +49,7 @@ from moetier.tiers.workspace import (
 )
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.formats import format_for
+from moetier.weights.fp8_experts import expert_layout_for
 
 log = logging.getLogger(__name__)
 
@@ -115,15 +116,16 @@ class CheckpointSizes:
     architecture: str
 
 
-def checkpoint_sizes(path: str | Path, dtype: torch.dtype) -> CheckpointSizes:
+def checkpoint_sizes(path: str | Path, dtype: torch.dtype, expert_format: str = "dense") -> CheckpointSizes:
     """Classify every stored tensor (backbone, routed expert, ignored) by the family's name mapping, and
-    count the backbone the loader would build (a meta-device model: no memory, no weights read)."""
+    count the backbone the loader would build (a meta-device model: no memory, no weights read); the
+    layout's expert blocks are ``expert_format``'s (``"fp8"``: float8 + scales)."""
     from moetier.models import model_class_for
 
     ckpt = Checkpoint(path)
     cls = model_class_for(ckpt.architectures)
     family_config = cls.config_from_hf(ckpt.config)
-    layout = cls.expert_layout(family_config)
+    layout = expert_layout_for(cls.expert_layout(family_config), ckpt.config, expert_format, str(path))
     store = ExpertStore(layout, dtype, lambda numel, dt: torch.empty(numel, dtype=dt, device="meta"))
     with torch.device("meta"):
         model = cls(family_config, make_dispatcher("resident", store))
@@ -166,6 +168,7 @@ class PlanBudget:
     (:func:`moetier.tiers.workspace.choose_prefill_chunk`; within the given ``workspace`` when one is given).
     ``workspace`` / ``kv_bytes_per_token``: override the stated estimates. ``kv_dtype``: the KV cache's
     storage (``auto`` = the load dtype, ``bf16``, ``fp8`` = one byte per element plus per-token scales).
+    ``expert_format``: the experts' home copy, ``dense`` or ``fp8`` (``ModelLoadConfig.expert_format``).
     """
 
     gpu_memory: int | str
@@ -183,8 +186,10 @@ class PlanBudget:
     kv_dtype: str = "auto"
     # Streams whose KV is reserved up front (None = all ``max_streams``); the others borrow expert-cache slots.
     kv_reserve_streams: int | None = None
+    expert_format: str = "dense"
 
     def __post_init__(self) -> None:
+        check_expert_format(self.expert_format)
         self.gpu_memory = parse_size(self.gpu_memory, "--gpu-memory", self.device_memory)
         self.prefix_cache = parse_size(self.prefix_cache, "prefix cache")
         if self.host_memory is not None:
@@ -330,7 +335,8 @@ class PlacementPlan:
                 "VRAM",
             ),
             (
-                f"routed experts, home copy: {self.total_experts} x {self.expert_block_bytes} B",
+                f"routed experts, home copy{' (fp8 + scales)' if b.expert_format == 'fp8' else ''}: "
+                f"{self.total_experts} x {self.expert_block_bytes} B",
                 self.host_expert_bytes,
                 "host (pinned)",
             ),
@@ -365,7 +371,7 @@ def _rate(value: float) -> str:
 def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.bfloat16) -> PlacementPlan:
     """Lay out ``budget`` for the checkpoint at ``path`` (headers only); raises :class:`ConfigError` when
     the backbone and a minimal KV cache do not fit, naming the shortfall and the knob to turn."""
-    sizes = checkpoint_sizes(path, dtype)
+    sizes = checkpoint_sizes(path, dtype, budget.expert_format)
     cfg, layout = sizes.family_config, sizes.layout
     element = _size_of(dtype)
     kv = kv_estimate(cfg)
@@ -541,16 +547,16 @@ def device_memory(device: torch.device) -> int | None:
 def plan_for(
     path: str | Path,
     options: TierOptions,
-    dtype: torch.dtype,
-    device: torch.device,
+    load_config: ModelLoadConfig,
     context: int,
     max_streams: int,
     prefill_chunk_tokens: int | None = None,
     prefix_cache_bytes: int = 0,
     kv_dtype: str = "auto",
 ) -> PlacementPlan:
-    """The plan an engine loads with: ``options``' budgets for ``max_streams`` x ``context`` tokens;
-    ``prefill_chunk_tokens`` None lets the plan choose the chunk (``plan.prefill_chunk_tokens``)."""
+    """The plan an engine loads ``load_config`` with (its dtype, device and expert format): ``options``'
+    budgets for ``max_streams`` x ``context`` tokens; ``prefill_chunk_tokens`` None lets the plan choose
+    the chunk (``plan.prefill_chunk_tokens``)."""
     budget = PlanBudget(
         prefix_cache=prefix_cache_bytes,
         kv_dtype=kv_dtype,
@@ -562,10 +568,11 @@ def plan_for(
         workspace=options.workspace,
         host_read_gbps=options.host_read_gbps,
         pcie_gbps=options.pcie_gbps,
-        device_memory=device_memory(device),
+        device_memory=device_memory(load_config.device),
         kv_reserve_streams=options.kv_reserve_streams,
+        expert_format=load_config.expert_format,
     )
-    return make_plan(path, budget, dtype)
+    return make_plan(path, budget, load_config.dtype)
 
 
 def load_planned(
@@ -578,7 +585,7 @@ def load_planned(
 
     for warning in plan.warnings:
         log.warning(warning)
-    arena = HostExpertArena.for_checkpoint(path, load_config.dtype, progress=progress)
+    arena = HostExpertArena.for_checkpoint(path, load_config.dtype, load_config.expert_format, progress=progress)
     extra = {"policy": options.policy, "miss_route": options.miss_route, "cpu_threads": options.cpu_threads}
     return load_model(
         path,

@@ -23,6 +23,8 @@ from moetier.tiers.dispatcher import make_dispatcher
 from moetier.tiers.experts import BlockAllocator, ExpertStore, device_allocator
 from moetier.weights.checkpoint import Checkpoint, one_line
 from moetier.weights.formats import PlainFormat, WeightFormat, format_for
+from moetier.weights.fp8 import Fp8BlockFormat
+from moetier.weights.fp8_experts import copy_fp8_expert, expert_layout_for
 
 
 @dataclass
@@ -47,12 +49,16 @@ def load_model(
 
     ``dispatcher_options`` go to the dispatcher's constructor (e.g. the tiered dispatcher's cache
     size); once loaded, the dispatcher's ``prepare(device)`` runs (cache allocation, calibration).
+    With ``load_config.expert_format == "fp8"`` the routed experts keep the checkpoint's float8 bytes
+    and scales (an ``expert_allocator`` must size blocks for that layout: ``HostExpertArena.for_checkpoint``
+    with the same format).
     """
     cfg = load_config or ModelLoadConfig()
     ckpt = Checkpoint(path)
     cls = _model_class(ckpt)
     family_config = _family_config(cls, ckpt)
-    store = ExpertStore(cls.expert_layout(family_config), cfg.dtype, expert_allocator or device_allocator(cfg.device))
+    layout = expert_layout_for(cls.expert_layout(family_config), ckpt.config, cfg.expert_format, str(ckpt.path))
+    store = ExpertStore(layout, cfg.dtype, expert_allocator or device_allocator(cfg.device))
     with torch.device("meta"):
         model = cls(family_config, make_dispatcher(dispatcher, store, **(dispatcher_options or {})))
     _materialize(model, cfg.dtype, cfg.device)
@@ -141,6 +147,8 @@ class _StreamingLoader:
         extra = [self.ckpt.get(c) for c in fmt.companions(name)]
         if isinstance(target, ParamTarget):
             self._copy_param(name, target.name, stored, extra, fmt)
+        elif self.store.layout.quant is not None:
+            self._copy_fp8_expert(name, target, stored, extra, fmt)
         else:
             self._copy_expert(name, target, self._decode(name, stored, extra, fmt, self.store.dtype))
 
@@ -186,6 +194,31 @@ class _StreamingLoader:
             dest.copy_(piece)
             parts = self.expert_parts.setdefault((target.layer, expert), set())
             parts.update(("gate", "up") if target.part == "gate_up" else (target.part,))
+
+    def _copy_fp8_expert(self, name: str, target: ExpertTarget, stored, extra, fmt: WeightFormat) -> None:
+        """Keep an fp8-block expert matrix as stored: its bytes and scales go into the quantised block."""
+        quant = self.store.layout.quant
+        if not isinstance(fmt, Fp8BlockFormat) or quant is None or fmt.block != quant.tile:
+            stored_as = (
+                f"{fmt.name} in {fmt.block[0]}x{fmt.block[1]} tiles" if isinstance(fmt, Fp8BlockFormat) else fmt.name
+            )
+            raise CheckpointError(
+                f"{self.ckpt.path}: routed expert tensor {name} is stored {stored_as} ({stored.dtype}), not as the "
+                "fp8-block experts expert_format 'fp8' keeps; load it with --expert-format dense"
+            )
+        if target.expert is None:
+            raise CheckpointError(
+                f"{self.ckpt.path}: tensor {name} holds all experts fused; expert_format 'fp8' reads per-expert "
+                "gate_proj/up_proj/down_proj tensors only: load it with --expert-format dense"
+            )
+        try:
+            weights = self.store.block_for_loading(target.layer, target.expert)
+            copy_fp8_expert(weights, target.part, stored, extra[0])
+        except KeyError as exc:
+            raise CheckpointError(f"{self.ckpt.path}: tensor {name}: {exc.args[0]}") from None
+        except ValueError as exc:
+            raise CheckpointError(f"{self.ckpt.path}: fp8 expert tensor {name} {one_line(exc)}") from None
+        self.expert_parts.setdefault((target.layer, target.expert), set()).add(target.part)
 
     def _apply_ties(self) -> None:
         for target, source in self.model.tied_parameters().items():
