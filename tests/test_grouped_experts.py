@@ -117,3 +117,64 @@ def test_per_expert_path_is_taken_off_cuda_and_for_fat_groups():
     k.run_experts(out, x, tokens, gates, [(weights, 0, 20)], None)
     expected = k.swiglu_expert(x, weights, None) * gates[:, None]
     assert torch.allclose(out, expected, atol=1e-6)
+
+
+_QUANT_CHECK = """
+import json, torch
+import moetier.kernels.grouped_experts as k
+from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights
+
+DEVICE = {device!r}
+results = []
+for dtype, tile in ((torch.float32, (32, 32)), (torch.float32, (128, 128)), (torch.bfloat16, (32, 32))):
+    g = torch.Generator().manual_seed(1)
+    hidden, inter, counts, tokens = 80, 48, [2, 1, 3], 4  # partial edge tiles in both matrices
+    layout = ExpertLayout(moe_layers=(0,), num_experts=3, hidden_size=hidden, intermediate_size=inter, top_k=2,
+                          swiglu_limit=0.8, quant=ExpertQuant(tile=tile))
+    weights = []
+    for _ in counts:
+        w = ExpertWeights.from_block(torch.empty(layout.block_numel, dtype=torch.uint8, device=DEVICE), layout)
+        for name in ("gate", "up", "down"):
+            values = getattr(w, name + "_q")
+            values.copy_((torch.randn(values.shape, generator=g) * 2).to(values.dtype).to(DEVICE))
+            scale = getattr(w, name + "_scale")
+            scale.copy_((torch.rand(scale.shape, generator=g) + 0.5).to(DEVICE) * hidden ** -0.5)
+        weights.append(w)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    groups = [(w, s, c) for w, s, c in zip(weights, starts, counts)]
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
+    pair_tokens = torch.cat([torch.randperm(tokens, generator=g)[:c] for c in counts]).to(DEVICE)
+    gates = torch.rand(pair_tokens.shape[0], generator=g).to(dtype).to(DEVICE)
+    out = {{}}
+    for name, fn in (("kernel", k.run_grouped), ("torch", k.run_per_expert)):
+        acc = torch.zeros(tokens, hidden, device=DEVICE)
+        fn(acc, x, pair_tokens, gates, groups, 0.8)
+        out[name] = acc.double().cpu()
+    rel = ((out["kernel"] - out["torch"]).norm() / out["torch"].norm()).item()
+    results.append({{"dtype": str(dtype), "tile": list(tile), "usable": k.grouped_usable(x, groups), "rel": rel}})
+print(json.dumps(results))
+"""
+
+
+def _run_quant(device: str) -> list[dict]:
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if device == "cpu" else dict(os.environ)
+    code = _QUANT_CHECK.format(device=device)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _check_quant(results: list[dict], bf16_bar: float) -> None:
+    assert len(results) == 3
+    for r in results:
+        assert r["usable"], r
+        assert r["rel"] < (1e-5 if r["dtype"] == "torch.float32" else bf16_bar), r
+
+
+def test_grouped_kernels_dequantise_fp8_experts_as_the_loader_does_under_the_interpreter():
+    _check_quant(_run_quant("cpu"), bf16_bar=0.03)  # the interpreter truncates to bf16 where CUDA rounds
+
+
+@pytest.mark.gpu
+def test_grouped_kernels_dequantise_fp8_experts_as_the_loader_does_on_cuda():
+    _check_quant(_run_quant("cuda"), bf16_bar=0.005)

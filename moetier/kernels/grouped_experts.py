@@ -50,6 +50,34 @@ Group = tuple[ExpertWeights, int, int]  # (weights, first pair, pair count)
 if triton is not None:
 
     @triton.jit
+    def _weight_tile(
+        block,
+        part,
+        scales,
+        rows,
+        cols,
+        mask,
+        width: tl.constexpr,
+        dtype: tl.constexpr,
+        QUANT: tl.constexpr,
+        TILE_R: tl.constexpr,
+        TILE_C: tl.constexpr,
+    ):
+        """Rows x cols of one matrix of an expert block, in ``dtype``. Dense: ``part`` is the matrix's first
+        element. Quantised: ``part``/``scales`` are byte offsets of its e4m3 values and its float32 tile
+        scales, and each value is dequantised as the loader does, ``(float(v) * scale).to(dtype)``."""
+        if QUANT:
+            base = block.to(tl.pointer_type(tl.uint8))
+            raw = tl.load(base + part + rows[:, None] * width + cols[None, :], mask=mask, other=0)
+            grid = (width + TILE_C - 1) // TILE_C
+            scale_at = (rows // TILE_R)[:, None] * grid + (cols // TILE_C)[None, :]
+            scale = tl.load((base + scales).to(tl.pointer_type(tl.float32)) + scale_at, mask=mask, other=0.0)
+            return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(dtype)
+        else:
+            base = block.to(tl.pointer_type(dtype))
+            return tl.load(base + part + rows[:, None] * width + cols[None, :], mask=mask, other=0.0)
+
+    @triton.jit
     def _gate_up_kernel(
         x_ptr,
         table_ptr,
@@ -64,11 +92,19 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
         BLOCK_I: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        QUANT: tl.constexpr,
+        GATE: tl.constexpr,
+        UP: tl.constexpr,
+        GATE_SCALE: tl.constexpr,
+        UP_SCALE: tl.constexpr,
+        TILE_R: tl.constexpr,
+        TILE_C: tl.constexpr,
     ):
         # One program per (group, block of intermediate channels), for all of the group's tokens at once.
+        # GATE/UP (and their scales) locate the two matrices in a block: elements dense, bytes quantised.
         group, block = tl.program_id(0), tl.program_id(1)
         dtype = x_ptr.dtype.element_ty
-        weights = tl.load(table_ptr + 3 * group).to(tl.pointer_type(dtype))
+        weights = tl.load(table_ptr + 3 * group)
         start = tl.load(table_ptr + 3 * group + 1)
         count = tl.load(table_ptr + 3 * group + 2)
         t = tl.arange(0, BLOCK_T)
@@ -83,8 +119,8 @@ if triton is not None:
             k_ok = k < hidden
             x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
             w_mask = i_ok[:, None] & k_ok[None, :]
-            w_gate = tl.load(weights + i[:, None] * hidden + k[None, :], mask=w_mask, other=0.0)
-            w_up = tl.load(weights + (inter + i)[:, None] * hidden + k[None, :], mask=w_mask, other=0.0)
+            w_gate = _weight_tile(weights, GATE, GATE_SCALE, i, k, w_mask, hidden, dtype, QUANT, TILE_R, TILE_C)
+            w_up = _weight_tile(weights, UP, UP_SCALE, i, k, w_mask, hidden, dtype, QUANT, TILE_R, TILE_C)
             if IEEE:  # float32 (or bf16 under the interpreter, whose bf16 dot is wrong): exact products
                 x = x.to(tl.float32)
                 acc_gate += tl.dot(x, tl.trans(w_gate.to(tl.float32)), input_precision="ieee")
@@ -111,12 +147,17 @@ if triton is not None:
         inter: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        QUANT: tl.constexpr,
+        DOWN: tl.constexpr,
+        DOWN_SCALE: tl.constexpr,
+        TILE_R: tl.constexpr,
+        TILE_C: tl.constexpr,
     ):
         # One program per (pair of this call, block of output channels): y = round(down @ act) * gate.
         row, block = tl.program_id(0), tl.program_id(1)
         dtype = act_ptr.dtype.element_ty
         pair = tl.load(table_ptr + 2 * row)
-        down = tl.load(table_ptr + 2 * row + 1).to(tl.pointer_type(dtype)) + 2 * inter * hidden
+        weights = tl.load(table_ptr + 2 * row + 1)
         h = block * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = h < hidden
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -124,7 +165,8 @@ if triton is not None:
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < inter
             a = tl.load(act_ptr + pair * inter + k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(down + h[:, None] * inter + k[None, :], mask=h_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = h_ok[:, None] & k_ok[None, :]
+            w = _weight_tile(weights, DOWN, DOWN_SCALE, h, k, w_mask, inter, dtype, QUANT, TILE_R, TILE_C)
             acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         gate = tl.load(pair_gate_ptr + pair).to(dtype).to(tl.float32)
         tl.store(y_ptr + row * hidden + h, acc.to(dtype).to(tl.float32) * gate, mask=h_ok)
@@ -154,12 +196,34 @@ def grouped_usable(hidden: torch.Tensor, groups: Sequence[Group]) -> bool:
         and bool(groups)
         and triton_usable(hidden)
         and hidden.dtype in _DTYPES
-        # Dense blocks in the activations' dtype only: quantised (fp8) blocks take the per-expert path.
-        and all(
-            not w.quantized and w.block.dtype == hidden.dtype and w.block.device == hidden.device for w, _, _ in groups
-        )
+        and all(_block_fits(w, hidden) for w, _, _ in groups)
+        and len({_placement(w) for w, _, _ in groups}) == 1  # one kernel: every block laid out alike
         and max(count for _, _, count in groups) <= MAX_GROUP_TOKENS
     )
+
+
+def _block_fits(weights: ExpertWeights, hidden: torch.Tensor) -> bool:
+    """Dense blocks in the activations' dtype, or e4m3 fp8-block ones, on the activations' device."""
+    if weights.block.device != hidden.device:
+        return False
+    if weights.quantized:
+        return weights.down_q.dtype == torch.float8_e4m3fn
+    return weights.block.dtype == hidden.dtype
+
+
+def _placement(weights: ExpertWeights) -> tuple:
+    """The kernels' constants for a block: whether it is quantised, where its matrices lie, the tile.
+
+    Dense: element offsets of gate, up and down in ``[gate; up; down]``. Quantised: byte offsets of the
+    three float8 matrices and their scale grids (the layout's ``quant_parts``), and the tile.
+    """
+    if not weights.quantized:
+        inter, size = weights.down.shape[1], weights.down.shape[0]
+        return (False, 0, inter * size, 2 * inter * size, 0, 0, 0, 1, 1)
+    block = weights.block.data_ptr()
+    offset = lambda view: view.data_ptr() - block  # noqa: E731 - a local shorthand
+    views = (weights.gate_q, weights.up_q, weights.down_q, weights.gate_scale, weights.up_scale, weights.down_scale)
+    return (True, *(offset(v) for v in views), *weights.tile)
 
 
 def _tables(groups: Sequence[Group], pair_tokens_host: torch.Tensor, tokens: int, per_token: int) -> tuple:
@@ -193,7 +257,10 @@ def run_grouped(
     per_token: int = 1,
 ) -> None:
     """The Triton path of :func:`run_experts` (no checks: see :func:`grouped_usable`)."""
-    inter, size = groups[0][0].down.shape[1], hidden.shape[1]
+    first = groups[0][0]
+    inter, size = (first.down_q if first.quantized else first.down).shape[1], hidden.shape[1]
+    quant, gate, up, down, gate_scale, up_scale, down_scale, tile_r, tile_c = _placement(first)
+    tile = {"QUANT": quant, "TILE_R": tile_r, "TILE_C": tile_c}
     host = pair_tokens.cpu() if pair_tokens_host is None else pair_tokens_host
     table, pair_at, token_at, pairs, width = _tables(groups, host, hidden.shape[0], triton.next_power_of_2(per_token))
     table = table.to(hidden.device, non_blocking=True)
@@ -206,10 +273,12 @@ def run_grouped(
         HAS_LIMIT=swiglu_limit is not None,
         IEEE=hidden.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
         BLOCK_T=MAX_GROUP_TOKENS, BLOCK_I=_BLOCK_I, BLOCK_K=_BLOCK_K,
+        GATE=gate, UP=up, GATE_SCALE=gate_scale, UP_SCALE=up_scale, **tile,
     )  # fmt: skip
     _down_kernel[(pairs, triton.cdiv(size, _BLOCK_H))](
-        act, table[pair_at:], pair_gates.contiguous(), y, size, inter, BLOCK_H=_BLOCK_H, BLOCK_K=_BLOCK_K
-    )
+        act, table[pair_at:], pair_gates.contiguous(), y, size, inter, BLOCK_H=_BLOCK_H, BLOCK_K=_BLOCK_K,
+        DOWN=down, DOWN_SCALE=down_scale, **tile,
+    )  # fmt: skip
     _sum_kernel[(hidden.shape[0], triton.cdiv(size, _SUM_BLOCK))](
         y, table[token_at:], out, size, PER_TOKEN=width, BLOCK_H=_SUM_BLOCK
     )
