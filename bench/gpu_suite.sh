@@ -13,6 +13,8 @@
 # paths against the split). HF_BASELINE=1 adds transformers + accelerate to the decode bench (HF_ARGS:
 # its extra flags). The serve stage starts `moetier serve` on the bench model with SERVE_GPU_MEMORY
 # (default 8GiB: backbone, KV, an auto 4096-token chunk and a few % of the experts) and drives it at 1/2/4 streams.
+# FP8_EXPERTS=1 writes the bench model's routed experts as fp8 + tile scales (DeepSeek's fp8 release format)
+# and runs decode/prefill with --expert-format fp8 (half the miss bytes).
 # KV_LAYOUT_CHECK=1 adds two decode runs with fp8 KV, contiguous then paged.
 # CPU_TIER=1 adds `moetier bench cpu-tier` (torch vs the C kernel at CPU_TIER_THREADS, default 8,14,16).
 # One command runs at most 10 minutes on the device:
@@ -49,6 +51,10 @@ fi
 bench() {  # bench KIND SECONDS ARGS...: one benchmark, its log appended, its status folded into $status
     local kind=$1 seconds=$2
     shift 2
+    # FP8_EXPERTS=1: the decode and prefill benches keep the experts fp8 in the home copy.
+    if [ -n "${FP8_EXPERTS:-}" ] && { [ "$kind" = decode ] || [ "$kind" = prefill ]; }; then
+        set -- "$@" --expert-format fp8
+    fi
     echo "=== bench $kind" >> "$LOG"
     timeout "$seconds" python3 -m moetier.cli bench "$kind" --model "$model" "$@" --out "$OUT" 2>&1 \
         | tr '\r' '\n' | grep -v '^\(pinning\|loading\)' | tee -a "$LOG"
@@ -64,9 +70,10 @@ if [ -n "${CPU_TIER:-}" ]; then  # the CPU tier's kernels alone (torch and C), n
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
     shape=${BENCH_SHAPE:-deepseek-v4-flash}
-    model=/tmp/moetier-bench/$shape-${BENCH_LAYERS:-3}l${ROUTING_SKEW:+-skew$ROUTING_SKEW}
+    model=/tmp/moetier-bench/$shape-${BENCH_LAYERS:-3}l${ROUTING_SKEW:+-skew$ROUTING_SKEW}${FP8_EXPERTS:+-fp8}
     skew=()
     [ -n "${ROUTING_SKEW:-}" ] && skew=(--routing-skew "$ROUTING_SKEW")
+    [ -n "${FP8_EXPERTS:-}" ] && skew+=(--fp8-experts)
     echo "=== make-bench-model" >> "$LOG"
     # Progress bars are dropped from the log (carriage returns).
     timeout 240 python3 -m moetier.cli make-bench-model --shape "$shape" --layers "${BENCH_LAYERS:-3}" \

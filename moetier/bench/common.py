@@ -65,12 +65,15 @@ def parse_int_list(text: str, flag: str) -> list[int]:
     return out
 
 
-def load_checkpoint(model: Path, dtype: str, device: str | None) -> tuple[LoadedModel, torch.device, HostExpertArena]:
-    """Backbone on the compute device, experts' home copy in a (pinned) host arena."""
+def load_checkpoint(
+    model: Path, dtype: str, device: str | None, expert_format: str = "dense"
+) -> tuple[LoadedModel, torch.device, HostExpertArena]:
+    """Backbone on the compute device, experts' home copy in a (pinned) host arena (fp8 with ``expert_format``)."""
     target = torch.device(device) if device else default_device()
     torch_dtype = parse_dtype(dtype)
-    arena = HostExpertArena.for_checkpoint(model, torch_dtype)
-    loaded = load_model(model, ModelLoadConfig(dtype=torch_dtype, device=target), expert_allocator=arena)
+    arena = HostExpertArena.for_checkpoint(model, torch_dtype, expert_format=expert_format)
+    config = ModelLoadConfig(dtype=torch_dtype, device=target, expert_format=expert_format)
+    loaded = load_model(model, config, expert_allocator=arena)
     return loaded, target, arena
 
 
@@ -120,6 +123,9 @@ def add_placement_arguments(
     parser.add_argument(
         "--routing-trace", type=Path, default=None, metavar="PATH", help="route from this recorded trace of expert ids"
     )
+    parser.add_argument(
+        "--expert-format", default="dense", choices=["dense", "fp8"], help="experts' home copy (fp8: as stored)"
+    )
 
 
 def placement_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,4 +140,5 @@ def placement_options(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_threads": args.cpu_threads,
         "seed": args.seed,
         "routing_trace": args.routing_trace,
+        "expert_format": args.expert_format,
     }

@@ -82,6 +82,7 @@ class DecodeBenchConfig:
     host_memory: str | None = None
     hf_args: str = ""  # extra ``moetier bench hf`` flags
     routing_trace: Path | None = None  # replay this recorded routing (see moetier.bench.trace_routing)
+    expert_format: str = "dense"  # "fp8": the experts' home copy as an fp8 checkpoint stores them
     kv_layout: str = "contiguous"  # "paged": the streams' caches take blocks from a shared pool (models.paged_kv)
     kv_dtype: str | None = None  # None: the model dtype; "fp8" / "bf16" as the engine's kv_dtype
 
@@ -232,7 +233,7 @@ def _add_ratios(results: list[dict[str, Any]]) -> None:
 
 def load_for_bench(cfg: DecodeBenchConfig) -> tuple[LoadedModel, torch.device, HostExpertArena]:
     # The backbone loads onto the compute device; the experts' home copy into the (pinned) host arena.
-    return load_checkpoint(cfg.model, cfg.dtype, cfg.device)
+    return load_checkpoint(cfg.model, cfg.dtype, cfg.device, cfg.expert_format)
 
 
 def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:

@@ -37,6 +37,7 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from moetier.bench.fp8_model import FP8_DTYPE, Fp8Normal, fill_fp8, fp8_expert_specs, quantization_config
 from moetier.bench.routers import RouterFactory
 from moetier.bench.safetensors_out import (
     INDEX_FILE,
@@ -82,6 +83,7 @@ class WriteOptions:
     progress: bool = True
     sync: bool = True  # fsync each shard, so throughput numbers include the disk
     tokenizer: bool = True  # write a full-vocabulary tokenizer, so the folder can be served
+    fp8_experts: bool = False  # routed experts as float8 + 128x128 tile scales (moetier.bench.fp8_model)
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -155,6 +157,8 @@ class ChunkFiller:
         elif isinstance(spec.init, Normal):
             std = spec.init.std
             yield from self._generated(stored, lambda view, gen: view.normal_(0.0, std, generator=gen))
+        elif isinstance(spec.init, Fp8Normal):
+            yield from self._generated(stored, lambda view, gen: fill_fp8(view, gen, spec.init))
         else:
             raise TypeError(f"unknown init {spec.init!r}")
 
@@ -193,7 +197,7 @@ class ChunkFiller:
 
 
 def _stored_dtype(spec: TensorSpec, model_dtype: torch.dtype) -> torch.dtype:
-    return {"model": model_dtype, "F32": torch.float32, "I64": torch.int64}[spec.dtype]
+    return {"model": model_dtype, "F32": torch.float32, "I64": torch.int64, "F8": FP8_DTYPE}[spec.dtype]
 
 
 def _prepare_folder(out: Path, total_bytes: int, force: bool) -> None:
@@ -241,6 +245,9 @@ def write_bench_model(cfg: dict[str, Any], out: str | Path, options: WriteOption
     options = options or WriteOptions()
     out, device = Path(out).expanduser(), options.torch_device
     specs = tensor_plan(cfg)
+    if options.fp8_experts:
+        specs = fp8_expert_specs(specs)
+        cfg = {**cfg, "quantization_config": quantization_config()}
     stored = [StoredTensor(s.name, _stored_dtype(s, options.dtype), s.shape) for s in specs]
     total = sum(t.nbytes for t in stored)
     # Built before anything is written: a vocabulary too small for it fails fast.
@@ -354,6 +361,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-tokenizer", dest="tokenizer", action="store_false", help="write no tokenizer (then it cannot be served)"
     )
+    parser.add_argument(
+        "--fp8-experts",
+        action="store_true",
+        help="routed experts as float8 e4m3 + 128x128 tile scales, as DeepSeek's fp8 releases store them",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -378,6 +390,7 @@ def run(args: argparse.Namespace) -> int:
             force=args.force,
             progress=not args.quiet,
             tokenizer=args.tokenizer,
+            fp8_experts=args.fp8_experts,
         )
         summary = write_bench_model(cfg, args.out, options)
     except MoetierError as exc:

@@ -81,6 +81,7 @@ class PrefillBenchConfig:
     staging_slots: int | None = None  # tiered modes' staging ring (default: the dispatcher's)
     profile: bool = False
     routing_trace: Path | None = None  # replay this recorded routing (see moetier.bench.trace_routing)
+    expert_format: str = "dense"  # "fp8": the experts' home copy as an fp8 checkpoint stores them
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -392,7 +393,7 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> dict[str, Any]:
     trace, trace_info = trace_routing.load_for_bench(cfg.routing_trace, cfg.model)  # fails before the weights load
     bounds = measure_bounds(quick=cfg.quick_bounds)
     load_start = time.perf_counter()
-    loaded, device, arena = load_checkpoint(cfg.model, cfg.dtype, cfg.device)
+    loaded, device, arena = load_checkpoint(cfg.model, cfg.dtype, cfg.device, cfg.expert_format)
     load_seconds = time.perf_counter() - load_start
     model, store = loaded.model, loaded.store
     layout = store.layout

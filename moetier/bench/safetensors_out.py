@@ -32,6 +32,7 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float16: "F16",
     torch.int64: "I64",
     torch.int32: "I32",
+    torch.float8_e4m3fn: "F8_E4M3",
 }
 
 
