@@ -20,7 +20,8 @@ import torch
 from moetier.cli import main
 from moetier.kernels import cpu_experts
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
-from moetier.tiers.experts import ExpertLayout, ExpertWeights, swiglu_expert
+from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights, swiglu_expert
+from moetier.weights.fp8 import dequantize_blocks
 
 BF16_BAR = 0.005  # kernel vs torch bf16, relative RMS
 FP64_FACTOR = 1.25  # kernel's error vs fp64 may exceed torch bf16's by this factor at most
@@ -245,3 +246,139 @@ def test_bench_cpu_tier_quick(tmp_path):
     assert receipt["expert_bytes"] == 3 * 256 * 128 * 2 and receipt["kernel_isa"]
     assert receipt["max_rel_err_vs_torch"] < BF16_BAR
     assert "| c |" in next(tmp_path.glob("cpu-tier-*.md")).read_text()
+
+
+# --- float8 e4m3fn experts ------------------------------------------------------------------------------
+
+E4M3_NAN = (0x7F, 0xFF)
+
+
+def _fill_fp8(q: torch.Tensor, scale: torch.Tensor, gen: torch.Generator) -> None:
+    """Random e4m3fn codes (NaN codes moved to the largest finite ones) and positive scales sized so the
+    projections come out near unit scale (random codes have an RMS near 150)."""
+    codes = torch.randint(0, 256, q.shape, dtype=torch.uint8, generator=gen)
+    if q.dtype == torch.float8_e4m3fn:
+        codes[(codes & 0x7F) == 0x7F] -= 1
+    else:  # e5m2: the top exponent bit cleared keeps every code finite
+        codes &= 0xBF
+    q.view(torch.uint8).copy_(codes)
+    scale.copy_((torch.rand(scale.shape, generator=gen) + 0.5) / (150 * q.shape[1] ** 0.5))
+
+
+def _fp8_experts(count, hidden, inter, tile, seed, fp8=torch.float8_e4m3fn):
+    quant = ExpertQuant(tile=tile, fp8=fp8)
+    layout = ExpertLayout((0,), num_experts=count, hidden_size=hidden, intermediate_size=inter, top_k=1, quant=quant)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        w = ExpertWeights.from_block(torch.zeros(layout.block_numel, dtype=torch.uint8), layout)
+        for name in ("gate", "up", "down"):
+            _fill_fp8(getattr(w, f"{name}_q"), getattr(w, f"{name}_scale"), gen)
+        out.append(w)
+    return out
+
+
+def _fp8_job(hidden, inter, tile, tokens, seed=0):
+    """As _job, with quantised experts; also returns the same groups on the experts dequantised to bf16."""
+    _, x, dense = _job(hidden, inter, tokens, seed)
+    experts = _fp8_experts(len(tokens), hidden, inter, tile, seed)
+    groups = [CpuGroup(w, g.rows, g.gates) for w, g in zip(experts, dense, strict=True)]
+    dequantised = [
+        CpuGroup(w.dequantized(torch.bfloat16), g.rows, g.gates) for w, g in zip(experts, dense, strict=True)
+    ]
+    return x, groups, dequantised
+
+
+def _run_fp8(lib, x, groups, limit, threads, out=None):
+    tile = groups[0].weights.tile
+    return lib.run_fp8(x, [g.weights for g in groups], tile, [g.rows for g in groups], [g.gates for g in groups],
+                       limit, threads, out)  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_e4m3_decode_is_exact_for_every_code(variant):
+    lib = _library(variant)
+    codes = torch.arange(256, dtype=torch.uint8)
+    expected = codes.view(torch.float8_e4m3fn).float()
+    ours = lib.decode_e4m3(codes)
+    finite = ~expected.isnan()
+    assert torch.isnan(ours[~finite]).all() and (~finite).sum() == 2  # 0x7f and 0xff
+    # bit equality on the rest: this also checks the sign of zero (0x80 is -0.0)
+    assert torch.equal(ours[finite].view(torch.int32), expected[finite].view(torch.int32)), lib.isa
+    tail = lib.decode_e4m3(codes[:21])  # the scalar tail after one vector
+    assert torch.equal(tail.view(torch.int32), ours[:21].view(torch.int32))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("tile", [(128, 128), (32, 32)])
+@pytest.mark.parametrize("limit", [None, 0.4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fp8_path_equals_bf16_path_on_dequantised_weights(variant, tile, limit, threads):
+    lib = _library(variant)
+    x, groups, dequantised = _fp8_job(200, 72, tile, tokens=(1, 3, 8), seed=tile[0] + threads)
+    ours = _run_fp8(lib, x, groups, limit, threads)
+    assert torch.equal(ours, _run(lib, x, dequantised, limit, threads)), lib.isa
+    assert _rel(ours, _torch_bf16(x, groups, limit)) < BF16_BAR, lib.isa
+    if limit is not None:  # the clamp is active on these values
+        assert _rel(_torch_bf16(x, groups, None), _torch_bf16(x, groups, limit)) > 20 * BF16_BAR
+
+
+def test_fp8_bad_inputs_raise_clear_errors():
+    lib = _library()
+    x, groups, _ = _fp8_job(200, 72, (128, 128), tokens=(3,), seed=9)
+    g = groups[0]
+    args = ([g.rows], [g.gates], None, 1)
+    with pytest.raises(ValueError, match="tile must be two positive integers"):
+        lib.run_fp8(x, [g.weights], (0, 128), *args)
+    with pytest.raises(ValueError, match="expert 0 has gate_q .* expected"):
+        lib.run_fp8(x, [g.weights], (64, 128), *args)  # the scale grids are for 128 x 128 tiles
+    e5m2 = _fp8_experts(1, 200, 72, (128, 128), seed=9, fp8=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="gate_q must be a contiguous 2-d torch.float8_e4m3fn"):
+        lib.run_fp8(x, e5m2, (128, 128), *args)
+    dense = _experts(1, 200, 72, seed=9)[1]
+    with pytest.raises(ValueError, match="not quantised"):
+        lib.run_fp8(x, dense, (128, 128), *args)
+    with pytest.raises(ValueError, match="row index out of range"):
+        lib.run_fp8(x, [g.weights], (128, 128), [torch.tensor([0, 8, 1])], *args[1:])
+
+
+def test_tier_uses_the_kernel_for_fp8_e4m3_experts_and_torch_for_e5m2():
+    lib = _library()
+    if lib.isa not in cpu_experts.FAST_ISAS:
+        pytest.skip(f"the tier uses the {lib.isa} build only with MOETIER_CPU_KERNEL=1")
+    x, groups, dequantised = _fp8_job(200, 72, (128, 128), tokens=(1, 3, 8), seed=11)
+    tier = CpuExpertTier(0.4, threads=2)
+    ours = tier.run(CpuJob(hidden=x, groups=groups))
+    bf16 = tier.run(CpuJob(hidden=x, groups=dequantised))
+    assert ours.kernel == f"c-{lib.isa}-fp8" and bf16.kernel == f"c-{lib.isa}"
+    assert torch.equal(ours.out, bf16.out)
+    assert _rel(ours.out, _torch_bf16(x, groups, 0.4)) < BF16_BAR
+    e5m2 = [
+        CpuGroup(w, g.rows, g.gates)
+        for w, g in zip(_fp8_experts(3, 200, 72, (128, 128), 12, torch.float8_e5m2), groups, strict=True)
+    ]
+    result = tier.run(CpuJob(hidden=x, groups=e5m2))
+    mixed = tier.run(CpuJob(hidden=x, groups=[groups[0], dequantised[1]]))
+    tier.close()
+    assert result.kernel == "torch" and torch.equal(result.out, _torch_bf16(x, e5m2, 0.4))
+    assert mixed.kernel == "torch"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fp8_tiles_outside_the_fast_scale_range_stay_exact(variant):
+    """Scales whose products are subnormal (or the scale itself is), or large, take the exact integer path."""
+    lib = _library(variant)
+    x, groups, _ = _fp8_job(200, 72, (32, 32), tokens=(1, 3), seed=13)
+    w = groups[0].weights
+    w.gate_scale[0, 0], w.gate_scale[1, 2] = 2.0**-130, 2.0**-120
+    w.up_scale[0, -1], w.down_scale[-1, 0] = 300.0, -(2.0**-118)
+    w.gate_scale[2, 0] = 300.0  # a whole 32-column tile: 300 * 2^120 overflows, the fast path must not take it
+    dequantised = [CpuGroup(g.weights.dequantized(torch.bfloat16), g.rows, g.gates) for g in groups]
+    assert (dequantised[0].weights.gate_up[:32, :32].view(torch.int16) & 0x7F80 == 0).any()  # subnormal bf16
+    ours = _run_fp8(lib, x, groups, None, threads=2)
+    assert torch.equal(ours, _run(lib, x, dequantised, None, threads=2)), lib.isa
+    # The dot products flush subnormal bf16 weights, so compare the dequantised rows themselves, bit for bit.
+    for name in ("gate", "up", "down"):
+        q, scale = getattr(w, f"{name}_q"), getattr(w, f"{name}_scale")
+        theirs = dequantize_blocks(q, scale, w.tile, torch.bfloat16)
+        assert torch.equal(lib.dequantize_e4m3(q, scale, w.tile).view(torch.int16), theirs.view(torch.int16)), name

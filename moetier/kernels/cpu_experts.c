@@ -194,6 +194,135 @@ ALWAYS_INLINE void dot_rows(const bf16_t *const *w, int R, const xval_t *const *
 
 #endif
 
+/* ------------------------------------------------------------------------------------------------------- */
+/* FP8 (e4m3fn) weights: each row is dequantised into a per-thread bf16 buffer exactly as the reference     */
+/* (`(w.float() * scale).to(bf16)`) does, then the bf16 dot products above run on that buffer. So the      */
+/* results are bit for bit those of the bf16 path on the dequantised weights; the gain is reading half    */
+/* the bytes from DRAM, the cost is the decode (the buffer stays in L1).                                 */
+
+/* e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN. */
+ALWAYS_INLINE float e4m3_to_f32(uint8_t b) {
+    const uint32_t sign = (uint32_t)(b & 0x80u) << 24, mag = b & 0x7fu;
+    uint32_t bits;
+    if (mag == 0x7fu) {
+        bits = sign | 0x7fc00000u;
+    } else if (mag >= 0x08u) { /* normal: rebias the exponent 7 -> 127 (+120) and widen the mantissa */
+        bits = sign | ((mag << 20) + (120u << 23));
+    } else { /* subnormal (and zero): m * 2^-9, exact in fp32 */
+        float f = (float)mag * 0x1p-9f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+#if defined(__AVX512F__)
+
+/* 16 codes at once, by the same cases as e4m3_to_f32 as integer ops and masked blends. */
+ALWAYS_INLINE __m512 e4m3x16_to_f32(const uint8_t *p) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+    __m512i bits = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-9f)); /* exact when mag < 8 */
+    bits = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), bits, _mm512_castps_si512(sub));
+    bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), bits,
+                                   _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(_mm512_or_si512(bits, sign));
+}
+
+/* f32_to_bf16 on 16 lanes with integer ops (vcvtneps2bf16 would flush subnormals, torch's cast does not). */
+ALWAYS_INLINE __m256i f32x16_to_bf16(__m512 f) {
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
+#define FP8_VECTOR 16
+
+#if defined(__AVX512BF16__)
+
+/* The fast case (what real scales are): every nonzero product normal and finite. Then vcvtne2ps2bf16,
+ * which flushes subnormals but otherwise rounds to nearest even, rounds exactly as f32_to_bf16 does. */
+ALWAYS_INLINE int fast_tile(float scale) {
+    const float a = fabsf(scale);
+    return a >= 0x1p-117f && a < 0x1p7f; /* |e4m3| is 0 or in [2^-9, 448]; false for NaN */
+}
+
+/* 16 codes times `scale2` = scale * 2^120, as fp32: the magnitude bits shifted into place (`mag << 20`)
+ * are the code's value times 2^-120 for normal and subnormal codes alike (those become fp32 subnormals,
+ * exact inputs), so one multiply gives e4m3 * scale rounded once, as the reference computes it. */
+ALWAYS_INLINE __m512 e4m3x16_scaled(const uint8_t *p, __m512 scale2) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
+    /* sign from v << 24, the rest from mag << 20 (ternary-logic select by the sign-bit mask) */
+    const __m512i bits = _mm512_ternarylogic_epi32(_mm512_set1_epi32((int)0x80000000u), _mm512_slli_epi32(v, 24),
+                                                   _mm512_slli_epi32(mag, 20), 0xca);
+    const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(bits), scale2);
+    return _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f)), value,
+                                _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+}
+
+ALWAYS_INLINE int64_t dequant_span_fast(const uint8_t *q, float scale, int64_t n, bf16_t *dst) {
+    const __m512 s2 = _mm512_set1_ps(scale * 0x1p120f); /* exact: a power-of-two step, no overflow here */
+    int64_t i = 0;
+    for (; i + 2 * FP8_VECTOR <= n; i += 2 * FP8_VECTOR) {
+        const __m512bh pair = _mm512_cvtne2ps_pbh(e4m3x16_scaled(q + i + FP8_VECTOR, s2), e4m3x16_scaled(q + i, s2));
+        _mm512_storeu_si512(dst + i, (__m512i)pair);
+    }
+    return i;
+}
+
+#endif
+
+/* dst[i] = bf16(e4m3(q[i]) * scale) for i in [0, n), 16 at a time; returns how many were done. */
+ALWAYS_INLINE int64_t dequant_span_simd(const uint8_t *q, float scale, int64_t n, bf16_t *dst) {
+    const __m512 s = _mm512_set1_ps(scale);
+    int64_t i = 0;
+#if defined(__AVX512BF16__)
+    if (fast_tile(scale)) i = dequant_span_fast(q, scale, n, dst);
+#endif
+    for (; i + FP8_VECTOR <= n; i += FP8_VECTOR)
+        _mm256_storeu_si256((__m256i *)(dst + i), f32x16_to_bf16(_mm512_mul_ps(e4m3x16_to_f32(q + i), s)));
+    return i;
+}
+
+/* The decode as the kernel runs it (vector, then scalar tail): what the exported test function checks. */
+static void e4m3_decode(const uint8_t *in, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + FP8_VECTOR <= n; i += FP8_VECTOR) _mm512_storeu_ps(out + i, e4m3x16_to_f32(in + i));
+    for (; i < n; ++i) out[i] = e4m3_to_f32(in[i]);
+}
+
+#else
+
+ALWAYS_INLINE int64_t dequant_span_simd(const uint8_t *q, float scale, int64_t n, bf16_t *dst) {
+    (void)q, (void)scale, (void)n, (void)dst;
+    return 0;
+}
+
+static void e4m3_decode(const uint8_t *in, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = e4m3_to_f32(in[i]);
+}
+
+#endif
+
+/* One weight row of n columns: tile c of `tile_cols` columns is scaled by scales[c]. */
+static void dequant_row(const uint8_t *q, const float *scales, int64_t n, int64_t tile_cols, bf16_t *dst) {
+    for (int64_t c0 = 0, t = 0; c0 < n; c0 += tile_cols, ++t) {
+        const int64_t len = n - c0 < tile_cols ? n - c0 : tile_cols;
+        const float s = scales[t];
+        for (int64_t i = c0 + dequant_span_simd(q + c0, s, len, dst + c0); i < c0 + len; ++i)
+            dst[i] = f32_to_bf16(e4m3_to_f32(q[i]) * s);
+    }
+}
+
 /* One specialised dot_rows per (rows, tokens): a runtime (r, nt) picks a fully unrolled body. */
 #define DOT_CASE(R, NT)                \
     case NT:                           \
@@ -229,7 +358,38 @@ typedef struct {
     const xval_t *x;   /* [U, H]: `hidden` itself when xval_t is bf16, else a converted copy */
     xval_t *x_scratch; /* the converted copy (NULL when not needed) */
     xval_t *act;       /* [P, I] */
+    /* fp8 jobs (gate_up and down NULL): per matrix (GATE, UP, DOWN), [E] -> float8 e4m3fn rows and their
+     * float32 grids of one scale per tile_rows x tile_cols tile (partial edge tiles allowed). */
+    const uint8_t *const *fp8[3];
+    const float *const *scales[3];
+    int64_t tile_rows, tile_cols;
+    bf16_t *row_buf;       /* [threads][MAX_ROWS][row_stride]: dequantised rows, one set per thread */
+    int64_t row_stride;
 } job_t;
+
+enum { GATE = 0, UP = 1, DOWN = 2 };
+
+ALWAYS_INLINE int is_fp8(const job_t *job) { return job->fp8[GATE] != NULL; }
+
+/* This thread's MAX_ROWS row buffers (NULL for bf16 jobs). */
+ALWAYS_INLINE bf16_t *thread_rows(const job_t *job, int tid) {
+    return job->row_buf == NULL ? NULL : job->row_buf + (int64_t)tid * MAX_ROWS * job->row_stride;
+}
+
+/* Row `row` of matrix m of expert e as bf16: a pointer into the weights, or (fp8) the row dequantised
+ * into `slot` of this thread's buffers. */
+static const bf16_t *weight_row(const job_t *job, int m, int64_t e, int64_t row, bf16_t *bufs, int slot) {
+    const int64_t H = job->hidden_size, I = job->inter;
+    if (!is_fp8(job)) {
+        if (m == DOWN) return job->down[e] + row * I;
+        return job->gate_up[e] + (m == UP ? I + row : row) * H;
+    }
+    const int64_t cols = m == DOWN ? I : H, grid_cols = (cols + job->tile_cols - 1) / job->tile_cols;
+    bf16_t *dst = bufs + slot * job->row_stride;
+    dequant_row(job->fp8[m][e] + row * cols, job->scales[m][e] + (row / job->tile_rows) * grid_cols, cols,
+                job->tile_cols, dst);
+    return dst;
+}
 
 /* silu(gate) * up on the bf16-rounded projections, with DeepSeek-V4's optional clamp; rounded to bf16. */
 ALWAYS_INLINE xval_t swiglu(const job_t *job, float gate, float up) {
@@ -264,17 +424,16 @@ static void convert_phase(const job_t *job, int tid, int nthreads) {
 
 /* Units j in [j0, j1) of one expert (gate row j and up row j), for all of its tokens. Units j and
  * j + half go together: four row streams per thread instead of two. */
-static void gate_up_rows(const job_t *job, int64_t e, int64_t j0, int64_t j1) {
+static void gate_up_rows(const job_t *job, int64_t e, int64_t j0, int64_t j1, bf16_t *bufs) {
     const int64_t H = job->hidden_size, I = job->inter, first = job->offsets[e];
     const int64_t count = job->offsets[e + 1] - first, half = (j1 - j0 + 1) / 2;
-    const bf16_t *weights = job->gate_up[e];
     for (int64_t i = 0; i < half; ++i) {
         const int64_t j[2] = {j0 + i, j0 + half + i};
         const int units = j[1] < j1 ? 2 : 1;
         const bf16_t *w[MAX_ROWS];
         for (int u = 0; u < units; ++u) {
-            w[2 * u] = weights + j[u] * H;
-            w[2 * u + 1] = weights + (I + j[u]) * H;
+            w[2 * u] = weight_row(job, GATE, e, j[u], bufs, 2 * u);
+            w[2 * u + 1] = weight_row(job, UP, e, j[u], bufs, 2 * u + 1);
         }
         for (int64_t tb = 0; tb < count; tb += TOKEN_BLOCK) {
             const int nt = token_block(job, e, tb);
@@ -297,24 +456,23 @@ static void gate_up_phase(const job_t *job, int tid, int nthreads) {
     while (lo < hi) {
         int64_t e = lo / I, j0 = lo % I;
         int64_t j1 = (hi - lo < I - j0) ? j0 + (hi - lo) : I;
-        gate_up_rows(job, e, j0, j1);
+        gate_up_rows(job, e, j0, j1, thread_rows(job, tid));
         lo += j1 - j0;
     }
 }
 
 /* Output columns [h0, h1) of one expert: out[row][h] += gate * bf16(down_h . act). The range is cut in
  * MAX_ROWS parts walked side by side (separate row streams). */
-static void down_rows(const job_t *job, int64_t e, int64_t h0, int64_t h1) {
+static void down_rows(const job_t *job, int64_t e, int64_t h0, int64_t h1, bf16_t *bufs) {
     const int64_t H = job->hidden_size, I = job->inter, first = job->offsets[e];
     const int64_t count = job->offsets[e + 1] - first, part = (h1 - h0 + MAX_ROWS - 1) / MAX_ROWS;
-    const bf16_t *weights = job->down[e];
     for (int64_t i = 0; i < part; ++i) {
         int64_t h[MAX_ROWS];
         const bf16_t *w[MAX_ROWS];
         int r = 0;
         for (; r < MAX_ROWS && h0 + r * part + i < h1; ++r) {
             h[r] = h0 + r * part + i;
-            w[r] = weights + h[r] * I;
+            w[r] = weight_row(job, DOWN, e, h[r], bufs, r);
         }
         for (int64_t tb = 0; tb < count; tb += TOKEN_BLOCK) {
             const int nt = token_block(job, e, tb);
@@ -339,11 +497,12 @@ static void down_phase(const job_t *job, int tid, int nthreads) {
     int64_t h0 = g0 * OUT_GRAIN, h1 = g1 * OUT_GRAIN < H ? g1 * OUT_GRAIN : H;
     if (h0 >= h1) return;
     for (int64_t u = 0; u < job->out_rows; ++u) memset(job->out + u * H + h0, 0, (size_t)(h1 - h0) * sizeof(float));
-    for (int64_t e = 0; e < job->n_experts; ++e) down_rows(job, e, h0, h1);
+    for (int64_t e = 0; e < job->n_experts; ++e) down_rows(job, e, h0, h1, thread_rows(job, tid));
 }
 
 static int valid(const job_t *job) {
     if (job->n_experts < 0 || job->hidden_size < 1 || job->inter < 1 || job->out_rows < 0) return 0;
+    if (is_fp8(job) && (job->tile_rows < 1 || job->tile_cols < 1)) return 0;
     if (job->offsets[0] != 0) return 0;
     for (int64_t e = 0; e < job->n_experts; ++e)
         if (job->offsets[e + 1] < job->offsets[e]) return 0;
@@ -352,18 +511,32 @@ static int valid(const job_t *job) {
     return 1;
 }
 
-/* The activations and (for an fp32 xval_t) the converted hidden rows; 0 when out of memory. */
-static int allocate(job_t *job) {
+static void release(job_t *job) {
+    free(job->act);
+    free(job->x_scratch);
+    free(job->row_buf);
+}
+
+/* The activations, (for an fp32 xval_t) the converted hidden rows and (fp8) the row buffers of `threads`
+ * threads; 0 when out of memory. */
+static int allocate(job_t *job, int threads) {
     int64_t pairs = job->offsets[job->n_experts];
     job->act = malloc((size_t)(pairs > 0 ? pairs : 1) * (size_t)job->inter * sizeof(xval_t));
     job->x_scratch = NULL;
+    job->row_buf = NULL;
     job->x = (const xval_t *)job->hidden;
-    if (!X_IS_BF16 && job->act != NULL) {
+    if (!X_IS_BF16) {
         job->x_scratch = malloc((size_t)(job->out_rows > 0 ? job->out_rows : 1) * (size_t)job->hidden_size *
                                 sizeof(xval_t));
         job->x = job->x_scratch;
     }
-    return job->act != NULL && (X_IS_BF16 || job->x_scratch != NULL);
+    if (is_fp8(job)) {
+        /* Rows padded to whole cache lines (32 bf16), so each buffer starts on a line of its own. */
+        const int64_t widest = job->hidden_size > job->inter ? job->hidden_size : job->inter;
+        job->row_stride = (widest + 31) / 32 * 32;
+        job->row_buf = aligned_alloc(64, (size_t)threads * MAX_ROWS * (size_t)job->row_stride * sizeof(bf16_t));
+    }
+    return job->act != NULL && (X_IS_BF16 || job->x_scratch != NULL) && (!is_fp8(job) || job->row_buf != NULL);
 }
 
 /* This thread's part of every phase (orphaned barriers: outside a parallel region they bind to a team of one). */
@@ -378,31 +551,66 @@ static void work(const job_t *job) {
     down_phase(job, tid, nthreads);
 }
 
-/* Compute a whole job; returns 0, MOETIER_BAD_ARGS (bad offsets or a row outside [0, out_rows)) or
- * MOETIER_NO_MEMORY. `out` [out_rows, H] is overwritten (rows no pair touches are zeroed). */
-int moetier_cpu_experts(int64_t n_experts, const bf16_t *const *gate_up, const bf16_t *const *down,
-                        const int64_t *offsets, const int64_t *rows, const float *gates, const bf16_t *hidden,
-                        int64_t out_rows, int64_t hidden_size, int64_t inter, int has_limit, float limit, float *out,
-                        int threads) {
+/* Validate, allocate, compute and free one job of either kind. */
+static int run_job(job_t *job, int threads) {
     /* torch's clamp of a bf16 tensor by a float bound gives the bound rounded to bf16, so clamp by that. */
-    job_t job = {n_experts, gate_up, down, offsets, rows, gates, hidden, out_rows, hidden_size, inter,
-                 has_limit, round_bf16(limit), out, NULL, NULL, NULL};
-    if (threads < 1 || !valid(&job)) return MOETIER_BAD_ARGS;
-    if (!allocate(&job)) {
-        free(job.act);
+    job->limit = round_bf16(job->limit);
+    if (threads < 1 || !valid(job)) return MOETIER_BAD_ARGS;
+    if (!allocate(job, threads)) {
+        release(job);
         return MOETIER_NO_MEMORY;
     }
     if (threads == 1) {
         /* No region at all: libgomp miscounts its threads after a one-thread team's master exits, and then
          * makes every other team sleep in futexes instead of spinning (measured: 50x slower jobs). */
-        work(&job);
+        work(job);
     } else {
 #pragma omp parallel num_threads(threads)
-        work(&job);
+        work(job);
     }
-    free(job.act);
-    free(job.x_scratch);
+    release(job);
     return MOETIER_OK;
+}
+
+/* Compute a whole job of bf16 experts; returns 0, MOETIER_BAD_ARGS (bad offsets or a row outside
+ * [0, out_rows)) or MOETIER_NO_MEMORY. `out` [out_rows, H] is overwritten (rows no pair touches are zeroed). */
+int moetier_cpu_experts(int64_t n_experts, const bf16_t *const *gate_up, const bf16_t *const *down,
+                        const int64_t *offsets, const int64_t *rows, const float *gates, const bf16_t *hidden,
+                        int64_t out_rows, int64_t hidden_size, int64_t inter, int has_limit, float limit, float *out,
+                        int threads) {
+    job_t job = {.n_experts = n_experts, .gate_up = gate_up, .down = down, .offsets = offsets, .rows = rows,
+                 .gates = gates, .hidden = hidden, .out_rows = out_rows, .hidden_size = hidden_size,
+                 .inter = inter, .has_limit = has_limit, .limit = limit, .out = out};
+    return run_job(&job, threads);
+}
+
+/* moetier_cpu_experts for float8 e4m3fn experts: gate [E] -> [I, H], up [E] -> [I, H], down [E] -> [H, I],
+ * each with its float32 scale grid ([ceil(rows / tile_rows), ceil(cols / tile_cols)], row-major). The
+ * result is bit for bit moetier_cpu_experts on the weights dequantised to bf16 (round to nearest even). */
+int moetier_cpu_experts_fp8(int64_t n_experts, const uint8_t *const *gate, const uint8_t *const *up,
+                            const uint8_t *const *down, const float *const *gate_scale, const float *const *up_scale,
+                            const float *const *down_scale, int64_t tile_rows, int64_t tile_cols,
+                            const int64_t *offsets, const int64_t *rows, const float *gates, const bf16_t *hidden,
+                            int64_t out_rows, int64_t hidden_size, int64_t inter, int has_limit, float limit,
+                            float *out, int threads) {
+    job_t job = {.n_experts = n_experts, .offsets = offsets, .rows = rows, .gates = gates, .hidden = hidden,
+                 .out_rows = out_rows, .hidden_size = hidden_size, .inter = inter, .has_limit = has_limit,
+                 .limit = limit, .out = out, .fp8 = {gate, up, down}, .scales = {gate_scale, up_scale, down_scale},
+                 .tile_rows = tile_rows, .tile_cols = tile_cols};
+    if (gate == NULL || up == NULL || down == NULL) return MOETIER_BAD_ARGS;
+    return run_job(&job, threads);
+}
+
+/* Decode n float8 e4m3fn codes to fp32 with the kernel's own decoder (for tests). */
+void moetier_e4m3_to_f32(const uint8_t *in, float *out, int64_t n) { e4m3_decode(in, out, n); }
+
+/* Dequantise a whole [rows, cols] float8 e4m3fn matrix to bf16 row by row, as the kernel does (for tests:
+ * the dot products flush subnormal bf16 inputs, so only this sees how subnormal products are rounded). */
+void moetier_e4m3_dequantize(const uint8_t *q, const float *scales, int64_t rows, int64_t cols, int64_t tile_rows,
+                             int64_t tile_cols, bf16_t *out) {
+    const int64_t grid_cols = (cols + tile_cols - 1) / tile_cols;
+    for (int64_t r = 0; r < rows; ++r)
+        dequant_row(q + r * cols, scales + (r / tile_rows) * grid_cols, cols, tile_cols, out + r * cols);
 }
 
 /* Which SIMD path this build compiled ("avx512_bf16", "avx512f" or "portable"). */

@@ -1,5 +1,10 @@
 """The CPU tier's C kernel (``cpu_experts.c``): a whole job of bf16 SwiGLU experts in one OpenMP region.
 
+Experts kept as float8 e4m3fn with float32 tile scales (DeepSeek's release format) run through
+:meth:`CpuExpertsLibrary.run_fp8`: each weight row is dequantised into a bf16 buffer exactly as
+:func:`moetier.weights.fp8.dequantize_blocks` does, so the result is bit for bit the bf16 path's on the
+dequantised weights, reading half the bytes.
+
 The source ships with the package and is compiled on first use with the system C compiler
 (``$CC``, else Python's configured compiler, else ``cc``/``gcc``) with ``-O3 -march=native -fopenmp``
 into ``$XDG_CACHE_HOME/moetier/kernels`` (default ``~/.cache/moetier/kernels``). The file name hashes
@@ -28,7 +33,7 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -39,6 +44,18 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
 FAST_ISAS = ("avx512_bf16", "avx512f")
 _ERRORS = {-1: "bad arguments (offsets or a row index out of range)", -2: "out of memory for the activations"}
+
+
+class Fp8Expert(Protocol):
+    """What :meth:`CpuExpertsLibrary.run_fp8` reads of one expert (a quantised ``ExpertWeights`` is one)."""
+
+    gate_q: torch.Tensor | None  # float8_e4m3fn [I, H]
+    up_q: torch.Tensor | None  # float8_e4m3fn [I, H]
+    down_q: torch.Tensor | None  # float8_e4m3fn [H, I]
+    gate_scale: torch.Tensor | None  # float32 [ceil(I / tile_rows), ceil(H / tile_cols)]
+    up_scale: torch.Tensor | None
+    down_scale: torch.Tensor | None  # float32 [ceil(H / tile_rows), ceil(I / tile_cols)]
+
 
 _lock = threading.Lock()
 _built: dict[tuple[str, ...], CpuExpertsLibrary | None] = {}
@@ -59,6 +76,28 @@ class CpuExpertsLibrary:
         self._run = fn
         self._lib.moetier_cpu_experts_isa.restype = ctypes.c_char_p
         self.isa: str = self._lib.moetier_cpu_experts_isa().decode()
+        self._run_fp8 = self._bind_fp8()
+
+    def _bind_fp8(self) -> Any:
+        """The fp8 entry point, or None for a library built from a source without it."""
+        fn = getattr(self._lib, "moetier_cpu_experts_fp8", None)
+        if fn is None:
+            return None
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        # n_experts; gate, up, down, their scales (pointer arrays); tile rows, cols; then as moetier_cpu_experts.
+        fn.argtypes = [i64, *[ptr] * 6, i64, i64, *[ptr] * 4, i64, i64, i64, ctypes.c_int, ctypes.c_float, ptr]
+        fn.argtypes += [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        decode = self._lib.moetier_e4m3_to_f32
+        decode.argtypes, decode.restype = [ptr, ptr, i64], None
+        dequantize = self._lib.moetier_e4m3_dequantize
+        dequantize.argtypes, dequantize.restype = [ptr, ptr, i64, i64, i64, i64, ptr], None
+        return fn
+
+    @property
+    def supports_fp8(self) -> bool:
+        """Whether this build has the float8 e4m3fn entry point."""
+        return self._run_fp8 is not None
 
     def run(
         self,
@@ -82,23 +121,118 @@ class CpuExpertsLibrary:
             raise ValueError("cpu_experts: gate_up, down, rows and gates must have one entry per expert")
         units, hidden_size = _check(hidden, torch.bfloat16, "hidden", ndim=2).shape
         inter = _check_experts(gate_up, down, hidden_size)
-        if out is None:
-            out = torch.empty((units, hidden_size), dtype=torch.float32)
-        elif tuple(out.shape) != (units, hidden_size):
-            raise ValueError(f"cpu_experts: out has shape {tuple(out.shape)}, expected {(units, hidden_size)}")
-        _check(out, torch.float32, "out", ndim=2)
+        out = _check_out(out, units, hidden_size)
         flat_rows, flat_gates, offsets = _pack(rows, gates)
-        gate_up_ptrs = (ctypes.c_void_p * max(1, len(gate_up)))(*[w.data_ptr() for w in gate_up])
-        down_ptrs = (ctypes.c_void_p * max(1, len(down)))(*[w.data_ptr() for w in down])
         limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
         status = self._run(
-            len(gate_up), gate_up_ptrs, down_ptrs, offsets, flat_rows.data_ptr(), flat_gates.data_ptr(),
+            len(gate_up), _pointers(gate_up), _pointers(down), offsets, flat_rows.data_ptr(), flat_gates.data_ptr(),
             hidden.data_ptr(), units, hidden_size, inter, int(swiglu_limit is not None), limit, out.data_ptr(),
             int(threads),
         )  # fmt: skip
-        if status != 0:
-            raise ValueError(f"cpu_experts: {_ERRORS.get(status, f'error {status}')}")
+        _raise_for(status)
         return out
+
+    def run_fp8(
+        self,
+        hidden: torch.Tensor,
+        experts: Sequence[Fp8Expert],
+        tile: tuple[int, int],
+        rows: Sequence[torch.Tensor],
+        gates: Sequence[torch.Tensor],
+        swiglu_limit: float | None,
+        threads: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`run` for float8 e4m3fn experts with one float32 scale per ``tile`` (rows, cols) tile.
+
+        Each expert has ``gate_q``/``up_q`` ``[I, H]`` and ``down_q`` ``[H, I]`` (float8_e4m3fn) and
+        ``*_scale`` grids ``[ceil(R / tile[0]), ceil(C / tile[1])]`` (float32), all contiguous on the CPU.
+        The result equals :meth:`run` on the weights dequantised to bf16 (``dequantize_blocks``), exactly.
+        """
+        if self._run_fp8 is None:
+            raise RuntimeError(f"cpu_experts: {self.path.name} has no fp8 entry point")
+        if not len(experts) == len(rows) == len(gates):
+            raise ValueError("cpu_experts: experts, rows and gates must have one entry per expert")
+        units, hidden_size = _check(hidden, torch.bfloat16, "hidden", ndim=2).shape
+        tile = _check_tile(tile)
+        inter = _check_fp8_experts(experts, hidden_size, tile)
+        out = _check_out(out, units, hidden_size)
+        flat_rows, flat_gates, offsets = _pack(rows, gates)
+        names = ("gate_q", "up_q", "down_q", "gate_scale", "up_scale", "down_scale")
+        arrays = [_pointers([getattr(e, name) for e in experts]) for name in names]
+        limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+        status = self._run_fp8(
+            len(experts), *arrays, tile[0], tile[1], offsets, flat_rows.data_ptr(), flat_gates.data_ptr(),
+            hidden.data_ptr(), units, hidden_size, inter, int(swiglu_limit is not None), limit, out.data_ptr(),
+            int(threads),
+        )  # fmt: skip
+        _raise_for(status)
+        return out
+
+    def decode_e4m3(self, codes: torch.Tensor) -> torch.Tensor:
+        """The kernel's own decode of uint8 float8 e4m3fn codes to float32 (for tests)."""
+        if self._run_fp8 is None:
+            raise RuntimeError(f"cpu_experts: {self.path.name} has no fp8 entry point")
+        codes = _check(codes.reshape(-1).contiguous(), torch.uint8, "codes", ndim=1)
+        values = torch.empty(codes.shape, dtype=torch.float32)
+        self._lib.moetier_e4m3_to_f32(codes.data_ptr(), values.data_ptr(), codes.numel())
+        return values
+
+    def dequantize_e4m3(self, q: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+        """The kernel's row dequantisation of one float8 e4m3fn matrix to bf16 (for tests)."""
+        if self._run_fp8 is None:
+            raise RuntimeError(f"cpu_experts: {self.path.name} has no fp8 entry point")
+        rows, cols = _check(q, torch.float8_e4m3fn, "q", ndim=2).shape
+        tile = _check_tile(tile)
+        if tuple(_check(scale, torch.float32, "scale", ndim=2).shape) != (-(-rows // tile[0]), -(-cols // tile[1])):
+            raise ValueError(f"cpu_experts: scale {tuple(scale.shape)} does not tile {(rows, cols)} in {tile}")
+        out = torch.empty((rows, cols), dtype=torch.bfloat16)
+        self._lib.moetier_e4m3_dequantize(q.data_ptr(), scale.data_ptr(), rows, cols, *tile, out.data_ptr())
+        return out
+
+
+def _pointers(tensors: Sequence[torch.Tensor]) -> Any:
+    """A C array of the tensors' data pointers (one slot at least: C never reads it when empty)."""
+    return (ctypes.c_void_p * max(1, len(tensors)))(*[t.data_ptr() for t in tensors])
+
+
+def _raise_for(status: int) -> None:
+    if status != 0:
+        raise ValueError(f"cpu_experts: {_ERRORS.get(status, f'error {status}')}")
+
+
+def _check_out(out: torch.Tensor | None, units: int, hidden_size: int) -> torch.Tensor:
+    if out is None:
+        return torch.empty((units, hidden_size), dtype=torch.float32)
+    if tuple(out.shape) != (units, hidden_size):
+        raise ValueError(f"cpu_experts: out has shape {tuple(out.shape)}, expected {(units, hidden_size)}")
+    return _check(out, torch.float32, "out", ndim=2)
+
+
+def _check_tile(tile: tuple[int, int]) -> tuple[int, int]:
+    if len(tile) != 2 or not all(isinstance(t, int) and t > 0 for t in tile):
+        raise ValueError(f"cpu_experts: tile must be two positive integers, got {tile!r}")
+    return int(tile[0]), int(tile[1])
+
+
+def _check_fp8_experts(experts: Sequence[Fp8Expert], hidden_size: int, tile: tuple[int, int]) -> int:
+    """The intermediate size I shared by every fp8 expert (1 when there are none); ValueError on any mismatch."""
+    inter = experts[0].down_q.shape[-1] if experts and experts[0].down_q is not None else 0
+    shapes = {"gate": (inter, hidden_size), "up": (inter, hidden_size), "down": (hidden_size, inter)}
+    for e, expert in enumerate(experts):
+        for name, shape in shapes.items():
+            q, scale = getattr(expert, f"{name}_q"), getattr(expert, f"{name}_scale")
+            if q is None or scale is None:
+                raise ValueError(f"cpu_experts: expert {e} has no {name}_q / {name}_scale (not quantised)")
+            _check(q, torch.float8_e4m3fn, f"expert {e} {name}_q", ndim=2)
+            _check(scale, torch.float32, f"expert {e} {name}_scale", ndim=2)
+            grid = (-(-shape[0] // tile[0]), -(-shape[1] // tile[1]))
+            if tuple(q.shape) != shape or tuple(scale.shape) != grid:
+                raise ValueError(
+                    f"cpu_experts: expert {e} has {name}_q {tuple(q.shape)} and {name}_scale {tuple(scale.shape)}, "
+                    f"expected {shape} and {grid} ({tile[0]}x{tile[1]} tiles)"
+                )
+    return max(inter, 1)
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, name: str, ndim: int) -> torch.Tensor:
@@ -252,6 +386,12 @@ def build(extra_flags: tuple[str, ...] = ()) -> Path:
     return target
 
 
+def supports_fp8() -> bool:
+    """Whether the default build runs float8 e4m3fn experts (:meth:`CpuExpertsLibrary.run_fp8`)."""
+    lib = library()
+    return lib is not None and lib.supports_fp8
+
+
 def kernel_isa() -> str | None:
     """The SIMD path of the default build ("avx512_bf16", "avx512f", "portable"), None when not built."""
     lib = library()
@@ -273,3 +413,20 @@ def run_experts(
     if lib is None:
         raise RuntimeError("the CPU expert kernel is unavailable (MOETIER_CPU_KERNEL=0 or not buildable; see the log)")
     return lib.run(hidden, gate_up, down, rows, gates, swiglu_limit, threads, out)
+
+
+def run_fp8_experts(
+    hidden: torch.Tensor,
+    experts: Sequence[Fp8Expert],
+    tile: tuple[int, int],
+    rows: Sequence[torch.Tensor],
+    gates: Sequence[torch.Tensor],
+    swiglu_limit: float | None,
+    threads: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:meth:`CpuExpertsLibrary.run_fp8` with the default build; RuntimeError when there is none."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the CPU expert kernel is unavailable (MOETIER_CPU_KERNEL=0 or not buildable; see the log)")
+    return lib.run_fp8(hidden, experts, tile, rows, gates, swiglu_limit, threads, out)

@@ -6,8 +6,10 @@ OpenMP thread count is per calling thread), so the dispatching thread keeps its 
 launching device work. Each job returns an fp32 partial sum over the rows it touched.
 
 bf16 jobs run the C kernel of :mod:`moetier.kernels.cpu_experts` when it is available (one OpenMP
-region for the whole job, every weight row read once for all of its expert's tokens); other dtypes,
-and hosts where it cannot be built, run torch.
+region for the whole job, every weight row read once for all of its expert's tokens), and so do
+float8 e4m3fn experts (``expert_format="fp8"``), dequantised row by row inside the kernel exactly as
+:func:`swiglu_expert` dequantises them; other dtypes (e5m2 included), and hosts where it cannot be
+built, run torch.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class CpuResult:
     out: torch.Tensor  # fp32 [U, H]: sum over groups of gate * expert(hidden[rows]) placed at rows
     seconds: float  # wall time the worker spent on the job
     pairs: int = field(default=0)
-    kernel: str = TORCH_KERNEL  # which path ran: "torch", or "c-" + the C kernel's ISA (e.g. "c-avx512_bf16")
+    # which path ran: "torch", or "c-" + the C kernel's ISA (e.g. "c-avx512_bf16"), "-fp8" for fp8 experts
+    kernel: str = TORCH_KERNEL
 
 
 class CpuExpertTier:
@@ -81,8 +84,9 @@ class CpuExpertTier:
     dot product in fp32 and rounds where a bf16 GEMM does: gate and up to bf16, the activation
     ``silu(gate) * up`` (after the optional clamp, by the limit rounded to bf16 as torch's clamp of bf16
     values gives) computed in fp32 and rounded once to bf16 (torch rounds ``silu(gate)`` and the
-    product separately), the expert's output to bf16 before the gate. Its results do not depend on
-    ``threads``.
+    product separately), the expert's output to bf16 before the gate. float8 e4m3fn experts compute
+    exactly that on their weights dequantised to bf16 (as :func:`swiglu_expert` dequantises them). Its
+    results do not depend on ``threads``.
     ``last_kernel`` names the path of the latest job (also :attr:`CpuResult.kernel`).
     """
 
@@ -131,21 +135,36 @@ class CpuExpertTier:
         return CpuResult(out=out, seconds=time.perf_counter() - start, pairs=pairs, kernel=kernel)
 
     def _kernel_fits(self, job: CpuJob, out: torch.Tensor) -> bool:
-        """bf16 hidden and weights (contiguous, as every ExpertWeights is), an fp32 contiguous out."""
+        """bf16 hidden, an fp32 contiguous out, and experts all bf16 or all e4m3fn with one tile (contiguous)."""
         if not self.use_kernel or job.hidden.dtype != torch.bfloat16 or job.hidden.device.type != "cpu":
             return False
         if out.dtype != torch.float32 or not out.is_contiguous():
             return False
-        for group in job.groups:
-            if group.weights.quantized:
-                return False  # the C kernel reads bf16 blocks only: fp8 experts dequantise in torch
-            for w in (group.weights.gate_up, group.weights.down):
-                if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous():
-                    return False
+        if _fp8_job(job):
+            if not all(_fp8_fits(g.weights, job.groups[0].weights.tile) for g in job.groups):
+                return False
+            if not cpu_experts.supports_fp8():
+                return False
+        elif not all(_bf16_fits(g.weights) for g in job.groups):
+            return False
         return cpu_experts.available()  # re-read: MOETIER_CPU_KERNEL=0 turns it off at run time
 
     def _compute_c(self, job: CpuJob, out: torch.Tensor) -> str:
         groups = job.groups
+        if _fp8_job(job):
+            tile = groups[0].weights.tile
+            assert tile is not None  # _kernel_fits checked every group
+            cpu_experts.run_fp8_experts(
+                job.hidden.contiguous(),
+                [g.weights for g in groups],
+                tile,
+                [g.rows for g in groups],
+                [g.gates for g in groups],
+                self.swiglu_limit,
+                self.threads,
+                out=out,
+            )
+            return f"c-{cpu_experts.kernel_isa()}-fp8"
         cpu_experts.run_experts(
             job.hidden.contiguous(),
             [g.weights.gate_up for g in groups],
@@ -167,3 +186,28 @@ class CpuExpertTier:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _fp8_job(job: CpuJob) -> bool:
+    """Whether the job's experts are quantised (judged by the first: a job mixing formats fits nowhere)."""
+    return bool(job.groups) and job.groups[0].weights.quantized
+
+
+def _cpu_contiguous(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    return t is not None and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+
+
+def _bf16_fits(weights: ExpertWeights) -> bool:
+    """Dense bf16 weights, contiguous on the CPU (as every dense ExpertWeights is)."""
+    return all(_cpu_contiguous(w, torch.bfloat16) for w in (weights.gate_up, weights.down))
+
+
+def _fp8_fits(weights: ExpertWeights, tile: tuple[int, int] | None) -> bool:
+    """e4m3fn weights with float32 scales on ``tile`` (the job's): the kernel decodes e4m3fn only, e5m2 runs torch."""
+    if not weights.quantized or weights.tile != tile:
+        return False
+    values = (weights.gate_q, weights.up_q, weights.down_q)
+    scales = (weights.gate_scale, weights.up_scale, weights.down_scale)
+    return all(_cpu_contiguous(q, torch.float8_e4m3fn) for q in values) and all(
+        _cpu_contiguous(s, torch.float32) for s in scales
+    )
