@@ -409,10 +409,7 @@ def run_experts(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:meth:`CpuExpertsLibrary.run` with the default build (whatever its ISA); RuntimeError when there is none."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("the CPU expert kernel is unavailable (MOETIER_CPU_KERNEL=0 or not buildable; see the log)")
-    return lib.run(hidden, gate_up, down, rows, gates, swiglu_limit, threads, out)
+    return _default_library().run(hidden, gate_up, down, rows, gates, swiglu_limit, threads, out)
 
 
 def run_fp8_experts(
@@ -426,7 +423,11 @@ def run_fp8_experts(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:meth:`CpuExpertsLibrary.run_fp8` with the default build; RuntimeError when there is none."""
+    return _default_library().run_fp8(hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
+
+
+def _default_library() -> CpuExpertsLibrary:
     lib = library()
     if lib is None:
         raise RuntimeError("the CPU expert kernel is unavailable (MOETIER_CPU_KERNEL=0 or not buildable; see the log)")
-    return lib.run_fp8(hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
+    return lib
