@@ -33,8 +33,9 @@ def parse_dtype(value: str | torch.dtype | None, default: torch.dtype = torch.bf
 
 
 # How routed experts are kept in the home copy: "dense" dequantises them to the compute dtype at load;
-# "fp8" keeps an fp8-block checkpoint's float8 bytes and scales (half the host RAM and PCIe bytes).
-EXPERT_FORMATS = ("dense", "fp8")
+# "fp8" keeps an fp8-block checkpoint's float8 bytes and scales (half the host RAM and PCIe bytes);
+# "fp4" keeps DeepSeek-V4's packed FP4 experts and their scales (about 0.31x of bf16).
+EXPERT_FORMATS = ("dense", "fp8", "fp4")
 
 
 def check_expert_format(value: str) -> str:
@@ -52,8 +53,9 @@ def default_device() -> torch.device:
 class ModelLoadConfig:
     """How to load a checkpoint: compute dtype, device and the longest sequence the caches must hold.
 
-    ``expert_format``: ``"dense"`` (routed experts dequantised to ``dtype`` at load) or ``"fp8"`` (an
-    fp8-block checkpoint's experts stay float8 + scales in the home copy; see :data:`EXPERT_FORMATS`).
+    ``expert_format``: ``"dense"`` (routed experts dequantised to ``dtype`` at load), ``"fp8"`` (an
+    fp8-block checkpoint's experts stay float8 + scales in the home copy) or ``"fp4"`` (DeepSeek-V4's
+    FP4 experts stay packed + scales); see :data:`EXPERT_FORMATS`.
     """
 
     dtype: torch.dtype = torch.bfloat16

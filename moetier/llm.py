@@ -76,7 +76,7 @@ class LLM:
     (``auto``, ``bf16``, ``fp8``), when given, overrides the engine config's KV cache storage, and
     ``prefill_chunk_tokens`` its prefill tokens per step (left as ``None`` in both, the placement plan
     picks the chunk with ``gpu_memory``; ``self.engine.config.prefill_chunk_tokens`` is the one used).
-    ``expert_format`` (``dense``, ``fp8``), when given, overrides the engine config's experts' home copy.
+    ``expert_format`` (``dense``, ``fp8``, ``fp4``), when given, overrides the engine config's experts' home copy.
     """
 
     def __init__(

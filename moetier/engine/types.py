@@ -61,8 +61,8 @@ class EngineConfig:
       it grows) or ``"paged"`` (blocks of ``kv_block_tokens`` rows from shared pools, allocated as tokens
       arrive and shared, not copied, by growth and prefix snapshots; :mod:`moetier.models.paged_kv`).
     - ``expert_format``: the routed experts' home copy when the engine loads a checkpoint: ``"dense"``
-      (dequantised to the model dtype) or ``"fp8"`` (an fp8-block checkpoint's float8 + scales, half the
-      bytes; :class:`moetier.config.ModelLoadConfig`).
+      (dequantised to the model dtype), ``"fp8"`` (an fp8-block checkpoint's float8 + scales, half the
+      bytes) or ``"fp4"`` (DeepSeek-V4's packed FP4 + scales; :class:`moetier.config.ModelLoadConfig`).
     """
 
     max_streams: int = 4

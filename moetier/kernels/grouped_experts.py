@@ -203,11 +203,14 @@ def grouped_usable(hidden: torch.Tensor, groups: Sequence[Group]) -> bool:
 
 
 def _block_fits(weights: ExpertWeights, hidden: torch.Tensor) -> bool:
-    """Dense blocks in the activations' dtype, or e4m3 fp8-block ones, on the activations' device."""
+    """Dense blocks in the activations' dtype, or e4m3 fp8-block ones, on the activations' device.
+
+    fp4-block (packed) experts have no kernel: they run the per-expert torch path.
+    """
     if weights.block.device != hidden.device:
         return False
     if weights.quantized:
-        return weights.down_q.dtype == torch.float8_e4m3fn
+        return weights.quant_kind == "fp8-block" and weights.down_q.dtype == torch.float8_e4m3fn
     return weights.block.dtype == hidden.dtype
 
 

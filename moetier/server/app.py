@@ -67,7 +67,7 @@ class ServeConfig:
     ``prefill_chunk_tokens``: prefill tokens per engine step; ``None`` (auto): the placement plan's choice
     with ``tiers``, else the engine's default. ``warmup``: on CUDA, run a few decode steps per batch size
     up to ``max_streams`` before reporting ready (:mod:`moetier.engine.warmup`). ``expert_format``: the
-    routed experts' home copy, ``dense`` or ``fp8`` (:class:`moetier.config.ModelLoadConfig`).
+    routed experts' home copy, ``dense``, ``fp8`` or ``fp4`` (:class:`moetier.config.ModelLoadConfig`).
     """
 
     model: str | None = None

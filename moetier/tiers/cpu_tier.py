@@ -203,8 +203,9 @@ def _bf16_fits(weights: ExpertWeights) -> bool:
 
 
 def _fp8_fits(weights: ExpertWeights, tile: tuple[int, int] | None) -> bool:
-    """e4m3fn weights with float32 scales on ``tile`` (the job's): the kernel decodes e4m3fn only, e5m2 runs torch."""
-    if not weights.quantized or weights.tile != tile:
+    """e4m3fn weights with float32 scales on ``tile`` (the job's): the kernel decodes e4m3fn only; e5m2 and
+    fp4-block (packed) experts run torch."""
+    if weights.quant_kind != "fp8-block" or weights.tile != tile:
         return False
     values = (weights.gate_q, weights.up_q, weights.down_q)
     scales = (weights.gate_scale, weights.up_scale, weights.down_scale)

@@ -5,9 +5,10 @@ followed by ``down`` (shape ``[H, I]``). One block per expert means one DMA move
 tiers, and the CPU tier can compute straight from it. Models never touch this store: they call
 an :class:`~moetier.tiers.dispatcher.ExpertDispatcher`.
 
-With :class:`ExpertQuant` (``expert_format="fp8"``) a block keeps the checkpoint's float8 weights and
-their per-tile float32 scales as raw bytes instead (about half of bf16): every reader dequantises
-with the loader's own function, so the math is unchanged.
+With :class:`ExpertQuant` (``expert_format="fp8"`` or ``"fp4"``) a block keeps the checkpoint's float8
+weights (or packed e2m1 nibbles) and their per-tile float32 scales as raw bytes instead (about half,
+or about 0.31x, of bf16): every reader dequantises with the loader's own function, so the math is
+unchanged.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from moetier.errors import ConfigError
+from moetier.weights.fp4 import dequantize_fp4
 from moetier.weights.fp8 import dequantize_blocks, scale_grid
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+QUANT_KINDS = ("fp8-block", "fp4-block")
 # Every part of a quantised block starts on a cache line: enough for the float32 scales, and what
 # vector loads of a future CPU kernel want.
 PART_ALIGN = 64
@@ -36,7 +39,9 @@ class ExpertQuant:
     """How a quantised expert block stores its weights.
 
     ``kind`` ``"fp8-block"``: each matrix as ``fp8`` values plus one float32 scale per ``tile``
-    (rows x cols) tile, DeepSeek's release format (:mod:`moetier.weights.fp8`).
+    (rows x cols) tile, DeepSeek-V3's release format (:mod:`moetier.weights.fp8`). ``"fp4-block"``:
+    each ``[N, K]`` matrix as packed e2m1 bytes ``[N, K/2]`` plus one float32 scale per ``tile``
+    (DeepSeek-V4's release: ``(1, 32)``, :mod:`moetier.weights.fp4`); ``fp8`` is unused there.
     """
 
     kind: str = "fp8-block"
@@ -44,13 +49,29 @@ class ExpertQuant:
     fp8: torch.dtype = torch.float8_e4m3fn
 
     def __post_init__(self) -> None:
-        if self.kind != "fp8-block":
-            raise ConfigError(f"unknown expert quantisation {self.kind!r}; the only one is 'fp8-block'")
+        if self.kind not in QUANT_KINDS:
+            raise ConfigError(f"unknown expert quantisation {self.kind!r}; use one of {', '.join(QUANT_KINDS)}")
         tile_ok = len(self.tile) == 2 and all(isinstance(t, int) and t > 0 for t in self.tile)
         if not tile_ok:
-            raise ConfigError(f"fp8-block tile must be two positive integers, got {self.tile!r}")
-        if self.fp8 not in FP8_DTYPES:
+            raise ConfigError(f"{self.kind} tile must be two positive integers, got {self.tile!r}")
+        if self.kind == "fp8-block" and self.fp8 not in FP8_DTYPES:
             raise ConfigError(f"fp8-block values must be float8_e4m3fn or float8_e5m2, got {self.fp8}")
+        if self.packed and self.tile[1] % 2:
+            raise ConfigError(f"fp4-block tile columns must be even (two values a byte), got {self.tile!r}")
+
+    @property
+    def packed(self) -> bool:
+        """Whether two values share a byte (fp4): stored matrices are ``[N, K/2]``."""
+        return self.kind == "fp4-block"
+
+    @property
+    def values_dtype(self) -> torch.dtype:
+        """The dtype of the stored matrices: the float8 type, or raw bytes for packed fp4."""
+        return torch.uint8 if self.packed else self.fp8
+
+    def stored_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The stored shape of a ``[N, K]`` matrix."""
+        return (shape[0], shape[1] // 2) if self.packed else shape
 
 
 @dataclass(frozen=True)
@@ -90,10 +111,18 @@ class ExpertLayout:
             raise ConfigError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
         if self.quant is not None and not isinstance(self.quant, ExpertQuant):
             raise ConfigError(f"expert layout quant must be an ExpertQuant or None, got {self.quant!r}")
+        if self.quant is not None and self.quant.packed:
+            # dequantize_fp4 needs whole blocks (no edge tiles) and whole bytes.
+            sizes = (self.hidden_size, self.intermediate_size)
+            if any(size % t for size in sizes for t in self.quant.tile):
+                raise ConfigError(
+                    f"fp4-block tile {self.quant.tile} does not divide the experts' hidden size {self.hidden_size} "
+                    f"and intermediate size {self.intermediate_size}"
+                )
 
     @property
     def gate_up_numel(self) -> int:
-        """Elements of ``[gate; up]`` (dense), or their float8 bytes (quantised): ``2 * I * H`` either way."""
+        """Elements of ``[gate; up]``: ``2 * I * H`` (the float8 bytes when fp8; fp4 packs them in half)."""
         return 2 * self.intermediate_size * self.hidden_size
 
     @property
@@ -113,7 +142,8 @@ class ExpertLayout:
         return self.block_numel * torch.empty((), dtype=self.block_dtype(dtype)).element_size()
 
     def quant_parts(self) -> list[BlockPart]:
-        """Where each matrix of a quantised block lies: gate, up, down (float8), then their float32 scales.
+        """Where each matrix of a quantised block lies: gate, up, down (float8 or packed fp4 bytes), then
+        their float32 scales, each part on a 64-byte line.
 
         Gate and up keep separate scale grids: ``I`` need not be a multiple of the tile.
         """
@@ -121,7 +151,7 @@ class ExpertLayout:
             raise ValueError("a dense expert layout has no quantised parts")
         inter, hidden, quant = self.intermediate_size, self.hidden_size, self.quant
         shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
-        wanted = [(name, shape, quant.fp8) for name, shape in shapes.items()]
+        wanted = [(name, quant.stored_shape(shape), quant.values_dtype) for name, shape in shapes.items()]
         wanted += [(f"{name}_scale", scale_grid(shape, quant.tile), torch.float32) for name, shape in shapes.items()]
         parts, offset = [], 0
         for name, shape, dtype in wanted:
@@ -136,8 +166,9 @@ class ExpertWeights:
     """Views into one expert's block.
 
     Dense: ``gate_up`` is ``[2I, H]`` (gate rows first), ``down`` is ``[H, I]``. Quantised
-    (``quantized`` True, ``gate_up``/``down`` None): float8 ``gate_q``/``up_q`` ``[I, H]`` and ``down_q``
-    ``[H, I]``, float32 ``*_scale`` grids of one scale per ``tile``.
+    (``quantized`` True, ``gate_up``/``down`` None): ``gate_q``/``up_q`` ``[I, H]`` and ``down_q`` ``[H, I]``
+    in float8 (``quant_kind`` ``"fp8-block"``), or as packed e2m1 bytes ``[I, H/2]``/``[H, I/2]`` (uint8,
+    ``"fp4-block"``), with float32 ``*_scale`` grids of one scale per ``tile``.
     """
 
     block: torch.Tensor
@@ -150,6 +181,7 @@ class ExpertWeights:
     up_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
     tile: tuple[int, int] | None = None
+    quant_kind: str | None = None  # an ExpertQuant kind when quantised
 
     @property
     def quantized(self) -> bool:
@@ -184,15 +216,17 @@ class ExpertWeights:
             up_scale=views["up_scale"],
             down_scale=views["down_scale"],
             tile=quant.tile,
+            quant_kind=quant.kind,
         )
 
     def dequantized(self, dtype: torch.dtype) -> ExpertWeights:
         """Dense weights in ``dtype`` (a new block), dequantised exactly as the loader does at load time."""
         if self.tile is None:  # dense: nothing to do
             return self
-        gate = dequantize_blocks(self.gate_q, self.gate_scale, self.tile, dtype)
-        up = dequantize_blocks(self.up_q, self.up_scale, self.tile, dtype)
-        down = dequantize_blocks(self.down_q, self.down_scale, self.tile, dtype)
+        if self.quant_kind == "fp4-block":  # FP4Format.dequantize's own function
+            gate, up, down = (dequantize_fp4(q, s, dtype) for q, s in self._quantized_pairs())
+        else:
+            gate, up, down = (dequantize_blocks(q, s, self.tile, dtype) for q, s in self._quantized_pairs())
         block = torch.cat([gate.flatten(), up.flatten(), down.flatten()])
         inter, hidden = gate.shape
         return ExpertWeights(
@@ -200,6 +234,10 @@ class ExpertWeights:
             gate_up=block[: 2 * inter * hidden].view(2 * inter, hidden),
             down=block[2 * inter * hidden :].view(hidden, inter),
         )
+
+    def _quantized_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(stored values, scales) of gate, up and down."""
+        return [(self.gate_q, self.gate_scale), (self.up_q, self.up_scale), (self.down_q, self.down_scale)]
 
 
 def swiglu_expert(x: torch.Tensor, weights: ExpertWeights, swiglu_limit: float | None) -> torch.Tensor:

@@ -61,9 +61,9 @@ class HostExpertArena:
         cls, path: str | Path, dtype: torch.dtype, expert_format: str = "dense", **options
     ) -> HostExpertArena:
         """An arena sized from a checkpoint folder's ``config.json`` (reads no weights), for its experts
-        in ``expert_format`` (``"fp8"``: float8 bytes + scales, as ``ModelLoadConfig.expert_format``)."""
+        in ``expert_format`` (``"fp8"``/``"fp4"``: quantised bytes + scales, as ``ModelLoadConfig.expert_format``)."""
         from moetier.weights.checkpoint import Checkpoint
-        from moetier.weights.fp8_experts import checkpoint_expert_layout
+        from moetier.weights.quant_experts import checkpoint_expert_layout
 
         return cls.for_layout(checkpoint_expert_layout(Checkpoint(path), expert_format), dtype, **options)
 

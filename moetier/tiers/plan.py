@@ -49,7 +49,7 @@ from moetier.tiers.workspace import (
 )
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.formats import format_for
-from moetier.weights.fp8_experts import expert_layout_for
+from moetier.weights.quant_experts import expert_layout_for
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class CheckpointSizes:
 def checkpoint_sizes(path: str | Path, dtype: torch.dtype, expert_format: str = "dense") -> CheckpointSizes:
     """Classify every stored tensor (backbone, routed expert, ignored) by the family's name mapping, and
     count the backbone the loader would build (a meta-device model: no memory, no weights read); the
-    layout's expert blocks are ``expert_format``'s (``"fp8"``: float8 + scales)."""
+    layout's expert blocks are ``expert_format``'s (``"fp8"``: float8 + scales; ``"fp4"``: packed + scales)."""
     from moetier.models import model_class_for
 
     ckpt = Checkpoint(path)
@@ -168,7 +168,7 @@ class PlanBudget:
     (:func:`moetier.tiers.workspace.choose_prefill_chunk`; within the given ``workspace`` when one is given).
     ``workspace`` / ``kv_bytes_per_token``: override the stated estimates. ``kv_dtype``: the KV cache's
     storage (``auto`` = the load dtype, ``bf16``, ``fp8`` = one byte per element plus per-token scales).
-    ``expert_format``: the experts' home copy, ``dense`` or ``fp8`` (``ModelLoadConfig.expert_format``).
+    ``expert_format``: the experts' home copy, ``dense``, ``fp8`` or ``fp4`` (``ModelLoadConfig.expert_format``).
     """
 
     gpu_memory: int | str
@@ -335,7 +335,7 @@ class PlacementPlan:
                 "VRAM",
             ),
             (
-                f"routed experts, home copy{' (fp8 + scales)' if b.expert_format == 'fp8' else ''}: "
+                f"routed experts, home copy{f' ({b.expert_format} + scales)' if b.expert_format != 'dense' else ''}: "
                 f"{self.total_experts} x {self.expert_block_bytes} B",
                 self.host_expert_bytes,
                 "host (pinned)",

@@ -23,8 +23,9 @@ from moetier.tiers.dispatcher import make_dispatcher
 from moetier.tiers.experts import BlockAllocator, ExpertStore, device_allocator
 from moetier.weights.checkpoint import Checkpoint, one_line
 from moetier.weights.formats import PlainFormat, WeightFormat, format_for
+from moetier.weights.fp4 import FP4Format
 from moetier.weights.fp8 import Fp8BlockFormat
-from moetier.weights.fp8_experts import copy_fp8_expert, expert_layout_for
+from moetier.weights.quant_experts import copy_quant_expert, expert_layout_for
 
 
 @dataclass
@@ -49,9 +50,9 @@ def load_model(
 
     ``dispatcher_options`` go to the dispatcher's constructor (e.g. the tiered dispatcher's cache
     size); once loaded, the dispatcher's ``prepare(device)`` runs (cache allocation, calibration).
-    With ``load_config.expert_format == "fp8"`` the routed experts keep the checkpoint's float8 bytes
-    and scales (an ``expert_allocator`` must size blocks for that layout: ``HostExpertArena.for_checkpoint``
-    with the same format).
+    With ``load_config.expert_format`` ``"fp8"`` (``"fp4"``) the routed experts keep the checkpoint's float8
+    (packed FP4) bytes and scales (an ``expert_allocator`` must size blocks for that layout:
+    ``HostExpertArena.for_checkpoint`` with the same format).
     """
     cfg = load_config or ModelLoadConfig()
     ckpt = Checkpoint(path)
@@ -148,7 +149,7 @@ class _StreamingLoader:
         if isinstance(target, ParamTarget):
             self._copy_param(name, target.name, stored, extra, fmt)
         elif self.store.layout.quant is not None:
-            self._copy_fp8_expert(name, target, stored, extra, fmt)
+            self._copy_quant_expert(name, target, stored, extra, fmt)
         else:
             self._copy_expert(name, target, self._decode(name, stored, extra, fmt, self.store.dtype))
 
@@ -195,29 +196,31 @@ class _StreamingLoader:
             parts = self.expert_parts.setdefault((target.layer, expert), set())
             parts.update(("gate", "up") if target.part == "gate_up" else (target.part,))
 
-    def _copy_fp8_expert(self, name: str, target: ExpertTarget, stored, extra, fmt: WeightFormat) -> None:
-        """Keep an fp8-block expert matrix as stored: its bytes and scales go into the quantised block."""
+    def _copy_quant_expert(self, name: str, target: ExpertTarget, stored, extra, fmt: WeightFormat) -> None:
+        """Keep an fp8-block or FP4 expert matrix as stored: its bytes and scales go into the quantised block."""
         quant = self.store.layout.quant
-        if not isinstance(fmt, Fp8BlockFormat) or quant is None or fmt.block != quant.tile:
+        assert quant is not None  # _load_one routes here for a quantised layout only
+        short = "fp4" if quant.packed else "fp8"
+        if not _format_matches(fmt, quant.kind, quant.tile):
             stored_as = (
                 f"{fmt.name} in {fmt.block[0]}x{fmt.block[1]} tiles" if isinstance(fmt, Fp8BlockFormat) else fmt.name
             )
             raise CheckpointError(
                 f"{self.ckpt.path}: routed expert tensor {name} is stored {stored_as} ({stored.dtype}), not as the "
-                "fp8-block experts expert_format 'fp8' keeps; load it with --expert-format dense"
+                f"{quant.kind} experts expert_format '{short}' keeps; load it with --expert-format dense"
             )
         if target.expert is None:
             raise CheckpointError(
-                f"{self.ckpt.path}: tensor {name} holds all experts fused; expert_format 'fp8' reads per-expert "
+                f"{self.ckpt.path}: tensor {name} holds all experts fused; expert_format '{short}' reads per-expert "
                 "gate_proj/up_proj/down_proj tensors only: load it with --expert-format dense"
             )
         try:
             weights = self.store.block_for_loading(target.layer, target.expert)
-            copy_fp8_expert(weights, target.part, stored, extra[0])
+            copy_quant_expert(weights, target.part, stored, extra[0])
         except KeyError as exc:
             raise CheckpointError(f"{self.ckpt.path}: tensor {name}: {exc.args[0]}") from None
         except ValueError as exc:
-            raise CheckpointError(f"{self.ckpt.path}: fp8 expert tensor {name} {one_line(exc)}") from None
+            raise CheckpointError(f"{self.ckpt.path}: {short} expert tensor {name} {one_line(exc)}") from None
         self.expert_parts.setdefault((target.layer, target.expert), set()).add(target.part)
 
     def _apply_ties(self) -> None:
@@ -243,6 +246,13 @@ class _StreamingLoader:
                 f"{self.ckpt.path}: checkpoint has no {'/'.join(sorted(lacking))} weights for routed expert {expert} "
                 f"of layer {layer} ({len(incomplete)} experts affected)"
             )
+
+
+def _format_matches(fmt: WeightFormat, kind: str, tile: tuple[int, int]) -> bool:
+    """Whether a stored tensor's format is the one a quantised expert block keeps."""
+    if kind == "fp4-block":
+        return isinstance(fmt, FP4Format)  # its scale grid is checked against the block's at copy time
+    return isinstance(fmt, Fp8BlockFormat) and fmt.block == tile
 
 
 def _check_shape(ckpt: Checkpoint, name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:

@@ -1,10 +1,14 @@
-"""Routed experts kept fp8-block in the home copy (``expert_format="fp8"``).
+"""Routed experts kept quantised in the home copy (``expert_format="fp8"`` or ``"fp4"``).
 
 DeepSeek-V3/R1 release checkpoints store every routed expert matrix as float8 plus one float32 scale
 per 128 x 128 tile (:mod:`moetier.weights.fp8`). Dequantising them at load doubles the host RAM of
 the home copy and the bytes of every miss; with ``expert_format="fp8"`` the loader copies the stored
 bytes and scales into quantised expert blocks (:class:`~moetier.tiers.experts.ExpertQuant`) and every
 reader dequantises on use with the same function, so the math is unchanged.
+
+``expert_format="fp4"`` does the same for DeepSeek-V4's FP4 routed experts (``expert_dtype "fp4"``:
+packed e2m1 bytes plus one power-of-two scale per 32 inputs, :mod:`moetier.weights.fp4`): about 0.31x
+of bf16 (half a byte a value plus a float32 scale per 32 values; scales are converted once at load).
 """
 
 from __future__ import annotations
@@ -24,12 +28,19 @@ from moetier.weights.fp8 import block_size_of
 # quantization_config.fmt -> the float8 encoding of the stored weights
 FP8_ENCODINGS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FIX = "load it with --expert-format dense (expert_format='dense')"
+# DeepSeek-V4's release: one scale per 32 inputs of a row (the checkpoint's scale shapes are checked at load)
+FP4_TILE = (1, 32)
 
 
 def expert_quant_of(hf_config: dict[str, Any], where: str) -> ExpertQuant:
     """The fp8-block quantisation a checkpoint's ``quantization_config`` declares; one-line ConfigError if none."""
     quant = hf_config.get("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if hf_config.get("expert_dtype") == "fp4":
+        raise ConfigError(
+            f"{where}: expert_format 'fp8' needs fp8-block routed experts, but this checkpoint's are FP4 "
+            "(expert_dtype 'fp4', as DeepSeek-V4 ships); load it with --expert-format fp4 or dense"
+        )
     if method != "fp8":
         found = "it has no quantization_config" if method is None else f"its quant_method is {method!r}"
         raise ConfigError(
@@ -42,11 +53,29 @@ def expert_quant_of(hf_config: dict[str, Any], where: str) -> ExpertQuant:
     return ExpertQuant(tile=block_size_of(hf_config), fp8=FP8_ENCODINGS[encoding])
 
 
+def fp4_expert_quant_of(hf_config: dict[str, Any], where: str) -> ExpertQuant:
+    """The fp4-block quantisation of a checkpoint whose config says ``expert_dtype: "fp4"``; else a one-line error."""
+    found = hf_config.get("expert_dtype")
+    if found != "fp4":
+        said = "it has no expert_dtype" if found is None else f"its expert_dtype is {found!r}"
+        raise ConfigError(
+            f"{where}: expert_format 'fp4' needs a checkpoint with FP4 routed experts "
+            f"(expert_dtype 'fp4', as DeepSeek-V4 ships), but {said}; {_FIX}"
+        )
+    return ExpertQuant(kind="fp4-block", tile=FP4_TILE)
+
+
 def expert_layout_for(layout: ExpertLayout, hf_config: dict[str, Any], expert_format: str, where: str) -> ExpertLayout:
-    """``layout`` as ``expert_format`` stores it: unchanged for dense, with the checkpoint's quantisation for fp8."""
-    if check_expert_format(expert_format) == "dense":
+    """``layout`` as ``expert_format`` stores it: unchanged for dense, with the checkpoint's quantisation otherwise."""
+    expert_format = check_expert_format(expert_format)
+    if expert_format == "dense":
         return layout
-    return replace(layout, quant=expert_quant_of(hf_config, where))
+    quant_of = fp4_expert_quant_of if expert_format == "fp4" else expert_quant_of
+    quant = quant_of(hf_config, where)
+    try:
+        return replace(layout, quant=quant)
+    except ConfigError as exc:  # e.g. an fp4 tile that does not divide the expert sizes
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def checkpoint_expert_layout(ckpt: Checkpoint, expert_format: str = "dense") -> ExpertLayout:
@@ -58,17 +87,23 @@ def checkpoint_expert_layout(ckpt: Checkpoint, expert_format: str = "dense") -> 
     return expert_layout_for(layout, ckpt.config, expert_format, str(ckpt.path / "config.json"))
 
 
-def copy_fp8_expert(weights: ExpertWeights, part: str, stored: torch.Tensor, scale: torch.Tensor) -> None:
-    """Copy one stored float8 matrix (``part``: gate, up or down) and its scales into a quantised block.
+def copy_quant_expert(weights: ExpertWeights, part: str, stored: torch.Tensor, scale: torch.Tensor) -> None:
+    """Copy one stored quantised matrix (``part``: gate, up or down) and its scales into a quantised block.
 
-    Raises ``ValueError`` (the loader adds the tensor's name) for another part, encoding or shape.
+    fp8: float8 values of the checkpoint's encoding. fp4: packed bytes of any one-byte dtype (int8, uint8,
+    float4_e2m1fn_x2). Scales become float32 (:func:`scale_to_float`). Raises ``ValueError`` (the loader
+    adds the tensor's name) for another part, encoding or shape.
     """
     if part not in ("gate", "up", "down"):
         raise ValueError(
-            f"is a fused {part} tensor; expert_format 'fp8' reads per-expert gate_proj/up_proj/down_proj only"
+            f"is a fused {part} tensor; expert_format 'fp8'/'fp4' reads per-expert gate_proj/up_proj/down_proj only"
         )
     dest, dest_scale = getattr(weights, f"{part}_q"), getattr(weights, f"{part}_scale")
-    if stored.dtype != dest.dtype:
+    if weights.quant_kind == "fp4-block":
+        if stored.element_size() != 1:
+            raise ValueError(f"is {stored.dtype}, not packed FP4 bytes (int8, uint8 or float4_e2m1fn_x2)")
+        stored = stored.view(torch.uint8)
+    elif stored.dtype != dest.dtype:
         raise ValueError(f"is {stored.dtype}, but the checkpoint's quantization_config says {dest.dtype}")
     if tuple(stored.shape) != tuple(dest.shape) or tuple(scale.shape) != tuple(dest_scale.shape):
         raise ValueError(

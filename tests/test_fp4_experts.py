@@ -1,0 +1,225 @@
+"""DeepSeek-V4's FP4 experts kept packed in the home copy (``expert_format="fp4"``) compute what dequantised ones do.
+
+One tiny DeepSeek-V4 checkpoint (``tiny_v4_config``: 5 MoE layers of 8 experts, hidden 64, intermediate 32)
+has its routed experts re-encoded in the release's FP4 layout: per-expert packed e2m1 bytes with one scale
+per 32 inputs of a row, the scales stored ue8m0, raw uint8 exponents or float32 by turns. It is loaded with
+its experts dequantised at load (the existing path) and kept fp4.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from reference import moetier_run, relative_error
+from safetensors.torch import load_file, save_file
+from test_deepseek_v4 import NUM_EXPERTS, VOCAB, save_tiny_v4
+from test_fp4 import RELEASE_QUANT_CONFIG, encode_fp4
+
+from moetier import cli
+from moetier.config import ModelLoadConfig
+from moetier.errors import CheckpointError, ConfigError
+from moetier.kernels.grouped_experts import _block_fits
+from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
+from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights, swiglu_expert
+from moetier.tiers.host_store import HostExpertArena
+from moetier.tiers.plan import PlanBudget, make_plan
+from moetier.weights.loader import load_model
+
+PROMPT_LEN, STEPS = 20, 8
+HIDDEN, INTER = 64, 32
+FP4 = ExpertQuant(kind="fp4-block", tile=(1, 32))
+
+
+def _scale_as(exponents: torch.Tensor, expert: int) -> torch.Tensor:
+    """The release's ue8m0 scales, or the same powers of two as raw exponent bytes or float32, by expert."""
+    kind = expert % 3
+    if kind == 0:
+        return exponents.view(torch.float8_e8m0fnu)
+    return exponents if kind == 1 else (2.0 ** (exponents.double() - 127)).float()
+
+
+def _encode_experts(tensors: dict[str, torch.Tensor], fused: bool) -> None:
+    """Replace the saved per-expert fp32 ``w1``/``w2``/``w3`` with FP4 ones (release names), or fuse them.
+
+    Fused: transformers' ``mlp.experts.gate_up_proj``/``down_proj`` with ``*_scale_inv``, per layer.
+    """
+    per_expert = sorted(n for n in tensors if re.search(r"\.ffn\.experts\.\d+\.w[123]\.weight$", n))
+    if fused:
+        layers = sorted({int(n.split(".")[2]) for n in per_expert})
+        for layer in layers:
+            prefix = f"model.layers.{layer}.ffn.experts"
+            stacked = {
+                w: torch.stack([tensors.pop(f"{prefix}.{e}.{w}.weight") for e in range(NUM_EXPERTS)])
+                for w in ("w1", "w2", "w3")
+            }
+            fused_parts = {"gate_up_proj": torch.cat([stacked["w1"], stacked["w3"]], dim=1), "down_proj": stacked["w2"]}
+            for part, weight in fused_parts.items():
+                packed, exponents = encode_fp4(weight)
+                name = f"model.layers.{layer}.mlp.experts.{part}"
+                tensors[name] = packed.view(torch.int8)
+                tensors[f"{name}_scale_inv"] = exponents.view(torch.float8_e8m0fnu)
+        return
+    for name in per_expert:
+        packed, exponents = encode_fp4(tensors[name])
+        tensors[name] = packed.view(torch.int8)
+        tensors[f"{name.removesuffix('.weight')}.scale"] = _scale_as(exponents, int(name.split(".")[5]))
+
+
+def _write(src, dst, fused: bool = False, config_update: dict | None = None) -> None:
+    tensors = load_file(str(src / "model.safetensors"))
+    _encode_experts(tensors, fused)
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config.update(config_update if config_update is not None else {})
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+FP4_CONFIG = {"expert_dtype": "fp4", "quantization_config": RELEASE_QUANT_CONFIG}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(the fp32 checkpoint, its FP4-expert release-like copy)."""
+    root = tmp_path_factory.mktemp("fp4_experts")
+    save_tiny_v4(root / "plain", torch.float32)
+    _write(root / "plain", root / "fp4", config_update=FP4_CONFIG)
+    return root / "plain", root / "fp4"
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5))
+
+
+def _load(path, dtype, expert_format, **kwargs):
+    return load_model(path, ModelLoadConfig(dtype=dtype, expert_format=expert_format), progress=False, **kwargs)
+
+
+def _fp4_weights(seed: int = 0) -> ExpertWeights:
+    """One random fp4 expert block, as the loader would fill it."""
+    layout = ExpertLayout((0,), num_experts=1, hidden_size=HIDDEN, intermediate_size=INTER, top_k=1, quant=FP4)
+    weights = ExpertWeights.from_block(torch.zeros(layout.block_numel, dtype=torch.uint8), layout)
+    generator = torch.Generator().manual_seed(seed)
+    for part in ("gate", "up", "down"):
+        q, scale = getattr(weights, f"{part}_q"), getattr(weights, f"{part}_scale")
+        q.copy_(torch.randint(0, 256, q.shape, dtype=torch.uint8, generator=generator))
+        scale.copy_(2.0 ** torch.randint(-6, 2, scale.shape, generator=generator).float())
+    return weights
+
+
+def test_layout_sizes_and_views():
+    layout = ExpertLayout((1,), num_experts=4, hidden_size=HIDDEN, intermediate_size=INTER, top_k=2, quant=FP4)
+    parts = {p.name: p for p in layout.quant_parts()}
+    assert [parts[n].shape for n in ("gate", "up", "down")] == [(32, 32), (32, 32), (64, 16)]
+    assert [parts[f"{n}_scale"].shape for n in ("gate", "up", "down")] == [(32, 2), (32, 2), (64, 1)]
+    assert all(p.offset % 64 == 0 for p in parts.values())
+    # packed bytes 3 * I * H / 2, float32 scales 3 * I * H / 32 * 4 (each a multiple of 64 bytes here)
+    assert layout.block_numel == layout.block_bytes(torch.bfloat16) == 3 * 1024 + 3 * 256
+    weights = ExpertWeights.from_block(torch.zeros(layout.block_numel, dtype=torch.uint8), layout)
+    assert weights.quantized and weights.quant_kind == "fp4-block" and weights.gate_up is None
+    assert weights.gate_q.dtype == torch.uint8 and weights.down_scale.dtype == torch.float32
+    assert weights.dequantized(torch.bfloat16).down.shape == (HIDDEN, INTER)
+    with pytest.raises(ConfigError, match="columns must be even"):
+        ExpertQuant(kind="fp4-block", tile=(1, 31))
+    with pytest.raises(ConfigError, match="does not divide"):
+        ExpertLayout((1,), num_experts=4, hidden_size=48, intermediate_size=INTER, top_k=2, quant=FP4)
+    with pytest.raises(ConfigError, match="fp8-block, fp4-block"):
+        ExpertQuant(kind="int4")
+
+
+def test_kernels_refuse_fp4_experts_and_torch_computes_them():
+    weights = _fp4_weights()
+    hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert not _block_fits(weights, hidden)  # grouped (Triton) kernel: fp8-block e4m3 only
+    tier = CpuExpertTier(swiglu_limit=10.0, threads=1)
+    rows, gates = torch.arange(5), torch.ones(5)
+    job = CpuJob(hidden=hidden, groups=[CpuGroup(weights, rows, gates)])
+    out = torch.empty(hidden.shape, dtype=torch.float32)
+    assert not tier._kernel_fits(job, out)  # the C kernel: bf16 or e4m3 fp8-block only
+    result = tier.run(job)
+    tier.close()
+    assert result.kernel == "torch"
+    assert torch.equal(result.out, swiglu_expert(hidden, weights, 10.0).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resident_fp4_experts_equal_dequantised_at_load(checkpoints, prompt, dtype):
+    dense = _load(checkpoints[1], dtype, "dense")
+    fp4 = _load(checkpoints[1], dtype, "fp4")
+    assert fp4.store.layout.quant == FP4 and fp4.store.block_dtype == torch.uint8
+    for expert in (0, 1, 2):  # ue8m0, uint8 and float32 scales
+        kept = fp4.store.expert(2, expert)
+        assert kept.quantized and kept.gate_q.dtype == torch.uint8
+        assert torch.equal(kept.dequantized(dtype).gate_up, dense.store.expert(2, expert).gate_up)
+        assert torch.equal(kept.dequantized(dtype).down, dense.store.expert(2, expert).down)
+    ref_prefill, ref_steps, ref_tokens = moetier_run(dense, prompt, STEPS)
+    prefill, steps, tokens = moetier_run(fp4, prompt, STEPS)
+    assert torch.equal(prefill, ref_prefill) and tokens == ref_tokens
+    assert all(torch.equal(a, b) for a, b in zip(steps, ref_steps, strict=True))
+
+
+@pytest.mark.parametrize("route", ["cpu", "copy", "auto"])
+def test_tiered_fp4_experts_match_resident_dense(checkpoints, prompt, route):
+    ref_prefill, ref_steps, ref_tokens = moetier_run(_load(checkpoints[1], torch.float32, "dense"), prompt, STEPS)
+    arena = HostExpertArena.for_checkpoint(checkpoints[1], torch.float32, "fp4", progress=False)
+    options = dict(cache_slots=2, miss_route=route, cpu_threads=1)
+    loaded = _load(
+        checkpoints[1], torch.float32, "fp4", dispatcher="tiered", expert_allocator=arena, dispatcher_options=options
+    )
+    dispatcher = loaded.model.dispatcher
+    prefill, steps, tokens = moetier_run(loaded, prompt, STEPS)
+    dispatcher.close()
+    assert tokens == ref_tokens
+    assert relative_error(prefill, ref_prefill) < 1e-6
+    assert max(relative_error(a, b) for a, b in zip(steps, ref_steps, strict=True)) < 1e-6
+    snap = dispatcher.metrics.snapshot()
+    assert snap["hit_rate"] < 0.5  # 2 slots of 40 experts: most uses miss
+    assert dispatcher.block_bytes == loaded.store.layout.block_numel  # fp4 cache slots
+    assert arena.used_bytes == loaded.store.total_bytes()  # the arena was sized for fp4 blocks
+    if route != "auto":
+        assert snap["totals"]["cpu_pairs" if route == "cpu" else "copy_bytes"] > 0
+
+
+def test_home_copy_bytes_and_the_plan(checkpoints, capsys):
+    dense = _load(checkpoints[1], torch.bfloat16, "dense").store
+    fp4 = _load(checkpoints[1], torch.bfloat16, "fp4").store
+    assert dense.total_bytes() == 5 * NUM_EXPERTS * 3 * INTER * HIDDEN * 2
+    # half a byte a value plus a float32 scale per 32 values, against bf16's two bytes: 0.3125x
+    assert fp4.total_bytes() / dense.total_bytes() == pytest.approx(0.3125, abs=0.01)
+    plan = make_plan(checkpoints[1], PlanBudget("1GiB", context=128, expert_format="fp4"), torch.bfloat16)
+    assert plan.expert_block_bytes == fp4.layout.block_numel and plan.host_expert_bytes == fp4.total_bytes()
+    assert "home copy (fp4 + scales)" in plan.table()
+    base = ["plan", "--model", str(checkpoints[1]), "--gpu-memory", "1GiB", "--device", "cpu", "--dtype", "bf16"]
+    assert cli.main([*base, "--context", "128", "--expert-format", "fp4"]) == 0
+    assert "home copy (fp4 + scales)" in capsys.readouterr().out
+    parser = cli.build_parser()
+    assert parser.parse_args(["serve", "--expert-format", "fp4"]).expert_format == "fp4"
+
+
+def test_errors_are_one_line_and_name_the_fix(checkpoints, tmp_path):
+    with pytest.raises(ConfigError, match="it has no expert_dtype; load it with --expert-format dense") as info:
+        _load(checkpoints[0], torch.float32, "fp4")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="--expert-format dense"):
+        HostExpertArena.for_checkpoint(checkpoints[0], torch.float32, "fp4", progress=False)
+    with pytest.raises(ConfigError, match="are FP4.*--expert-format fp4 or dense"):
+        _load(checkpoints[1], torch.float32, "fp8")
+    # A config claiming fp4 over experts stored plain: the loader names the tensor.
+    claimed = tmp_path / "claimed"
+    claimed.mkdir()
+    (claimed / "model.safetensors").symlink_to(checkpoints[0] / "model.safetensors")
+    config = json.loads((checkpoints[0] / "config.json").read_text())
+    (claimed / "config.json").write_text(json.dumps({**config, **FP4_CONFIG}))
+    with pytest.raises(
+        CheckpointError, match=r"experts\.\d+\.w\d\.weight is stored plain.*--expert-format dense"
+    ) as info:
+        _load(claimed, torch.float32, "fp4")
+    assert "\n" not in str(info.value)
+    fused = tmp_path / "fused"  # transformers' fused FP4 experts: dense only
+    _write(checkpoints[0], fused, fused=True, config_update=FP4_CONFIG)
+    with pytest.raises(CheckpointError, match="holds all experts fused; expert_format 'fp4'.*--expert-format dense"):
+        _load(fused, torch.float32, "fp4")
