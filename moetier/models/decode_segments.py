@@ -52,18 +52,6 @@ def apply_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return apply_rope(x, cos[:, None], sin[:, None])
 
 
-def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Tensors ``[*lead, L_i, D]`` (token axis -2) -> one ``[B, *lead, max L_i, D]``, zeros after each one's rows
-    (one tensor: a view, nothing copied)."""
-    if len(rows) == 1:
-        return rows[0][None]
-    first, longest = rows[0], max(r.shape[-2] for r in rows)
-    padded = first.new_zeros(len(rows), *first.shape[:-2], longest, first.shape[-1])
-    for row, keys in zip(padded, rows, strict=True):
-        row[..., : keys.shape[-2], :] = keys
-    return padded
-
-
 def padding_mask(positions: torch.Tensor, lengths: list[int]) -> torch.Tensor | None:
     """``[B, max(lengths)]`` bool, True past each sequence's keys (the padding of :func:`stack_padded`), for one
     token per sequence at ``positions`` ``[B]`` with ``lengths[b]`` keys each (``positions + 1``); None when

@@ -40,10 +40,9 @@ from moetier.models.decode_segments import (
     apply_rope_rows,
     padding_mask,
     prenorm_forward,
-    stack_padded,
 )
 from moetier.models.graph_segments import SegmentGraphs, graphs_enabled
-from moetier.models.layers import DenseMLP, RMSNorm, apply_rope, causal_mask, rope_inverse_frequencies
+from moetier.models.layers import DenseMLP, RMSNorm, apply_rope, causal_mask, rope_inverse_frequencies, stack_padded
 from moetier.models.qwen3_moe import rope_settings
 from moetier.tiers.dispatcher import ExpertDispatcher
 from moetier.tiers.experts import ExpertLayout

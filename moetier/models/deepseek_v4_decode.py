@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from moetier.models.layers import stack_padded
+
 # Padding masks ``[B, S]`` (True = padding) by the sequences' key counts; several layers of one step
 # share a key layout (every sliding layer; compressed layers of one rate), so they share the mask.
 MaskCache = dict[tuple[int, ...], torch.Tensor]
@@ -28,14 +30,7 @@ def padded_keys(keys: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[int]
     """Each sequence's key parts (``[n, D]`` each, concatenated in order) in one zero-padded ``[B, S, D]``
     tensor, and each sequence's key count."""
     lengths = [sum(part.shape[0] for part in parts) for parts in keys]
-    first = keys[0][0]
-    padded = first.new_zeros(len(keys), max(lengths), first.shape[-1])
-    for row, parts in zip(padded, keys, strict=True):
-        start = 0
-        for part in parts:
-            row[start : start + part.shape[0]] = part
-            start += part.shape[0]
-    return padded, lengths
+    return stack_padded(keys), lengths
 
 
 def padding_mask(lengths: list[int], device: torch.device, masks: MaskCache) -> torch.Tensor:

@@ -168,3 +168,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v).transpose(0, 1)
+
+
+def stack_padded(rows: list[torch.Tensor | list[torch.Tensor]]) -> torch.Tensor:
+    """Per sequence a tensor ``[*lead, L_i, D]`` (token axis -2), or a list of such parts read in order, as
+    one zero-padded ``[B, *lead, max L_i, D]`` tensor. Batched decode attention pads every sequence's keys
+    to the longest and masks the padding; a lone single-part sequence is returned as a view."""
+    parts = [row if isinstance(row, list) else [row] for row in rows]
+    if len(parts) == 1 and len(parts[0]) == 1:
+        return parts[0][0][None]
+    first = parts[0][0]
+    longest = max(sum(p.shape[-2] for p in seq) for seq in parts)
+    padded = first.new_zeros(len(parts), *first.shape[:-2], longest, first.shape[-1])
+    for row, seq in zip(padded, parts, strict=True):
+        start = 0
+        for part in seq:
+            row[..., start : start + part.shape[-2], :] = part
+            start += part.shape[-2]
+    return padded
