@@ -17,12 +17,16 @@
 # and runs decode/prefill with --expert-format fp8 (half the miss bytes).
 # KV_LAYOUT_CHECK=1 adds two decode runs with fp8 KV, contiguous then paged.
 # CPU_TIER=1 adds `moetier bench cpu-tier` (torch vs the C kernel at CPU_TIER_THREADS, default 8,14,16).
+# TRACE=modes (e.g. "tiered") saves those modes' profiled 1-stream decode steps as gzipped Chrome traces.
+# GRAPHS_CHECK=1 adds two decode runs (resident and tiered, 1 and 4 streams) with MOETIER_CUDA_GRAPHS=0, then =1.
+# The bench model is deleted at the end (KEEP_MODEL=1 keeps it): a second suite in the same call may need the disk.
 # One command runs at most 10 minutes on the device:
 # split the stages over several calls (e.g. SKIP_TESTS=1 SKIP_DECODE=1 for the prefill receipt).
 # The device returns at most 8 files: every log goes to one suite.log, next to the decode receipt
 # (JSON, Markdown, profile), the prefill receipt (JSON, Markdown) and the tests' two fidelity records.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 export MOETIER_RESULTS=$OUT PYTHONUNBUFFERED=1
 LOG="$OUT/suite.log"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -81,7 +85,16 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     if [ -z "${SKIP_DECODE:-}" ]; then
         hf=()
         [ -n "${HF_BASELINE:-}" ] && hf=(--hf-baseline --hf-args "${HF_ARGS---fallback autocast --steps 3 --max-seconds 60}")
-        bench decode 480 --streams 1,2,4 --cache-fraction 0.05 --policy lfu ${BENCH_ARGS---profile} "${hf[@]}"
+        trace=()
+        [ -n "${TRACE:-}" ] && trace=(--trace "$TRACE")
+        bench decode 480 --streams 1,2,4 --cache-fraction 0.05 --policy lfu ${BENCH_ARGS---profile} "${hf[@]}" \
+            "${trace[@]}"
+    fi
+    if [ -n "${GRAPHS_CHECK:-}" ]; then  # decode CUDA graphs off, then on (Qwen3 / V3 graphs are opt-in)
+        for graphs in 0 1; do
+            MOETIER_CUDA_GRAPHS=$graphs bench decode 300 --streams 1,4 --repeats 2 --modes resident,tiered \
+                --cache-fraction 0.05 --policy lfu
+        done
     fi
     if [ -n "${KV_LAYOUT_CHECK:-}" ]; then  # fp8 KV, contiguous then paged: the paged read's cost in decode
         for layout in contiguous paged; do
@@ -110,5 +123,6 @@ if [ -z "${SKIP_BENCH:-}" ]; then
         echo "bench serve exit status: $code" | tee -a "$LOG"
         [ "$code" -eq 0 ] || status=$code
     fi
+    [ -n "${KEEP_MODEL:-}" ] || rm -rf "$model"
 fi
 exit "$status"

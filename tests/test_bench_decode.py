@@ -112,3 +112,20 @@ def test_paged_fp8_kv_caches_run_and_bad_layouts_are_refused(bench_model):
         DecodeBenchConfig(model=bench_model, kv_layout="ring")
     with pytest.raises(ConfigError, match="kv-dtype"):
         DecodeBenchConfig(model=bench_model, kv_dtype="int4")
+
+
+def test_trace_saves_the_timeline_of_the_profiled_steps(bench_model, tmp_path):
+    import gzip
+
+    cfg = DecodeBenchConfig(
+        model=bench_model, modes=["naive", "tiered"], streams=[1], steps=2, repeats=1, warmup=1, prompt_len=8,
+        dtype="fp32", device="cpu", cache_fraction=0.1, quick_bounds=True, trace=["tiered"], trace_dir=tmp_path,
+    )  # fmt: skip
+    run_decode_bench(cfg)
+    assert [p.name for p in tmp_path.iterdir()] == ["decode-trace-tiered.json.gz"]  # only the asked mode
+    events = json.loads(gzip.decompress((tmp_path / "decode-trace-tiered.json.gz").read_bytes()))["traceEvents"]
+    names = {e.get("name") for e in events}
+    # The phases of a decode step, the CPU tier's job on its worker thread among them.
+    assert {"v4.attend", "v4.dispatch", "tiers.route", "tiers.device", "tiers.cpu_job"} <= names
+    with pytest.raises(ConfigError, match="unknown bench mode"):
+        DecodeBenchConfig(model=bench_model, trace=["warp"])

@@ -24,6 +24,9 @@ checkpoint's router (:mod:`moetier.bench.trace_routing`), rewound at the start o
 from __future__ import annotations
 
 import argparse
+import gzip
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -77,6 +80,8 @@ class DecodeBenchConfig:
     seed: int = 0
     quick_bounds: bool = False
     profile: bool = False  # add a torch.profiler summary of a few 1-stream decode steps per mode
+    trace: list[str] = field(default_factory=list)  # modes whose profiled 1-stream steps are saved as a Chrome trace
+    trace_dir: Path = Path(".")  # where those traces go (the receipt's folder)
     hf_baseline: bool = False  # also measure transformers + accelerate device_map="auto" (a subprocess)
     gpu_memory: str = "24GiB"  # the VRAM budget of that baseline
     host_memory: str | None = None
@@ -89,7 +94,7 @@ class DecodeBenchConfig:
     def __post_init__(self) -> None:
         self.model = Path(self.model)
         self.routing_trace = None if self.routing_trace is None else Path(self.routing_trace)
-        unknown = sorted(set(self.modes) - set(MODES))
+        unknown = sorted((set(self.modes) | set(self.trace)) - set(MODES))
         if unknown:
             raise ConfigError(f"unknown bench mode(s) {unknown}; choose from {list(MODES)}")
         if not self.streams or min(self.streams) < 1:
@@ -149,17 +154,22 @@ def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[fl
     return seconds, [int(t) for t in first_stream]
 
 
-def _profile_steps(run: _DecodeRun, steps: int = 3) -> str:
-    """Top ops by device and by host time over a few decode steps, and the kernel-launch count."""
+def _profile_steps(run: _DecodeRun, steps: int = 3, trace_path: Path | None = None) -> str:
+    """Top ops by device and by host time over a few decode steps, and the kernel-launch count.
+
+    With ``trace_path`` the steps' timeline (host threads, compute and copy streams) is also written
+    there as a gzipped Chrome trace: where a step's time goes between the layers' phases."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.model.device.type == "cuda" else [])
     tokens = run.prefill()
     tokens = run.step(tokens)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, experimental_config=_trace_config(trace_path)) as prof:
         for _ in range(steps):
             tokens = run.step(tokens)
         sync_device(run.model.device)
+    if trace_path is not None:
+        _write_trace(prof, trace_path)
     events = prof.key_averages()
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     sort_device = "self_cuda_time_total" if run.model.device.type == "cuda" else "self_cpu_time_total"
@@ -169,6 +179,27 @@ def _profile_steps(run: _DecodeRun, steps: int = 3) -> str:
         + "\n"
         + events.table(sort_by="self_cpu_time_total", row_limit=12)
     )
+
+
+def _trace_config(trace_path: Path | None) -> Any:
+    """Kineto options for a timeline: every thread (the CPU tier's worker too) and the host's CUDA syncs."""
+    if trace_path is None:
+        return None
+    from torch._C._profiler import _ExperimentalConfig
+
+    try:
+        return _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
+    except TypeError:  # an older torch: the worker's ops stay out of the trace
+        return _ExperimentalConfig(enable_cuda_sync_events=True)
+
+
+def _write_trace(prof: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with raw.open("rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
 
 
 def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: torch.device, slots: int):
@@ -274,8 +305,9 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
                 traffic["routing_trace_wraps"] = max(replay.wraps.values())
             results.append(_result(mode, streams, seconds, traffic, cfg, bounds))
             tokens_by_mode.setdefault(streams, {})[mode] = tokens
-        if cfg.profile:
-            profiles[mode] = _profile_steps(_DecodeRun(model, 1, cfg, vocab))
+        if cfg.profile or mode in cfg.trace:
+            trace_path = Path(cfg.trace_dir) / f"decode-trace-{mode}.json.gz" if mode in cfg.trace else None
+            profiles[mode] = _profile_steps(_DecodeRun(model, 1, cfg, vocab), trace_path=trace_path)
         if hasattr(dispatcher, "close"):
             dispatcher.close()
         del dispatcher
@@ -364,6 +396,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also write a torch.profiler summary per mode")
+    parser.add_argument(
+        "--trace", default="", help="comma-separated modes whose profiled 1-stream steps are saved as a Chrome trace"
+    )
     parser.add_argument("--kv-layout", default="contiguous", choices=KV_LAYOUTS, help="the streams' KV caches")
     parser.add_argument("--kv-dtype", default=None, choices=["bf16", "fp8"], help="KV storage (default: model dtype)")
     hf_baseline.add_decode_arguments(parser)
@@ -379,6 +414,8 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         repeats=args.repeats,
         profile=args.profile,
+        trace=[m for m in args.trace.split(",") if m],
+        trace_dir=args.out,
         kv_layout=args.kv_layout,
         kv_dtype=args.kv_dtype,
         **hf_baseline.decode_options(args),

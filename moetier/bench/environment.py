@@ -92,4 +92,6 @@ def environment() -> dict:
         "cpu": _cpu(),
         "ram_bytes": _ram_bytes(),
         "versions": _versions(),
+        # The knobs that change which code runs (graphs, Triton, the CPU kernel), as they were set.
+        "moetier_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOETIER_") and "GIT" not in k},
     }

@@ -26,6 +26,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
+from torch.profiler import record_function
 
 from moetier.models.base import ForwardBatch
 from moetier.models.deepseek_v4_attention import Projections
@@ -65,12 +66,14 @@ def _layer_step(
     pre = graphs.run(("pre", index, size), partial(_pre, layer, len(carry)), *carry, *rope_tensors)
     streams, post, comb, q, index_q = pre[:5]
     states = [s.cache.layers[index] for s in batch.slices]
-    out = layer.attn.decode_attend(q, index_q, Projections(*pre[5:]), rope, states)
+    with record_function("v4.attend"):
+        out = layer.attn.decode_attend(q, index_q, Projections(*pre[5:]), rope, states)
     post_fn = partial(_post, layer)
     streams, post, comb, x, topk_ids, weights, shared = graphs.run(
         ("post", index, size), post_fn, out, streams, post, comb, ids, *rope_tensors
     )
-    routed = layer.ffn.dispatcher.dispatch(index, x, topk_ids, weights)
+    with record_function("v4.dispatch"):
+        routed = layer.ffn.dispatcher.dispatch(index, x, topk_ids, weights)
     return streams, post, comb, routed, shared
 
 

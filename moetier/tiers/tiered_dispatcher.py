@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from moetier.errors import ConfigError
 from moetier.kernels.grouped_experts import run_experts
@@ -250,7 +251,8 @@ class TieredDispatcher(ExpertDispatcher):
             self.step += 1
             self.metrics.tokens += hidden.shape[0]
             self._lend_or_reclaim(streaming)
-        routing = self._route(layer, hidden, topk_ids, topk_weights, streaming)
+        with record_function("tiers.route"):  # the host waits here for the router's ids
+            routing = self._route(layer, hidden, topk_ids, topk_weights, streaming)
         hits = [g for g in routing.groups if g.slot is not None]
         misses = [g for g in routing.groups if g.slot is None]
         self._count(layer, hits, misses)
@@ -273,13 +275,15 @@ class TieredDispatcher(ExpertDispatcher):
         release = None
         if cpu_groups and self._flag is not None and not streaming and layer != self._last_layer:
             release = self._flag.next_value()
-        started = self._start_cpu(layer, hidden, routing, cpu_groups, release) if cpu_groups else None
+        with record_function("tiers.cpu_submit"):
+            started = self._start_cpu(layer, hidden, routing, cpu_groups, release) if cpu_groups else None
         if adapt and started is not None:
             # The start-up costs' seconds for this job, compared with its measured seconds when it is collected.
             started[0].predicted_seconds = sum(self.costs.cpu(g.count) for g in cpu_groups)
         try:
             timer = self._start_copy_timer() if adapt and copy_groups else None
-            read = self._run_on_device(layer, out, hidden, routing, hits, copy_groups, streaming)
+            with record_function("tiers.device"):
+                read = self._run_on_device(layer, out, hidden, routing, hits, copy_groups, streaming)
             if timer is not None:
                 self._stop_copy_timer(timer, sum(self.costs.copy(g.count) for g in copy_groups))
             if streaming and self.config.prefetch:
