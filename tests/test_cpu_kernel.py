@@ -1,10 +1,12 @@
 """The CPU tier's C kernel (moetier/kernels/cpu_experts.c) against torch's bf16 experts and an fp64 reference.
 
-Every SIMD path this compiler can build on this host is checked (AVX512_BF16, AVX-512F, portable: the
-narrower ones by building with -mno-... flags), on jobs with several experts of 1, 3, 6 and 8 tokens
-sharing rows, sizes that are and are not multiples of the vector width, with and without the clamp,
-at 1, 2 and 3 threads. Bars: relative RMS error < 0.005 against torch bf16 (issue 4), and against fp64
-no worse than torch bf16's own error by more than 25%. Skipped only when there is no C compiler.
+Every SIMD path this compiler can build on this host is checked (AVX512_BF16, AVX-512F, AVX2, portable:
+the narrower ones by building with -mno-... flags; such a build must report its own ISA where the CPU has
+it, and is skipped where the CPU has not, as it would be another path's build), on jobs with several
+experts of 1, 3, 6 and 8 tokens sharing rows, sizes that are and are not multiples of the vector width,
+with and without the clamp, at 1, 2 and 3 threads. Bars: relative RMS error < 0.005 against torch bf16
+(issue 4), and against fp64 no worse than torch bf16's own error by more than 25%. Skipped only when
+there is no C compiler.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import logging
 import platform
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +28,24 @@ from moetier.weights.fp8 import dequantize_blocks
 
 BF16_BAR = 0.005  # kernel vs torch bf16, relative RMS
 FP64_FACTOR = 1.25  # kernel's error vs fp64 may exceed torch bf16's by this factor at most
-VARIANTS = {"default": (), "avx512f": ("-mno-avx512bf16",), "portable": ("-mno-avx512f",)}
+VARIANTS = {
+    "default": (),
+    "avx512f": ("-mno-avx512bf16",),
+    "avx2": ("-mno-avx512f",),
+    "portable": ("-mno-avx512f", "-mno-avx2"),
+}
+# The CPU flags (/proc/cpuinfo) under which a narrowed build must report the ISA it is named after.
+VARIANT_NEEDS = {"avx512f": {"avx512f"}, "avx2": {"avx2", "fma"}, "portable": set()}
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them (empty elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return {f for line in lines if line.startswith("flags") for f in line.partition(":")[2].split()}
 
 
 @pytest.fixture(autouse=True)
@@ -43,11 +62,27 @@ def _require_compiler() -> None:
 
 def _library(variant: str = "default") -> cpu_experts.CpuExpertsLibrary:
     _require_compiler()
+    if variant != "default" and X86 and (missing := VARIANT_NEEDS[variant] - _cpu_flags()):
+        pytest.skip(f"this CPU has no {', '.join(sorted(missing))}: the {variant} build would be another path's")
     lib = cpu_experts.library(VARIANTS[variant])
     if lib is None and variant != "default" and not X86:
         pytest.skip(f"{VARIANTS[variant]} are x86 flags")
     assert lib is not None, "a C compiler exists, so the kernel must build (see the warning above)"
+    if variant != "default":  # else a broken #if would test another path under this one's name
+        assert lib.isa == variant, f"{VARIANTS[variant]} built {lib.isa}, not {variant}"
     return lib
+
+
+def test_default_build_is_the_widest_path_of_this_cpu():
+    """-march=native picks the widest SIMD path the CPU has; every x86 SIMD path is one the tier uses."""
+    lib = _library()
+    if not X86:
+        pytest.skip("the SIMD paths are x86 ones")
+    flags = _cpu_flags()
+    widest = [isa for isa, needs in (("avx512_bf16", {"avx512_bf16"}), ("avx512f", {"avx512f"}),
+                                     ("avx2", {"avx2", "fma"})) if needs <= flags]  # fmt: skip
+    assert lib.isa == (widest[0] if widest else "portable")
+    assert cpu_experts.available() == (lib.isa != "portable")
 
 
 def _experts(count: int, hidden: int, inter: int, seed: int) -> tuple[ExpertLayout, list[ExpertWeights]]:
@@ -204,7 +239,7 @@ def test_build_is_cached_and_concurrent_builds_are_safe(monkeypatch, tmp_path):
     stamp = paths[0].stat().st_mtime_ns
     assert cpu_experts.build() == paths[0] and paths[0].stat().st_mtime_ns == stamp  # not rebuilt
     assert sorted(p.name for p in paths[0].parent.iterdir()) == [paths[0].name]  # no temporary left
-    assert cpu_experts.CpuExpertsLibrary(paths[0]).isa in ("avx512_bf16", "avx512f", "portable")
+    assert cpu_experts.CpuExpertsLibrary(paths[0]).isa in ("avx512_bf16", "avx512f", "avx2", "portable")
 
 
 def test_tier_uses_the_kernel_for_bf16_and_torch_for_fp32():
@@ -232,20 +267,50 @@ def test_tier_uses_the_kernel_for_bf16_and_torch_for_fp32():
     assert result.kernel == "torch" and torch.equal(result.out, _torch_bf16(x32, fp32_groups, 0.4))
 
 
+def _bench_receipt(tmp_path, *extra: str) -> dict:
+    argv = ["bench", "cpu-tier", "--experts", "4", "--hidden", "256", "--intermediate", "128", "--top-k", "2"]
+    argv += ["--tokens", "1,3", "--threads", "1,2", "--jobs", "3", "--out", str(tmp_path), *extra]
+    assert main(argv) == 0
+    return json.loads(next(tmp_path.glob("cpu-tier-*.json")).read_text())
+
+
 def test_bench_cpu_tier_quick(tmp_path):
     _require_compiler()
-    argv = ["bench", "cpu-tier", "--experts", "4", "--hidden", "256", "--intermediate", "128", "--top-k", "2"]
-    argv += ["--tokens", "1,3", "--threads", "1,2", "--jobs", "3", "--out", str(tmp_path)]
-    assert main(argv) == 0
-    receipt = json.loads(next(tmp_path.glob("cpu-tier-*.json")).read_text())
+    receipt = _bench_receipt(tmp_path)
     rows = receipt["results"]
     assert {(r["path"], r["threads"], r["tokens"]) for r in rows} == {
         (p, t, n) for p in ("torch", "c") for t in (1, 2) for n in (1, 3)
     }
     assert all(r["ms_per_job"]["median"] > 0 and r["gbps"] > 0 for r in rows)
-    assert receipt["expert_bytes"] == 3 * 256 * 128 * 2 and receipt["kernel_isa"]
+    # the c rows ran the C kernel, named by its ISA (not a torch fallback under the c label)
+    isa = receipt["kernel_isa"]
+    assert isa == cpu_experts.kernel_isa() and receipt["kernel_default"] == (isa in cpu_experts.FAST_ISAS)
+    assert {r["kernel"] for r in rows if r["path"] == "c"} == {f"c-{isa}"}
+    assert {r["kernel"] for r in rows if r["path"] == "torch"} == {"torch"}
+    assert receipt["expert_bytes"] == 3 * 256 * 128 * 2
     assert receipt["max_rel_err_vs_torch"] < BF16_BAR
-    assert "| c |" in next(tmp_path.glob("cpu-tier-*.md")).read_text()
+    assert f"| c | c-{isa} |" in next(tmp_path.glob("cpu-tier-*.md")).read_text()
+
+
+def test_bench_measures_a_build_the_tier_does_not_use_by_default(tmp_path, monkeypatch):
+    """As for a portable build: the bench is what decides whether a build beats torch, so it runs it anyway."""
+    _require_compiler()
+    monkeypatch.setattr(cpu_experts, "FAST_ISAS", ())
+    assert not cpu_experts.available()  # the tier alone would run torch
+    receipt = _bench_receipt(tmp_path, "--tokens", "1", "--threads", "1")
+    isa = cpu_experts.kernel_isa()
+    assert [r["kernel"] for r in receipt["results"]] == ["torch", f"c-{isa}"] and not receipt["kernel_default"]
+    assert receipt["max_rel_err_vs_torch"] < BF16_BAR
+    assert any(f"does not use the {isa} build by default" in note for note in receipt["notes"])
+    assert cpu_experts.mode() == "auto" and not cpu_experts.available()  # MOETIER_CPU_KERNEL was put back
+
+
+def test_bench_without_the_kernel_measures_torch_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOETIER_CPU_KERNEL", "0")
+    receipt = _bench_receipt(tmp_path, "--tokens", "1", "--threads", "1")
+    assert [r["path"] for r in receipt["results"]] == ["torch"] and receipt["kernel_isa"] is None
+    assert receipt["max_rel_err_vs_torch"] is None
+    assert any("C kernel unavailable" in note for note in receipt["notes"])
 
 
 # --- float8 e4m3fn experts ------------------------------------------------------------------------------

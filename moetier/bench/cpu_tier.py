@@ -7,6 +7,11 @@ decode); job i takes the experts after job i-1's, cycling over all of them, so w
 than the last-level cache every job reads its weights from DRAM. Reported per (path, threads, tokens):
 ms per job and GB/s of expert bytes read (1e9 bytes/s); the receipt also records the host's read
 bandwidth and how far the C kernel's output is from torch's on one job.
+
+The "c" path measures the C kernel whenever it is built, whatever its ISA: this bench is what decides
+whether a build beats torch (and so belongs in ``cpu_experts.FAST_ISAS``), so it must not apply the
+tier's default choice. Its rows are labelled with the ISA (``kernel`` "c-avx2", ...), the receipt says
+whether the tier would use that build by default, and a "c" job that did not run the kernel is an error.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,21 +99,52 @@ class JobMaker:
         return CpuJob(hidden=hidden, groups=groups)
 
 
+@contextmanager
+def any_kernel_build() -> Iterator[None]:
+    """``MOETIER_CPU_KERNEL=1`` for the duration (put back after): the tier then runs the C kernel of any
+    ISA, not only those of ``FAST_ISAS``. Left alone when it is "0" (the kernel is then not built at all)."""
+    before = os.environ.get("MOETIER_CPU_KERNEL")
+    if cpu_experts.mode() == "0":
+        yield
+        return
+    os.environ["MOETIER_CPU_KERNEL"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["MOETIER_CPU_KERNEL"]
+        else:
+            os.environ["MOETIER_CPU_KERNEL"] = before
+
+
+def c_kernel_label() -> str:
+    """The ``kernel`` a tier reports for a bf16 job on the C kernel (e.g. "c-avx2")."""
+    return f"c-{cpu_experts.kernel_isa()}"
+
+
+def _check_ran(path: str, kernels: set[str]) -> None:
+    """A "c" measurement of anything but the C kernel (a silent torch fallback) must not be reported as one."""
+    if path == "c" and kernels != {c_kernel_label()}:
+        raise RuntimeError(f"the c path ran {sorted(kernels)}, not the C kernel ({c_kernel_label()})")
+
+
 def time_path(maker: JobMaker, path: str, threads: int, tokens: int) -> dict[str, Any]:
     """Time ``maker.cfg.jobs`` jobs through a tier of ``threads`` threads on ``path`` (after the warm-up)."""
     cfg = maker.cfg
-    tier = CpuExpertTier(cfg.swiglu_limit, threads=threads, use_kernel=path == "c")
-    try:
-        kernels, seconds = set(), []
-        for i in range(cfg.warmup + cfg.jobs):
-            job = maker.job(tokens)
-            start = time.perf_counter()
-            result = tier.submit(job).result()
-            if i >= cfg.warmup:
-                seconds.append(time.perf_counter() - start)
-                kernels.add(result.kernel)
-    finally:
-        tier.close()
+    with any_kernel_build():
+        tier = CpuExpertTier(cfg.swiglu_limit, threads=threads, use_kernel=path == "c")
+        try:
+            kernels, seconds = set(), []
+            for i in range(cfg.warmup + cfg.jobs):
+                job = maker.job(tokens)
+                start = time.perf_counter()
+                result = tier.submit(job).result()
+                if i >= cfg.warmup:
+                    seconds.append(time.perf_counter() - start)
+                    kernels.add(result.kernel)
+        finally:
+            tier.close()
+    _check_ran(path, kernels)
     job_bytes = cfg.top_k * 3 * cfg.hidden * cfg.intermediate * 2
     ms = stats([1e3 * s for s in seconds])
     return {
@@ -122,17 +160,19 @@ def time_path(maker: JobMaker, path: str, threads: int, tokens: int) -> dict[str
 
 def kernel_error(maker: JobMaker, tokens: int, threads: int) -> float | None:
     """Relative RMS difference of the C kernel's job output from torch's (None without the kernel)."""
-    if not cpu_experts.available():
+    if cpu_experts.library() is None:
         return None
     job = maker.job(tokens)
-    c_tier = CpuExpertTier(maker.cfg.swiglu_limit, threads=threads)
-    torch_tier = CpuExpertTier(maker.cfg.swiglu_limit, threads=threads, use_kernel=False)
-    try:
-        ours, ref = c_tier.run(job).out, torch_tier.run(job).out
-    finally:
-        c_tier.close()
-        torch_tier.close()
-    return ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
+    with any_kernel_build():
+        c_tier = CpuExpertTier(maker.cfg.swiglu_limit, threads=threads)
+        torch_tier = CpuExpertTier(maker.cfg.swiglu_limit, threads=threads, use_kernel=False)
+        try:
+            ours, ref = c_tier.run(job), torch_tier.run(job)
+        finally:
+            c_tier.close()
+            torch_tier.close()
+    _check_ran("c", {ours.kernel})
+    return ((ours.out.double() - ref.out.double()).norm() / ref.out.double().norm()).item()
 
 
 def _host_read(nbytes: int, threads: int) -> float:
@@ -145,15 +185,29 @@ def _host_read(nbytes: int, threads: int) -> float:
         torch.set_num_threads(before)
 
 
+def tier_default() -> bool:
+    """Whether the tier uses the built kernel by default (``MOETIER_CPU_KERNEL`` unset): its ISA is a fast one."""
+    return cpu_experts.kernel_isa() in cpu_experts.FAST_ISAS
+
+
+def kernel_notes(paths: list[str]) -> tuple[list[str], list[str]]:
+    """The receipt's notes on the C kernel, and the paths to measure (without "c" when it is not built)."""
+    if "c" not in paths:
+        return [], list(paths)
+    if cpu_experts.library() is None:
+        note = "C kernel unavailable (no C compiler, a failed build or MOETIER_CPU_KERNEL=0; see the log)"
+        return [f"{note}; only torch was measured"], [p for p in paths if p != "c"]
+    if not tier_default():
+        note = f"the tier does not use the {cpu_experts.kernel_isa()} build by default (not in FAST_ISAS)"
+        return [f"{note}; measured as with MOETIER_CPU_KERNEL=1"], list(paths)
+    return [], list(paths)
+
+
 def run_bench(cfg: CpuTierBenchConfig) -> dict[str, Any]:
     cfg.validate()
     layout, experts = make_experts(cfg)
     maker = JobMaker(cfg, experts)
-    notes = []
-    paths = list(cfg.paths)
-    if "c" in paths and not cpu_experts.available():
-        paths.remove("c")
-        notes.append(f"C kernel unavailable (build: {cpu_experts.kernel_isa()}); only torch was measured")
+    notes, paths = kernel_notes(cfg.paths)
     results = [
         time_path(maker, path, threads, tokens) for tokens in cfg.tokens for threads in cfg.threads for path in paths
     ]
@@ -164,6 +218,7 @@ def run_bench(cfg: CpuTierBenchConfig) -> dict[str, Any]:
         "environment": environment(),
         "config": asdict(cfg),
         "kernel_isa": cpu_experts.kernel_isa(),
+        "kernel_default": tier_default(),
         "pinned": torch.cuda.is_available(),
         "expert_bytes": layout.block_bytes(torch.bfloat16),
         "job_bytes": cfg.top_k * layout.block_bytes(torch.bfloat16),
@@ -178,10 +233,11 @@ def run_bench(cfg: CpuTierBenchConfig) -> dict[str, Any]:
 def markdown_table(receipt: dict[str, Any]) -> str:
     cfg = receipt["config"]
     err = receipt["max_rel_err_vs_torch"]
+    isa = f"{receipt['kernel_isa']}{'' if receipt['kernel_default'] else ' (not the tier default)'}"
     lines = [
         f"CPU tier: {cfg['experts']} experts of {receipt['expert_bytes'] / 1e6:.1f} MB "
         f"(hidden {cfg['hidden']}, intermediate {cfg['intermediate']}), jobs of top-{cfg['top_k']}, "
-        f"C kernel {receipt['kernel_isa']}, host read {receipt['host_read_gbps']:.1f} GB/s, "
+        f"C kernel {isa}, host read {receipt['host_read_gbps']:.1f} GB/s, "
         f"C vs torch rel. RMS {'-' if err is None else f'{err:.2e}'}, git {receipt['environment']['git_sha']}",
         "",
         "| path | kernel | threads | tokens | ms/job (median [min-max]) | GB/s (median) | GB/s (best) |",
