@@ -62,6 +62,8 @@ from moetier.engine.types import (
     EngineStats,
     RequestUpdate,
     checkpoint_config,
+    load_tokenizer,
+    prefill_stats,
     resolve_dtype,
     resolve_window,
     token_id_set,
@@ -69,6 +71,7 @@ from moetier.engine.types import (
 from moetier.errors import ConfigError
 from moetier.models.base import SequenceCache
 from moetier.models.paged_kv import PagedKVSpace
+from moetier.tiers.kv_estimate import kv_budget_line
 from moetier.weights.loader import LoadedModel, load_model
 
 __all__ = ["Engine", "EngineBusyError", "EngineConfig", "EngineStats", "RequestUpdate", "TokenLogprob"]
@@ -138,7 +141,7 @@ class Engine:
         self.hf_config = self.loaded.hf_config
         self.vocab_size: int | None = self.hf_config.get("vocab_size")
         self.model_name = model_name or str(model if not isinstance(model, LoadedModel) else self.path)
-        self.tokenizer = _load_tokenizer(self.path) if isinstance(tokenizer, str) and tokenizer == "auto" else tokenizer
+        self.tokenizer = load_tokenizer(self.path) if isinstance(tokenizer, str) and tokenizer == "auto" else tokenizer
         self.generation_config: dict[str, Any] = self.loaded.checkpoint.read_json("generation_config.json") or {}
         self.eos_token_ids = self._eos_ids()
 
@@ -159,6 +162,7 @@ class Engine:
         self.elastic: ElasticExpertBudget | None = None
         if self.plan is not None:
             self._setup_elastic(getattr(tiers, "min_cache_slots", None))
+        self._size_kv()
         self._requests: dict[str, _Request] = {}
         self._notices: list[RequestUpdate] = []  # abort updates, delivered by the next step
         self._prompt_tokens_total = 0
@@ -213,6 +217,26 @@ class Engine:
                 config.max_slots,
                 self.scheduler.kv_token_budget,
             )
+
+    def _size_kv(self) -> None:
+        """Allocate the paged KV pools for the KV-token budget (once, before any cache) and log the KV cache."""
+        budget, streams, window = self.scheduler.kv_token_budget, self.config.max_streams, self.max_model_len
+        origin = f"{streams} streams x {window}" if budget == streams * window else "the KV-token budget"
+        kv_dtype, space, hint = self.config.kv_dtype, self.runner.kv_space, "kv_token_budget"
+        storage = str(self.model.dtype).removeprefix("torch.") if kv_dtype == "auto" else kv_dtype
+        label = f"{'contiguous' if space is None else 'paged'}, {storage}"
+        if space is None:
+            about = kv_budget_line(self.model.config, budget, origin, streams, self.model.dtype.itemsize, kv_dtype)
+            logger.info("KV cache (%s): %s", label, about)
+            return
+        if self.elastic is not None and self.plan.budget.reserved_streams < streams:  # the rest borrow expert slots
+            budget, origin = min(budget, self.plan.budget.reserved_streams * window), "the plan's reserved streams"
+            hint = "--kv-reserve-streams"
+        # Prefix-cache snapshots get blocks of their own (why: PagedKVSpace.size_for): they outlive their
+        # sequences, and the prefix cache evicts one only to store another, never for a running sequence.
+        snapshots = 0 if self.prefix_cache is None else self.prefix_cache.capacity_bytes
+        sizing = space.size_for(self.runner.new_cache, budget, streams, snapshots, hint)
+        logger.info("KV cache (%s): %s", label, sizing.describe(origin))
 
     def _fit_experts(self) -> None:
         """Between steps: size the expert cache for the KV in use plus the caches about to be allocated."""
@@ -309,23 +333,12 @@ class Engine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             preemptions_total=self.scheduler.preemptions,
-            **self._prefill_stats(),
+            **prefill_stats(self.prefill_meter, self.scheduler.running),
             **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
             **(self.sharing.stats() if self.sharing is not None else {}),
             **(self.elastic.stats() if self.elastic is not None else {}),
             **(self.runner.kv_space.engine_stats() if self.runner.kv_space is not None else {}),
         )
-
-    def _prefill_stats(self) -> dict[str, Any]:
-        meter = self.prefill_meter
-        progress = {s.request_id: (s.num_computed, s.num_prompt) for s in self.scheduler.running if s.prefilling}
-        return {
-            "prefill_seconds_total": meter.seconds_total,
-            "prefill_computed_tokens_total": meter.computed_tokens_total,
-            "prefill_tokens_per_second": meter.tokens_per_second,
-            "prefill_remaining_tokens": sum(total - done for done, total in progress.values()),
-            "prefill_progress": progress,
-        }
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -592,9 +605,3 @@ class Engine:
         self._requests.pop(request.seq.request_id, None)
         if not self.scheduler.waiting:  # nobody to hand the freed KV to: the experts take it back now
             self._fit_experts()
-
-
-def _load_tokenizer(path: Path):
-    from moetier.tokenizer import Tokenizer
-
-    return Tokenizer.from_folder(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,9 @@ from typing import Any
 import torch
 
 from moetier.config import ModelLoadConfig, check_expert_format, parse_dtype
+from moetier.engine.prefill_meter import PrefillMeter
 from moetier.engine.sampling import TokenLogprob
-from moetier.engine.scheduler import KV_ADMISSION_MODES
+from moetier.engine.scheduler import KV_ADMISSION_MODES, Sequence
 from moetier.errors import CheckpointError, ConfigError, MoetierError
 from moetier.models.cache import KV_DTYPES
 from moetier.models.paged_kv import KV_LAYOUTS
@@ -58,8 +60,9 @@ class EngineConfig:
     - ``kv_dtype``: storage of the KV cache (the state that grows with the context): ``auto`` (the
       model dtype), ``bf16``, or ``fp8`` (e4m3 with per-token scales; :mod:`moetier.models.cache`).
     - ``kv_layout``: ``"contiguous"`` (each sequence's rows preallocated for its reservation, copied when
-      it grows) or ``"paged"`` (blocks of ``kv_block_tokens`` rows from shared pools, allocated as tokens
-      arrive and shared, not copied, by growth and prefix snapshots; :mod:`moetier.models.paged_kv`).
+      it grows) or ``"paged"`` (blocks of ``kv_block_tokens`` rows from shared pools, taken as tokens
+      arrive and shared, not copied, by growth and prefix snapshots; :mod:`moetier.models.paged_kv`). The
+      pools are allocated at start-up for the KV-token budget plus ``prefix_cache_bytes`` of snapshots.
     - ``expert_format``: the routed experts' home copy when the engine loads a checkpoint: ``"dense"``
       (dequantised to the model dtype), ``"fp8"`` (an fp8-block checkpoint's float8 + scales, half the
       bytes) or ``"fp4"`` (DeepSeek-V4's packed FP4 + scales; :class:`moetier.config.ModelLoadConfig`).
@@ -179,9 +182,12 @@ class EngineStats:
     # and the prompt tokens such requests then took from the cache instead of computing them.
     prefix_shared_deferrals_total: int = 0
     prefix_shared_tokens_saved_total: int = 0
-    # Paged KV only (None otherwise): bytes of the blocks sequences and snapshots hold, and of the pools.
+    # Paged KV only (None otherwise): bytes of the blocks sequences and snapshots hold, and of the pools;
+    # the same in blocks (the pools are sized at start-up: kv_pool_blocks_used / kv_pool_blocks is the KV use).
     kv_pool_bytes_used: int | None = None
     kv_pool_bytes_allocated: int | None = None
+    kv_pool_blocks_used: int | None = None
+    kv_pool_blocks: int | None = None
     # Tiered experts only (None otherwise): the elastic VRAM expert cache now, its bounds, how often it was
     # resized, and the KV bytes the running sequences hold against the plan's reservation.
     expert_cache_slots: int | None = None
@@ -193,7 +199,26 @@ class EngineStats:
     kv_cache_reserved_bytes: int | None = None
 
 
+def prefill_stats(meter: PrefillMeter, running: Iterable[Sequence]) -> dict[str, Any]:
+    """The prefill fields of :class:`EngineStats`: ``meter``'s counters and the ``running`` sequences' progress."""
+    progress = {s.request_id: (s.num_computed, s.num_prompt) for s in running if s.prefilling}
+    return {
+        "prefill_seconds_total": meter.seconds_total,
+        "prefill_computed_tokens_total": meter.computed_tokens_total,
+        "prefill_tokens_per_second": meter.tokens_per_second,
+        "prefill_remaining_tokens": sum(total - done for done, total in progress.values()),
+        "prefill_progress": progress,
+    }
+
+
 # --- loading helpers ----------------------------------------------------------------------------
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer of the checkpoint folder ``path`` (:class:`moetier.tokenizer.Tokenizer`)."""
+    from moetier.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(path)
 
 
 def checkpoint_config(path: Path) -> dict[str, Any]:

@@ -13,6 +13,10 @@ store. :class:`PagedKVRows` keeps that contract over blocks of ``block_tokens`` 
   partly filled last block is ever written again);
 - a block returns to the pool when the last table holding it is dropped.
 
+The engine sizes the pools once, at start-up (:meth:`PagedKVSpace.size_for`), for its KV-token budget
+and its prefix cache's snapshots, so KV memory is fixed and known before the first request; a pool
+that still runs out grows (into a new tensor, the old blocks copied over) with one warning.
+
 Reads gather the table's rows into one tensor (a copy; an attention kernel reading blocks in place is
 the next step), then dequantise fp8 storage as :class:`KVRows` does. Caches built inside
 ``with paged_kv(space):`` get paged stores (:func:`moetier.models.cache.kv_rows`); elsewhere they stay
@@ -23,23 +27,28 @@ contiguous.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from moetier.errors import ConfigError
 from moetier.kernels.kv_read import try_read_rows
 from moetier.models.cache import FP8_DTYPE, KVRows, kv_storage_dtype, quantize_fp8
+from moetier.tiers.workspace import gib
 
 KV_LAYOUTS = ("contiguous", "paged")
 _ACTIVE: ContextVar[PagedKVSpace | None] = ContextVar("moetier_paged_kv", default=None)
-INITIAL_BLOCKS = 16  # a pool starts this small and doubles: memory follows use
+INITIAL_BLOCKS = 16  # a pool no one sized starts this small; a growth adds half the pool, at least this
+
+log = logging.getLogger(__name__)
 
 
 class KVBlockPool:
@@ -47,18 +56,30 @@ class KVBlockPool:
 
     Block-major, token-next layout: the pool viewed as ``[blocks * block_tokens, *lead, width]`` is
     indexed by ``block * block_tokens + offset``, so a store's whole table reads or writes in one op.
+    ``blocks`` are allocated up front; when every one is held, :meth:`allocate` grows the pool (into a
+    new tensor, the old blocks copied over) and calls ``on_grow(pool, old_blocks)``.
     """
 
     def __init__(
-        self, lead: tuple[int, ...], width: int, storage: torch.dtype, groups: int, device, block_tokens: int
+        self,
+        lead: tuple[int, ...],
+        width: int,
+        storage: torch.dtype,
+        groups: int,
+        device,
+        block_tokens: int,
+        blocks: int = INITIAL_BLOCKS,
+        on_grow: Callable[[KVBlockPool, int], None] | None = None,
     ) -> None:
         self.lead, self.width, self.block_tokens = lead, width, block_tokens
-        self.data = torch.empty(INITIAL_BLOCKS, block_tokens, *lead, width, dtype=storage, device=device)
+        self.data = torch.empty(blocks, block_tokens, *lead, width, dtype=storage, device=device)
         self.scales = None
         if storage == FP8_DTYPE:
-            self.scales = torch.empty(INITIAL_BLOCKS, block_tokens, *lead, groups, dtype=torch.float32, device=device)
-        self.refs = [0] * INITIAL_BLOCKS
-        self.free = list(range(INITIAL_BLOCKS - 1, -1, -1))
+            self.scales = torch.empty(blocks, block_tokens, *lead, groups, dtype=torch.float32, device=device)
+        self.refs = [0] * blocks
+        self.free: list[int] = []  # released blocks, handed out again first
+        self.fresh = 0  # blocks [fresh, blocks) were never handed out
+        self.on_grow = on_grow
         # A store's blocks go back when its last holder is dropped, in whichever thread that happens
         # (a garbage-collection pass may run anywhere): reference counts change under this lock.
         self._lock = threading.Lock()
@@ -69,12 +90,22 @@ class KVBlockPool:
 
     @property
     def used(self) -> int:
-        return self.blocks - len(self.free)
+        return self.fresh - len(self.free)
+
+    @property
+    def shared(self) -> int:
+        """Blocks held by more than one table."""
+        return sum(1 for r in self.refs[: self.fresh] if r > 1)
 
     @property
     def block_bytes(self) -> int:
         tensors = [self.data] if self.scales is None else [self.data, self.scales]
-        return sum(t[0].numel() * t.element_size() for t in tensors)
+        return sum(math.prod(t.shape[1:]) * t.element_size() for t in tensors)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token row (values and fp8 scales)."""
+        return self.block_bytes // self.block_tokens
 
     def flat(self, tensor: torch.Tensor) -> torch.Tensor:
         """``data`` or ``scales`` as ``[blocks * block_tokens, *lead, last]``."""
@@ -82,9 +113,12 @@ class KVBlockPool:
 
     def allocate(self) -> int:
         with self._lock:
-            if not self.free:
-                self._grow()
-            block = self.free.pop()
+            if self.free:
+                block = self.free.pop()
+            else:
+                if self.fresh == self.blocks:
+                    self._grow()
+                block, self.fresh = self.fresh, self.fresh + 1
             self.refs[block] = 1
             return block
 
@@ -108,14 +142,31 @@ class KVBlockPool:
             self.scales[block].copy_(self.scales[source])
         return block
 
+    def reserve(self, blocks: int) -> None:
+        """Hold at least ``blocks`` blocks (no growth callback: this is sizing, not running out)."""
+        with self._lock:
+            if blocks > self.blocks:
+                self._resize(blocks)
+
     def _grow(self) -> None:
-        # Doubling keeps the copies of the pool few; stores index the pool afresh on every read and write.
+        # Geometric, so the copies stay few; stores index the pool afresh on every read and write.
         old = self.blocks
-        self.data = torch.cat([self.data, torch.empty_like(self.data)])
+        self._resize(old + max(INITIAL_BLOCKS, old // 2))
+        if self.on_grow is not None:
+            self.on_grow(self, old)
+
+    def _resize(self, blocks: int) -> None:
+        """Move the blocks into tensors of ``blocks``: the old and the new pool exist at once, nothing more
+        (``torch.cat`` would also build a temporary of the added blocks)."""
+        old = self.blocks
+        data = self.data.new_empty(blocks, *self.data.shape[1:])
+        data[:old].view(torch.uint8).copy_(self.data.view(torch.uint8))  # fp8 bytes move as uint8 (same bits)
+        self.data = data
         if self.scales is not None:
-            self.scales = torch.cat([self.scales, torch.empty_like(self.scales)])
-        self.refs += [0] * old
-        self.free = list(range(2 * old - 1, old - 1, -1))
+            scales = self.scales.new_empty(blocks, *self.scales.shape[1:])
+            scales[:old].copy_(self.scales)
+            self.scales = scales
+        self.refs += [0] * (blocks - old)
 
 
 @dataclass
@@ -130,31 +181,148 @@ class KVSpaceStats:
     bytes_allocated: int
 
 
+@dataclass(frozen=True)
+class KVSizing:
+    """What :meth:`PagedKVSpace.size_for` allocated: ``blocks`` of ``block_tokens`` rows over ``pools``
+    pools (``nbytes`` in all), for ``tokens`` tokens of ``sequences`` running sequences plus
+    ``snapshot_tokens`` tokens of rows that outlive them (prefix-cache snapshots)."""
+
+    pools: int
+    blocks: int
+    block_tokens: int
+    nbytes: int
+    tokens: int
+    sequences: int
+    snapshot_tokens: int
+
+    def describe(self, origin: str) -> str:
+        """One line for the start-up log; ``origin`` says where ``tokens`` comes from."""
+        pools = f"{self.pools} pool{'s' * (self.pools != 1)}"
+        return (
+            f"{pools}, {self.blocks} blocks of {self.block_tokens} rows, {gib(self.nbytes)} GiB, for {self.tokens} "
+            f"tokens ({origin}) + {self.snapshot_tokens} tokens of prefix-cache snapshots"
+        )
+
+
 class PagedKVSpace:
-    """The pools of one engine's paged caches, one per row shape (lead dims, width, storage dtype)."""
+    """The pools of one engine's paged caches, one per row shape (lead dims, width, storage dtype).
+
+    :meth:`size_for` allocates the pools once, before the first cache, for a KV-token budget; a pool
+    that runs out later still grows (a fallback: one warning, naming ``grow_hint``). A space nobody
+    sized starts each pool at :data:`INITIAL_BLOCKS` and grows quietly (benchmarks, tests).
+    """
 
     def __init__(self, device: torch.device | str, block_tokens: int = 64) -> None:
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
             raise ConfigError(f"KV block size must be an integer >= 1 token, got {block_tokens!r}")
         self.device, self.block_tokens = torch.device(device), block_tokens
         self._pools: dict[tuple, KVBlockPool] = {}
+        self.sizing: KVSizing | None = None  # set by size_for
+        self.grow_hint = "kv_token_budget"  # the knob the growth warning names (size_for sets it)
+        self._census: list[tuple[KVBlockPool, int]] | None = None  # (pool, rows) of stores built while sizing
+        self._warned = False
 
-    def pool(self, lead: tuple[int, ...], width: int, storage: torch.dtype, groups: int) -> KVBlockPool:
+    @property
+    def pools(self) -> list[KVBlockPool]:
+        return list(self._pools.values())
+
+    def pool(self, lead: tuple[int, ...], width: int, storage: torch.dtype, groups: int, rows: int = 0) -> KVBlockPool:
+        """The pool of this row shape, for a store of at most ``rows`` rows (what :meth:`size_for` counts)."""
         key = (lead, width, storage, groups)
         if key not in self._pools:
-            self._pools[key] = KVBlockPool(lead, width, storage, groups, self.device, self.block_tokens)
-        return self._pools[key]
+            blocks = INITIAL_BLOCKS if self._census is None and self.sizing is None else 0
+            pool = KVBlockPool(lead, width, storage, groups, self.device, self.block_tokens, blocks, self._grew)
+            self._pools[key] = pool
+        pool = self._pools[key]
+        if self._census is not None:
+            self._census.append((pool, rows))
+        return pool
+
+    def size_for(
+        self,
+        new_cache: Callable[[int], Any],
+        tokens: int,
+        sequences: int,
+        snapshot_bytes: int = 0,
+        grow_hint: str = "kv_token_budget",
+    ) -> KVSizing:
+        """Allocate the pools for at most ``sequences`` caches of ``new_cache`` (a ``max_tokens -> cache``
+        factory) that hold ``tokens`` tokens together, plus ``snapshot_bytes`` of rows that outlive them,
+        counted as :attr:`PagedKVRows.nbytes` counts (the prefix cache's byte budget).
+
+        Rows per token come from the caches themselves: one probe cache of ``tokens`` tokens is built and
+        each of its stores reports its capacity (K/V and latents: one row per token, V4's compressed
+        entries ``tokens // rate``). Split over sequences, a store's rows fill at most one partial block
+        per sequence, so a store of ``r`` rows needs ``ceil(r / block_tokens) + min(sequences, r) - 1``
+        blocks (a capacity never grows faster than the tokens: ``sum(r_i // rate) <= sum(r_i) // rate``).
+        Snapshots add their share of ``snapshot_bytes`` to each store's rows, in proportion to its bytes.
+        ``grow_hint`` names the knob that sizes the pools, for the warning of a pool that still runs out.
+
+        Why snapshots get blocks of their own, beyond the running sequences': a snapshot outlives its
+        sequence (a finished request's last snapshot, the partly filled block a running sequence copied
+        on write, a preempted request's snapshot) and the prefix cache evicts one only to store another,
+        never to make room for a running sequence. It bounds them by ``prefix_cache_bytes`` counted as
+        contiguous rows (:attr:`PagedKVRows.nbytes`), the VRAM a placement plan reserves for them too, so
+        that is the allowance; blocks a snapshot shares with a running sequence are counted twice, the
+        price of a bound that holds whatever is cached. (Only a snapshot's last, partly filled block per
+        store is not in the allowance: many short V4 snapshots may still make a pool grow.)
+        """
+        census = self._count_rows(new_cache, tokens)
+        probe_bytes = sum(rows * pool.row_bytes for pool, rows in census)
+        needed: dict[int, int] = {}
+        for pool, rows in census:
+            extra = snapshot_bytes * rows // probe_bytes if probe_bytes else 0
+            blocks = math.ceil((rows + extra) / self.block_tokens) + max(0, min(sequences, rows) - 1)
+            needed[id(pool)] = needed.get(id(pool), 0) + blocks
+        for pool in self._pools.values():
+            pool.reserve(needed.get(id(pool), 0))
+        self.grow_hint = grow_hint
+        stats = self.stats()
+        snapshot_tokens = snapshot_bytes * tokens // probe_bytes if probe_bytes else 0
+        self.sizing = KVSizing(
+            len(self._pools), stats.blocks_allocated, self.block_tokens, stats.bytes_allocated, tokens, sequences,
+            snapshot_tokens,
+        )  # fmt: skip
+        return self.sizing
+
+    def _count_rows(self, new_cache: Callable[[int], Any], tokens: int) -> list[tuple[KVBlockPool, int]]:
+        """(pool, capacity) of every paged store of a probe cache of ``tokens`` tokens (it holds no block)."""
+        self._census = []
+        try:
+            with paged_kv(self):
+                new_cache(tokens)
+            return self._census
+        finally:
+            self._census = None
+
+    def _grew(self, pool: KVBlockPool, old: int) -> None:
+        """A pool ran out: in a sized space warn once (later growths log at debug); else grow quietly."""
+        sizing = self.sizing
+        if sizing is None:
+            return
+        report = log.debug if self._warned else log.warning
+        self._warned = True
+        report(
+            "paged KV pool %s grew from %d to %d blocks: the pools were sized at start-up for %d tokens "
+            "(+ %d of prefix-cache snapshots); raise %s so that they hold it from the start",
+            (*pool.lead, pool.width), old, pool.blocks, sizing.tokens, sizing.snapshot_tokens, self.grow_hint,
+        )  # fmt: skip
 
     def engine_stats(self) -> dict[str, int]:
         """The :class:`moetier.engine.types.EngineStats` fields of paged KV."""
         stats = self.stats()
-        return {"kv_pool_bytes_used": stats.bytes_used, "kv_pool_bytes_allocated": stats.bytes_allocated}
+        return {
+            "kv_pool_bytes_used": stats.bytes_used,
+            "kv_pool_bytes_allocated": stats.bytes_allocated,
+            "kv_pool_blocks_used": stats.blocks_used,
+            "kv_pool_blocks": stats.blocks_allocated,
+        }
 
     def stats(self) -> KVSpaceStats:
-        pools = list(self._pools.values())
+        pools = self.pools
         return KVSpaceStats(
             blocks_used=sum(p.used for p in pools),
-            blocks_shared=sum(sum(1 for r in p.refs if r > 1) for p in pools),
+            blocks_shared=sum(p.shared for p in pools),
             blocks_allocated=sum(p.blocks for p in pools),
             bytes_used=sum(p.used * p.block_bytes for p in pools),
             bytes_allocated=sum(p.blocks * p.block_bytes for p in pools),
@@ -194,7 +362,7 @@ class PagedKVRows(KVRows):
         if sum(self.groups) != width or min(self.groups) < 1:
             raise ValueError(f"row groups {self.groups} must be positive and sum to the width {width}")
         storage = kv_storage_dtype(kv_dtype, dtype)
-        self._pool = space.pool(tuple(lead), width, storage, len(self.groups))
+        self._pool = space.pool(tuple(lead), width, storage, len(self.groups), capacity)
         self._capacity = capacity
         self._table: list[int] = []  # mutated in place only: the finalizer holds this very list
         self._index = torch.empty(0, dtype=torch.long, device=space.device)  # pool row of each held token slot

@@ -113,6 +113,8 @@ class _EngineStatsCollector(Collector):
 
         capacity = getattr(stats, "kv_tokens_capacity", 0) or 0
         used = getattr(stats, "kv_tokens_used", 0) or 0
+        if getattr(stats, "kv_pool_blocks", None):  # paged KV: the pools' blocks held (sized at start-up)
+            capacity, used = stats.kv_pool_blocks, stats.kv_pool_blocks_used
         yield gauge("num_requests_running", "Requests decoding in the engine.", stats.running)
         yield gauge("num_requests_waiting", "Requests queued for the engine.", stats.waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache use, 0 to 1 (1 = full).", used / capacity if capacity else 0.0)

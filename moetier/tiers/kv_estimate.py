@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moetier.errors import ConfigError
+from moetier.tiers.workspace import gib
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,18 @@ def kv_estimate(config: Any) -> KvEstimate:
         note = f"GQA keys + values, {width} values per token per layer"
         return KvEstimate(layers * width, 0, note, 2 * config.num_key_value_heads * layers)
     raise ConfigError(f"cannot estimate the KV cache of {type(config).__name__}; pass kv_bytes_per_token")
+
+
+def kv_budget_line(config: Any, tokens: int, origin: str, streams: int, element: int, kv_dtype: str = "auto") -> str:
+    """``"<tokens> tokens (<origin>), about <GiB> GiB"``: the estimated bytes of ``streams`` contiguous caches
+    holding ``tokens`` tokens together (:func:`kv_estimate`'s rule, ``element`` bytes per value at the load
+    dtype); without the bytes when the family has no estimate."""
+    line = f"{tokens} tokens ({origin})"
+    try:
+        kv = kv_estimate(config)
+    except ConfigError:
+        return line
+    return f"{line}, about {gib(tokens * kv.token_bytes(element, kv_dtype) + streams * kv.per_stream * element)} GiB"
 
 
 def _v4_kv(config: Any) -> KvEstimate:
