@@ -303,7 +303,7 @@ def test_cuda_graphs_with_tiered_dispatcher_match_resident(cuda_checkpoint, rout
     _, ref_steps, ref_tokens = moetier_run(resident, prompt, 32)
     options = {"cache_slots": small_cache(resident), "miss_route": route, "policy": "lru"}
     loaded, _ = load_tiered(cuda_checkpoint, torch.float32, device="cuda", **options)
-    loaded.model.graphs = graphs = SegmentGraphs(enabled=True)  # opt-in for this family until validated
+    loaded.model.graphs = graphs = SegmentGraphs(enabled=True)  # on whatever MOETIER_CUDA_GRAPHS says
     _, steps, tokens = moetier_run(loaded, prompt, 32)
     loaded.model.dispatcher.close()
     snap = loaded.model.dispatcher.metrics.snapshot()

@@ -41,15 +41,11 @@ from moetier.models.decode_segments import (
     padding_mask,
     prenorm_forward,
 )
-from moetier.models.graph_segments import SegmentGraphs, graphs_enabled
+from moetier.models.graph_segments import SegmentGraphs
 from moetier.models.layers import DenseMLP, RMSNorm, apply_rope, causal_mask, rope_inverse_frequencies, stack_padded
 from moetier.models.qwen3_moe import rope_settings
 from moetier.tiers.dispatcher import ExpertDispatcher
 from moetier.tiers.experts import ExpertLayout
-
-# Decode runs as graph segments; their CUDA graphs are opt-in (MOETIER_CUDA_GRAPHS=1) until this family's
-# GPU tests (tests/test_prenorm_graph_segments.py) have passed on a GPU. V4's have: on by default there.
-GRAPHS_BY_DEFAULT = False
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -402,7 +398,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.layers = nn.ModuleList(_decoder_layer(config, i, dispatcher) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.graphs = SegmentGraphs(graphs_enabled(default=GRAPHS_BY_DEFAULT))
+        self.graphs = SegmentGraphs()
 
     @classmethod
     def config_from_hf(cls, hf: dict[str, Any]) -> DeepseekV3Config:
@@ -473,7 +469,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         )
         self.inv_freq = inv_freq.to(self.device)  # on the device: a graph capture cannot copy it in
         # Graphs read the weights in place: any captured before (e.g. of an earlier load) are stale.
-        self.graphs = SegmentGraphs(graphs_enabled(default=GRAPHS_BY_DEFAULT))
+        self.graphs = SegmentGraphs()
 
     def new_cache(self, max_tokens: int, kv_dtype: str | None = None) -> LatentKVCache:
         cfg = self.config
