@@ -71,6 +71,8 @@ class CpuJob:
 class CpuResult:
     out: torch.Tensor  # fp32 [U, H]: sum over groups of gate * expert(hidden[rows]) placed at rows
     seconds: float  # wall time the worker spent on the job
+    # of which it waited for its inputs to land from the device (a latency of the call, not of its experts)
+    wait_seconds: float = 0.0
     pairs: int = field(default=0)
     # which path ran: "torch", or "c-" + the C kernel's ISA (e.g. "c-avx512_bf16"), "-fp8" for fp8 experts
     kernel: str = TORCH_KERNEL
@@ -124,6 +126,7 @@ class CpuExpertTier:
         if job.ready is not None:
             with record_function("tiers.cpu_wait_inputs"):
                 job.ready.synchronize()
+        waited = time.perf_counter() - start
         out = job.out
         if out is None:
             out = torch.empty(job.hidden.shape, dtype=torch.float32)
@@ -134,7 +137,8 @@ class CpuExpertTier:
             kernel = compute(job, out)
         self.last_kernel = kernel
         pairs = sum(int(group.rows.numel()) for group in job.groups)
-        return CpuResult(out=out, seconds=time.perf_counter() - start, pairs=pairs, kernel=kernel)
+        seconds = time.perf_counter() - start
+        return CpuResult(out=out, seconds=seconds, wait_seconds=waited, pairs=pairs, kernel=kernel)
 
     def _kernel_fits(self, job: CpuJob, out: torch.Tensor) -> bool:
         """bf16 hidden, an fp32 contiguous out, and experts all bf16 or all e4m3fn with one tile (contiguous)."""

@@ -118,18 +118,31 @@ class ExpertCache:
 
     def fill(self, slot: Slot, source: torch.Tensor) -> None:
         """Copy an expert block (host home copy or device tensor) into ``slot``, off the compute stream."""
+        self.fill_many([(slot, source)])
+
+    def fill_many(self, work: list[tuple[Slot, torch.Tensor]]) -> None:
+        """:meth:`fill` for several slots, in order, under one switch to the copy stream.
+
+        A decode call enqueues its copies while the copy engine idles, so the host time per copy is
+        latency on the critical path: each slot keeps one ``ready`` event, recorded again per fill
+        (a wait enqueued earlier keeps waiting for the record it saw).
+        """
         if not self.cuda:
-            slot.tensor.copy_(source)
-        else:
-            with torch.cuda.stream(self.copy_stream):
+            for slot, source in work:
+                slot.tensor.copy_(source)
+                slot.filled = True
+            return
+        with torch.cuda.stream(self.copy_stream):
+            for slot, source in work:
                 if slot.released is not None:
                     self.copy_stream.wait_event(slot.released)
                 slot.tensor.copy_(source, non_blocking=True)
                 # The slot may be freed by a shrink while this copy is queued: keep its memory until then.
                 slot.tensor.record_stream(self.copy_stream)
-                slot.ready = torch.cuda.Event()
+                if slot.ready is None:
+                    slot.ready = torch.cuda.Event()
                 slot.ready.record(self.copy_stream)
-        slot.filled = True
+                slot.filled = True
 
     # --- admission and eviction ----------------------------------------------------------------
 

@@ -134,6 +134,49 @@ class _Group:
         return slice(self.start, self.start + self.count)
 
 
+# Up to this many (token, expert) pairs (decode: a few streams x top-k) are sorted in plain Python:
+# a handful of list operations cost less than the half-dozen torch calls a tensor sort takes.
+SMALL_ROUTING_PAIRS = 256
+
+
+def _add_rows(out: torch.Tensor, rows: torch.Tensor | None, values: torch.Tensor) -> None:
+    """``out[rows] += values`` (``rows`` None: every row, in order)."""
+    if rows is None:
+        out.add_(values)
+    else:
+        out.index_add_(0, rows, values)
+
+
+def _sort_small(ids: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Pair order sorted by expert (stable), the distinct experts and their pair counts."""
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    experts: list[int] = []
+    counts: list[int] = []
+    for pair in order:
+        if experts and experts[-1] == ids[pair]:
+            counts[-1] += 1
+        else:
+            experts.append(ids[pair])
+            counts.append(1)
+    return torch.tensor(order, dtype=torch.int64), experts, counts
+
+
+def _sort_large(ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    """:func:`_sort_small` with tensor ops (prefill chunks: tens of thousands of pairs)."""
+    order = torch.argsort(ids, stable=True)
+    experts, counts = torch.unique_consecutive(ids[order], return_counts=True)
+    return order, experts.tolist(), counts.tolist()
+
+
+@dataclass
+class _Copies:
+    """A call's copy-path experts: copied into their cache slot, staged (slot in hand), waiting for a slot."""
+
+    direct: list[_Group]
+    staged: list[tuple[_Group, Slot]] = field(default_factory=list)
+    waiting: deque[_Group] = field(default_factory=deque)
+
+
 @dataclass
 class _Routing:
     """The call's pairs sorted by expert, on the host and on the device."""
@@ -270,20 +313,25 @@ class TieredDispatcher(ExpertDispatcher):
             for group in sorted(misses, key=lambda g: -g.count):
                 group.slot = self.cache.plan_admission((layer, group.expert), protected)
 
+        # The copies go first: PCIe starts moving as soon as the routing is known, while this thread
+        # prepares the CPU job and launches the hits (on the H200 the copy path is the longer pole).
+        timer = self._start_copy_timer() if adapt and copy_groups else None
+        with record_function("tiers.copy_submit"):
+            copies = self._start_copies(layer, copy_groups)
         # The GPU (not this thread) waits for a decode call's CPU sums, except at the last MoE layer,
         # so this thread goes on launching the next layer; the job's outcome is checked at the next call.
         release = None
         if cpu_groups and self._flag is not None and not streaming and layer != self._last_layer:
             release = self._flag.next_value()
-        with record_function("tiers.cpu_submit"):
-            started = self._start_cpu(layer, hidden, routing, cpu_groups, release) if cpu_groups else None
-        if adapt and started is not None:
-            # The start-up costs' seconds for this job, compared with its measured seconds when it is collected.
-            started[0].predicted_seconds = sum(self.costs.cpu(g.count) for g in cpu_groups)
+        started = None
         try:
-            timer = self._start_copy_timer() if adapt and copy_groups else None
+            with record_function("tiers.cpu_submit"):
+                started = self._start_cpu(layer, hidden, routing, cpu_groups, release) if cpu_groups else None
+            if adapt and started is not None:
+                # The start-up costs' seconds for this job, compared with its measured seconds when it is collected.
+                started[0].predicted_seconds = sum(self.costs.cpu(g.count) for g in cpu_groups)
             with record_function("tiers.device"):
-                read = self._run_on_device(layer, out, hidden, routing, hits, copy_groups, streaming)
+                read = self._compute_on_device(layer, out, hidden, routing, hits, copies, streaming)
             if timer is not None:
                 self._stop_copy_timer(timer, sum(self.costs.copy(g.count) for g in copy_groups))
             if streaming and self.config.prefetch:
@@ -298,12 +346,12 @@ class TieredDispatcher(ExpertDispatcher):
             raise
         if started is not None and release is not None and self._flag.wait_on(self._compute_stream(), release):
             future, rows_dev, host_out, buffers = started
-            out.index_add_(0, rows_dev, host_out.to(rows_dev.device, non_blocking=True))
+            _add_rows(out, rows_dev, host_out.to(out.device, non_blocking=True))
             self._pending.append((layer, future, buffers))
             self.metrics.layer(layer).cpu_jobs_gpu_waited += 1
         elif started is not None:
             rows_dev, values = self._finish_cpu(layer, started)
-            out.index_add_(0, rows_dev, values.to(out.dtype))
+            _add_rows(out, rows_dev, values.to(out.dtype))
         self.cache.mark_released(read, self._compute_stream())
         return out.to(hidden.dtype)
 
@@ -320,15 +368,17 @@ class TieredDispatcher(ExpertDispatcher):
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights, streaming: bool
     ) -> _Routing:
         """Sort pairs by expert on the host (one small copy), look each expert up, tell the policy."""
-        ids_host = topk_ids.reshape(-1).cpu()
+        if topk_ids.numel() <= SMALL_ROUTING_PAIRS:
+            order_host, experts_l, counts_l = _sort_small(topk_ids.reshape(-1).tolist())
+        else:
+            order_host, experts_l, counts_l = _sort_large(topk_ids.reshape(-1).cpu())
         if self._pending:  # the copy above waited for the GPU, which waited for the pending CPU jobs
             self._collect_pending()
         self._poll_copy_timings()
-        order_host = torch.argsort(ids_host, stable=True)
-        experts, counts = torch.unique_consecutive(ids_host[order_host], return_counts=True)
-        experts_l, counts_l = experts.tolist(), counts.tolist()
         top_k = topk_ids.shape[1]
-        order_dev = order_host.to(hidden.device, non_blocking=True)
+        tokens_host = order_host // top_k
+        # One host-to-device copy for both index vectors (decode is bound by such small launches).
+        order_dev, tokens_dev = torch.stack((order_host, tokens_host)).to(hidden.device, non_blocking=True)
         groups, start = [], 0
         for expert, count in zip(experts_l, counts_l, strict=True):
             groups.append(_Group(expert, start, count, self.cache.get((layer, expert))))
@@ -340,55 +390,68 @@ class TieredDispatcher(ExpertDispatcher):
         self.metrics.record_routing(layer, experts_l, counts_l)
         return _Routing(
             groups=groups,
-            tokens_host=order_host // top_k,
-            tokens_dev=order_dev // top_k,
+            tokens_host=tokens_host,
+            tokens_dev=tokens_dev,
             gates_dev=topk_weights.reshape(-1)[order_dev],
         )
 
-    def _run_on_device(
-        self, layer: int, out: torch.Tensor, hidden: torch.Tensor, routing: _Routing, hits, copy_groups, streaming
-    ) -> list[Slot]:
-        """Copy-path copies are enqueued before the hits run, so they land while the hits compute.
+    def _start_copies(self, layer: int, copy_groups: list[_Group]) -> _Copies:
+        """Enqueue the copy path's copies on the copy stream, before any compute of this call.
 
-        Admitted misses are copied straight into their cache slot; the others go through the
-        staging ring, prefetched ones first (their copies were issued earliest). A ring slot is
-        refilled only after the compute that read it has been enqueued (on CUDA the refill also
-        waits for its event), so at most ``n_staging`` copies run ahead of the compute. A decode
-        call computes the hits in one grouped launch and the staged experts in one more per ring's
-        worth (:mod:`moetier.kernels.grouped_experts`); a streaming call computes each staged expert
-        as soon as its copy lands, so its GEMM overlaps the next copies.
+        Admitted misses are copied straight into their cache slot; the others go through the staging
+        ring, prefetched ones first (their copies were issued earliest), as many as the ring has free
+        slots; the rest wait for :meth:`_compute_on_device` to free a slot.
         """
-        stream = self._compute_stream()
-        direct = [g for g in copy_groups if g.slot is not None]
-        for group in direct:
-            self._copy_in(layer, group, group.slot)
-        staged: list[tuple[_Group, Slot]] = []
-        waiting: deque[_Group] = deque()
+        copies = _Copies(direct=[g for g in copy_groups if g.slot is not None])
         counters = self.metrics.layer(layer)
         for group in copy_groups:
             if group.slot is not None:
                 continue
             slot = self.cache.claim_prefetched((layer, group.expert))
             if slot is None:
-                waiting.append(group)
+                copies.waiting.append(group)
             else:
-                staged.append((group, slot))
+                copies.staged.append((group, slot))
                 counters.copy_pairs += group.count
                 counters.prefetch_used += 1
         counters.prefetch_wasted += len(self.cache.drop_prefetched())
-        self._refill(layer, waiting, staged)
-        read = [group.slot for group in hits + direct]
-        self._compute(out, hidden, routing, [(group, group.slot) for group in hits + direct])
-        done = 0
+        self._refill(layer, copies.waiting, copies.staged, [(g, g.slot) for g in copies.direct])
+        return copies
+
+    def _compute_on_device(
+        self, layer: int, out: torch.Tensor, hidden: torch.Tensor, routing: _Routing, hits, copies, streaming
+    ) -> list[Slot]:
+        """Run the hits and the copied experts.
+
+        A decode call whose copies all have a slot runs everything in one grouped launch
+        (:mod:`moetier.kernels.grouped_experts`) once the copies have landed: the hits take microseconds,
+        so launching them apart would only cost host time. Otherwise the hits go first, then each ring's
+        worth of staged experts; a ring slot is refilled only after the compute that read it has been
+        enqueued (on CUDA the refill also waits for its event), so at most ``n_staging`` copies run ahead
+        of the compute. A streaming call computes each staged expert as soon as its copy lands, so its
+        GEMM overlaps the next copies.
+        """
+        stream = self._compute_stream()
+        staged, waiting = copies.staged, copies.waiting
+        read = [group.slot for group in hits + copies.direct]
+        first = [(group, group.slot) for group in hits + copies.direct]
+        together = not streaming and not waiting
+        self._compute(out, hidden, routing, first + staged if together else first)
+        done = len(staged) if together else 0
         while done < len(staged):
             batch = staged[done : done + 1] if streaming else staged[done:]
             self._compute(out, hidden, routing, batch)
-            for _, slot in batch:
-                self.cache.mark_released([slot], stream)
-                self.cache.return_staging(slot)
             done += len(batch)
+            self._release_staged(batch, stream)
             self._refill(layer, waiting, staged)
+        if together:
+            self._release_staged(staged, stream)
         return read
+
+    def _release_staged(self, batch: list[tuple[_Group, Slot]], stream: Any) -> None:
+        self.cache.mark_released([slot for _, slot in batch], stream)
+        for _, slot in batch:
+            self.cache.return_staging(slot)
 
     def _compute(self, out, hidden, routing: _Routing, work: list[tuple[_Group, Slot]]) -> None:
         """Run these groups from their slots (each waits for its copy): one grouped launch where it applies."""
@@ -399,14 +462,24 @@ class TieredDispatcher(ExpertDispatcher):
         limit, top_k = self.store.layout.swiglu_limit, self.store.layout.top_k
         run_experts(out, hidden, routing.tokens_dev, routing.gates_dev, groups, limit, routing.tokens_host, top_k)
 
-    def _refill(self, layer: int, waiting: deque[_Group], staged: list[tuple[_Group, Slot]]) -> None:
-        """Copy waiting groups into free staging slots (oldest release first) until either runs out."""
+    def _refill(
+        self,
+        layer: int,
+        waiting: deque[_Group],
+        staged: list[tuple[_Group, Slot]],
+        direct: list[tuple[_Group, Slot]] = (),
+    ) -> None:
+        """Copy ``direct`` groups into their slots, then waiting groups into free staging slots (oldest
+        release first) until either runs out: one batch of copies."""
+        work = list(direct)
         while waiting:
             slot = self.cache.take_staging()
             if slot is None:
-                return
+                break
             group = waiting.popleft()
-            staged.append((group, self._copy_in(layer, group, slot)))
+            staged.append((group, slot))
+            work.append((group, slot))
+        self._copy_in(layer, work)
 
     def _remember_streamed(self, layer: int, experts: list[int], counts: list[int]) -> None:
         """Keep the experts this streaming call will send to the device, most tokens first: next chunk's guess."""
@@ -437,12 +510,13 @@ class TieredDispatcher(ExpertDispatcher):
                 counters.copy_bytes += self.block_bytes
                 counters.prefetch_bytes += self.block_bytes
 
-    def _copy_in(self, layer: int, group: _Group, slot: Slot) -> Slot:
-        self.cache.fill(slot, self.store.expert(layer, group.expert).block)
+    def _copy_in(self, layer: int, work: list[tuple[_Group, Slot]]) -> None:
+        if not work:
+            return
+        self.cache.fill_many([(slot, self.store.expert(layer, group.expert).block) for group, slot in work])
         counters = self.metrics.layer(layer)
-        counters.copy_bytes += self.block_bytes
-        counters.copy_pairs += group.count
-        return slot
+        counters.copy_bytes += self.block_bytes * len(work)
+        counters.copy_pairs += sum(group.count for group, _ in work)
 
     def _start_cpu(
         self, layer: int, hidden: torch.Tensor, routing: _Routing, groups: list[_Group], release: int | None
@@ -455,15 +529,16 @@ class TieredDispatcher(ExpertDispatcher):
         On CUDA the rows and gates land in pinned buffers by non-blocking copies; the worker waits
         for the recorded event before reading them, so this thread goes on to launch device work.
         """
-        tokens = torch.cat([routing.tokens_host[g.pairs] for g in groups])
-        rows = torch.unique(tokens)  # sorted ids of the tokens the CPU tier touches
-        local = torch.empty(hidden.shape[0], dtype=torch.int64)
-        local[rows] = torch.arange(rows.numel())
+        owners = [routing.tokens_host[g.pairs].tolist() for g in groups]  # each group's tokens
+        rows = sorted({token for tokens in owners for token in tokens})
+        local = {token: i for i, token in enumerate(rows)}
         cuda = hidden.device.type == "cuda"
-        rows_dev = rows.to(hidden.device, non_blocking=True)
-        host_hidden = torch.empty((rows.numel(), hidden.shape[1]), dtype=hidden.dtype, pin_memory=cuda)
+        # Decode of a few streams usually touches every token: then the rows need no gather and no scatter.
+        every_row = len(rows) == hidden.shape[0]
+        rows_dev = None if every_row else torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
+        host_hidden = torch.empty((len(rows), hidden.shape[1]), dtype=hidden.dtype, pin_memory=cuda)
         host_gates = torch.empty(routing.gates_dev.shape, dtype=routing.gates_dev.dtype, pin_memory=cuda)
-        host_hidden.copy_(hidden.index_select(0, rows_dev), non_blocking=cuda)
+        host_hidden.copy_(hidden if every_row else hidden.index_select(0, rows_dev), non_blocking=cuda)
         host_gates.copy_(routing.gates_dev, non_blocking=cuda)
         ready = None
         if cuda:
@@ -471,11 +546,15 @@ class TieredDispatcher(ExpertDispatcher):
             ready.record(self._compute_stream())
         # Slices are views: nothing is read from the pinned buffers before the worker waits on ``ready``.
         job_groups = [
-            CpuGroup(self.store.expert(layer, g.expert), local[routing.tokens_host[g.pairs]], host_gates[g.pairs])
-            for g in groups
+            CpuGroup(
+                self.store.expert(layer, g.expert),
+                torch.tensor([local[token] for token in tokens], dtype=torch.int64),
+                host_gates[g.pairs],
+            )
+            for g, tokens in zip(groups, owners, strict=True)
         ]
-        out = torch.empty((rows.numel(), hidden.shape[1]), dtype=torch.float32, pin_memory=cuda)
-        self.metrics.layer(layer).cpu_pairs += int(tokens.numel())
+        out = torch.empty((len(rows), hidden.shape[1]), dtype=torch.float32, pin_memory=cuda)
+        self.metrics.layer(layer).cpu_pairs += sum(g.count for g in groups)
         flag = self._flag
         on_done = None if release is None else (lambda: flag.release(release))
         job = CpuJob(hidden=host_hidden, groups=job_groups, ready=ready, out=out, on_done=on_done)
@@ -488,8 +567,8 @@ class TieredDispatcher(ExpertDispatcher):
         counters = self.metrics.layer(layer)
         counters.cpu_wait_seconds += time.perf_counter() - wait_start
         counters.cpu_seconds += result.seconds
-        self._observe_cpu(future, result.seconds)
-        values = result.out.to(rows_dev.device, non_blocking=True)
+        self._observe_cpu(future, result)
+        values = result.out.to(self.device, non_blocking=True)
         return rows_dev, values
 
     def _collect_pending(self) -> None:
@@ -498,7 +577,7 @@ class TieredDispatcher(ExpertDispatcher):
         for layer, future, _ in pending:
             result = future.result()  # raises the worker's error: this forward's sums were incomplete
             self.metrics.layer(layer).cpu_seconds += result.seconds
-            self._observe_cpu(future, result.seconds)
+            self._observe_cpu(future, result)
 
     # --- keeping the split's costs true (RouteAdapter) ------------------------------------------
 
@@ -507,10 +586,11 @@ class TieredDispatcher(ExpertDispatcher):
         wanted = cfg.adapt_costs if cfg.adapt_costs is not None else self.device.type == "cuda"
         return wanted and cfg.miss_route == "auto" and cfg.cpu_share is None and not streaming
 
-    def _observe_cpu(self, future: Any, seconds: float) -> None:
+    def _observe_cpu(self, future: Any, result: Any) -> None:
+        """The adapter sees the job's compute time: its wait for inputs is the same whatever its share."""
         predicted = getattr(future, "predicted_seconds", None)
         if predicted is not None:
-            self.adapter.observe("cpu", predicted, seconds)
+            self.adapter.observe("cpu", predicted, result.seconds - result.wait_seconds)
 
     def _start_copy_timer(self) -> Any:
         """An event on the copy stream before this call's copies (CUDA), or the host clock (CPU: copies block)."""
