@@ -33,11 +33,12 @@ def case(seed, dtype, hidden, inter, tokens, counts, limit, device="cpu"):
     def groups(dt):
         ws = [ExpertWeights.from_block(b.to(dt).to(device), layout) for b in blocks]
         return [(w, s, c) for w, s, c in zip(ws, starts, counts)]
+    start = torch.randn(tokens, hidden, generator=g)  # the accumulator's earlier sums: added to, not replaced
     def run(fn, dt):
-        out = torch.zeros(tokens, hidden, device=device)
+        out = start.clone().to(device)
         fn(out, x.to(dt).to(device), pair_tokens.to(device), gates.to(dt).to(device), groups(dt), limit)
         return out.double().cpu()
-    ref = torch.zeros(tokens, hidden, dtype=torch.float64)
+    ref = start.double()
     w64 = [(ExpertWeights.from_block(b.to(dtype).double(), layout), s, c) for b, s, c in
            zip(blocks, starts, counts)]
     for w, s, c in w64:  # float64 reference over the dtype-rounded inputs
@@ -60,6 +61,7 @@ _CASES = [
     ("float32", 64, 32, 16, [16, 3], None),  # a full token tile
     ("float32", 64, 32, 6, [1, 2], None),  # tokens with no pair in this call (a split call's device part)
     ("float32", 64, 32, 24, [2, 20, 1], 0.9),  # one prefill-sized group among thin ones
+    ("float32", 64, 32, 40, [3, 2], None),  # streamed thin experts: 5 of a chunk's 40 tokens
     ("bfloat16", 128, 64, 4, [1, 4, 2, 3, 1], None),
     ("bfloat16", 128, 64, 2, [2, 1, 2], 0.5),
 ]

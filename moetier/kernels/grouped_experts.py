@@ -173,14 +173,16 @@ if triton is not None:
 
     @triton.jit
     def _sum_kernel(y_ptr, table_ptr, out_ptr, hidden: tl.constexpr, PER_TOKEN: tl.constexpr, BLOCK_H: tl.constexpr):
-        # One program per (token, block of channels) owns those outputs: the token's expert outputs are
-        # added in the call's pair order, with no atomics, so the sum is deterministic.
-        token, block = tl.program_id(0), tl.program_id(1)
+        # One program per (touched token, block of channels) owns those outputs: the token's expert outputs
+        # are added in the call's pair order, with no atomics, so the sum is deterministic. A table row is
+        # the token then its PER_TOKEN pair rows (-1 padding).
+        entry, block = tl.program_id(0), tl.program_id(1)
+        token = tl.load(table_ptr + entry * (PER_TOKEN + 1))
         h = block * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = h < hidden
         total = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for j in range(PER_TOKEN):
-            row = tl.load(table_ptr + token * PER_TOKEN + j)
+            row = tl.load(table_ptr + entry * (PER_TOKEN + 1) + 1 + j)
             total += tl.load(y_ptr + row * hidden + h, mask=h_ok & (row >= 0), other=0.0)
         cur = tl.load(out_ptr + token * hidden + h, mask=h_ok, other=0.0)
         tl.store(out_ptr + token * hidden + h, cur + total, mask=h_ok)
@@ -229,24 +231,27 @@ def _placement(weights: ExpertWeights) -> tuple:
     return (True, *(offset(v) for v in views), *weights.tile)
 
 
-def _tables(groups: Sequence[Group], pair_tokens_host: torch.Tensor, tokens: int, per_token: int) -> tuple:
+def _tables(groups: Sequence[Group], pair_tokens_host: torch.Tensor, per_token: int) -> tuple:
     """The three launch tables in one int64 tensor (one host-to-device copy) and where each starts.
 
     Per group ``(block address, first pair, pair count)``; per pair of this call ``(pair, block address)``;
-    per token its ``per_token`` rows of the pair list (-1 where it has fewer), in the call's pair order.
+    per token the groups touch, the token and its ``per_token`` rows of the pair list (-1 where it has
+    fewer), in the call's pair order. Only touched tokens get a row: a streamed prefill expert serves a
+    few of a chunk's thousands of tokens, and the host work must follow its pairs, not the chunk.
     """
     by_group = [v for w, s, c in groups for v in (w.block.data_ptr(), s, c)]
-    by_pair, by_token = [], [[] for _ in range(tokens)]
-    owners = pair_tokens_host.tolist()
+    by_pair: list[int] = []
+    by_token: dict[int, list[int]] = {}
     for weights, start, count in groups:
         address = weights.block.data_ptr()
-        for pair in range(start, start + count):
-            by_token[owners[pair]].append(len(by_pair) // 2)
+        owners = pair_tokens_host[start : start + count].tolist()
+        for pair, owner in zip(range(start, start + count), owners, strict=True):
+            by_token.setdefault(owner, []).append(len(by_pair) // 2)
             by_pair += (pair, address)
-    width = max(per_token, max((len(rows) for rows in by_token), default=1))
-    padded = [v for rows in by_token for v in rows + [-1] * (width - len(rows))]
+    width = max(per_token, max((len(rows) for rows in by_token.values()), default=1))
+    padded = [v for token, rows in by_token.items() for v in (token, *rows, *[-1] * (width - len(rows)))]
     table = torch.tensor(by_group + by_pair + padded, dtype=torch.int64)
-    return table, len(by_group), len(by_group) + len(by_pair), len(by_pair) // 2, width
+    return table, len(by_group), len(by_group) + len(by_pair), len(by_pair) // 2, width, len(by_token)
 
 
 def run_grouped(
@@ -265,7 +270,7 @@ def run_grouped(
     quant, gate, up, down, gate_scale, up_scale, down_scale, tile_r, tile_c = _placement(first)
     tile = {"QUANT": quant, "TILE_R": tile_r, "TILE_C": tile_c}
     host = pair_tokens.cpu() if pair_tokens_host is None else pair_tokens_host
-    table, pair_at, token_at, pairs, width = _tables(groups, host, hidden.shape[0], triton.next_power_of_2(per_token))
+    table, pair_at, token_at, pairs, width, touched = _tables(groups, host, triton.next_power_of_2(per_token))
     table = table.to(hidden.device, non_blocking=True)
     pair_tokens = pair_tokens.contiguous()
     act = torch.empty((pair_tokens.shape[0], inter), dtype=hidden.dtype, device=hidden.device)
@@ -282,7 +287,7 @@ def run_grouped(
         act, table[pair_at:], pair_gates.contiguous(), y, size, inter, BLOCK_H=_BLOCK_H, BLOCK_K=_BLOCK_K,
         DOWN=down, DOWN_SCALE=down_scale, **tile,
     )  # fmt: skip
-    _sum_kernel[(hidden.shape[0], triton.cdiv(size, _SUM_BLOCK))](
+    _sum_kernel[(touched, triton.cdiv(size, _SUM_BLOCK))](
         y, table[token_at:], out, size, PER_TOKEN=width, BLOCK_H=_SUM_BLOCK
     )
 
