@@ -81,6 +81,9 @@ def _versions() -> dict[str, str | None]:
     return versions
 
 
+_SKIP = ("MOETIER_GIT_SHA", "MOETIER_RESULTS")  # recorded elsewhere, or only where files go
+
+
 def environment() -> dict:
     """Git sha, command line, hardware (GPU, driver, CPU flags, RAM) and package versions."""
     return {
@@ -93,5 +96,5 @@ def environment() -> dict:
         "ram_bytes": _ram_bytes(),
         "versions": _versions(),
         # The knobs that change which code runs (graphs, Triton, the CPU kernel), as they were set.
-        "moetier_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOETIER_") and "GIT" not in k},
+        "moetier_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOETIER_") and k not in _SKIP},
     }
