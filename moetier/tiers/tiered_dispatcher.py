@@ -35,6 +35,7 @@ from torch.profiler import record_function
 
 from moetier.errors import ConfigError
 from moetier.kernels.grouped_experts import run_experts
+from moetier.tiers.call_routing import Copies, Group, Routing, add_rows, sort_pairs
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.dispatcher import ExpertDispatcher, expert_accumulator
 from moetier.tiers.expert_cache import ExpertCache, Slot
@@ -118,73 +119,6 @@ class TieredConfig:
             raise ConfigError(
                 f"fat_threshold and stream_min_tokens must be >= 1, got {self.fat_threshold}, {self.stream_min_tokens}"
             )
-
-
-@dataclass
-class _Group:
-    """One expert's pairs in this call: ``pairs`` index the expert-sorted pair arrays."""
-
-    expert: int
-    start: int
-    count: int
-    slot: Slot | None = None  # cache slot when a hit, or the slot an admitted miss is copied into
-
-    @property
-    def pairs(self) -> slice:
-        return slice(self.start, self.start + self.count)
-
-
-# Up to this many (token, expert) pairs (decode: a few streams x top-k) are sorted in plain Python:
-# a handful of list operations cost less than the half-dozen torch calls a tensor sort takes.
-SMALL_ROUTING_PAIRS = 256
-
-
-def _add_rows(out: torch.Tensor, rows: torch.Tensor | None, values: torch.Tensor) -> None:
-    """``out[rows] += values`` (``rows`` None: every row, in order)."""
-    if rows is None:
-        out.add_(values)
-    else:
-        out.index_add_(0, rows, values)
-
-
-def _sort_small(ids: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
-    """Pair order sorted by expert (stable), the distinct experts and their pair counts."""
-    order = sorted(range(len(ids)), key=ids.__getitem__)
-    experts: list[int] = []
-    counts: list[int] = []
-    for pair in order:
-        if experts and experts[-1] == ids[pair]:
-            counts[-1] += 1
-        else:
-            experts.append(ids[pair])
-            counts.append(1)
-    return torch.tensor(order, dtype=torch.int64), experts, counts
-
-
-def _sort_large(ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
-    """:func:`_sort_small` with tensor ops (prefill chunks: tens of thousands of pairs)."""
-    order = torch.argsort(ids, stable=True)
-    experts, counts = torch.unique_consecutive(ids[order], return_counts=True)
-    return order, experts.tolist(), counts.tolist()
-
-
-@dataclass
-class _Copies:
-    """A call's copy-path experts: copied into their cache slot, staged (slot in hand), waiting for a slot."""
-
-    direct: list[_Group]
-    staged: list[tuple[_Group, Slot]] = field(default_factory=list)
-    waiting: deque[_Group] = field(default_factory=deque)
-
-
-@dataclass
-class _Routing:
-    """The call's pairs sorted by expert, on the host and on the device."""
-
-    groups: list[_Group]
-    tokens_host: torch.Tensor  # int64 [P]: token of each sorted pair
-    tokens_dev: torch.Tensor
-    gates_dev: torch.Tensor  # [P] routing weight of each sorted pair
 
 
 class TieredDispatcher(ExpertDispatcher):
@@ -296,23 +230,8 @@ class TieredDispatcher(ExpertDispatcher):
             self._lend_or_reclaim(streaming)
         with record_function("tiers.route"):  # the host waits here for the router's ids
             routing = self._route(layer, hidden, topk_ids, topk_weights, streaming)
-        hits = [g for g in routing.groups if g.slot is not None]
-        misses = [g for g in routing.groups if g.slot is None]
-        self._count(layer, hits, misses)
-        # A prefetched miss is already on its way to the device: it is not the CPU's any more.
-        prefetched = [g for g in misses if self.cache.is_prefetched((layer, g.expert))]
-        others = [g for g in misses if not self.cache.is_prefetched((layer, g.expert))]
         adapt = self._adapting(streaming)
-        costs = self.adapter.costs(self.costs) if adapt else self.costs
-        cpu_idx, copy_idx = split_misses(
-            [g.count for g in others], self.config.miss_route, costs, self.config.fat_threshold
-        )
-        cpu_groups, copy_groups = [others[i] for i in cpu_idx], prefetched + [others[i] for i in copy_idx]
-        if not streaming:  # a prefill chunk never reshapes the decode cache
-            protected = {(layer, g.expert) for g in routing.groups}
-            for group in sorted(misses, key=lambda g: -g.count):
-                group.slot = self.cache.plan_admission((layer, group.expert), protected)
-
+        hits, cpu_groups, copy_groups = self._split(layer, routing, streaming, adapt)
         # The copies go first: PCIe starts moving as soon as the routing is known, while this thread
         # prepares the CPU job and launches the hits (on the H200 the copy path is the longer pole).
         timer = self._start_copy_timer() if adapt and copy_groups else None
@@ -336,24 +255,51 @@ class TieredDispatcher(ExpertDispatcher):
                 self._stop_copy_timer(timer, sum(self.costs.copy(g.count) for g in copy_groups))
             if streaming and self.config.prefetch:
                 self._prefetch_next(layer, routing)
-            for group in cpu_groups:  # admitted CPU-routed misses: copy in behind the critical path
-                if group.slot is not None:
-                    self.cache.fill(group.slot, self.store.expert(layer, group.expert).block)
-                    self.metrics.layer(layer).admit_bytes += self.block_bytes
+            self._admit_cpu_routed(layer, cpu_groups)
         except BaseException:
             if started is not None:
                 futures.wait([started[0]])  # never leave a worker reading buffers this call is about to drop
             raise
-        if started is not None and release is not None and self._flag.wait_on(self._compute_stream(), release):
-            future, rows_dev, host_out, buffers = started
-            _add_rows(out, rows_dev, host_out.to(out.device, non_blocking=True))
-            self._pending.append((layer, future, buffers))
-            self.metrics.layer(layer).cpu_jobs_gpu_waited += 1
-        elif started is not None:
-            rows_dev, values = self._finish_cpu(layer, started)
-            _add_rows(out, rows_dev, values.to(out.dtype))
+        if started is not None:
+            self._add_cpu_sums(layer, out, started, release)
         self.cache.mark_released(read, self._compute_stream())
         return out.to(hidden.dtype)
+
+    def _split(self, layer: int, routing: Routing, streaming: bool, adapt: bool) -> tuple[list, list, list]:
+        """The call's hits, CPU-routed misses and copy-path misses; decode calls also plan admissions."""
+        hits = [g for g in routing.groups if g.slot is not None]
+        misses = [g for g in routing.groups if g.slot is None]
+        self._count(layer, hits, misses)
+        # A prefetched miss is already on its way to the device: it is not the CPU's any more.
+        prefetched = [g for g in misses if self.cache.is_prefetched((layer, g.expert))]
+        others = [g for g in misses if not self.cache.is_prefetched((layer, g.expert))]
+        costs = self.adapter.costs(self.costs) if adapt else self.costs
+        cpu_idx, copy_idx = split_misses(
+            [g.count for g in others], self.config.miss_route, costs, self.config.fat_threshold
+        )
+        if not streaming:  # a prefill chunk never reshapes the decode cache
+            protected = {(layer, g.expert) for g in routing.groups}
+            for group in sorted(misses, key=lambda g: -g.count):
+                group.slot = self.cache.plan_admission((layer, group.expert), protected)
+        return hits, [others[i] for i in cpu_idx], prefetched + [others[i] for i in copy_idx]
+
+    def _admit_cpu_routed(self, layer: int, cpu_groups: list[Group]) -> None:
+        """Admitted CPU-routed misses: copied into their slots behind the critical path (read next call)."""
+        for group in cpu_groups:
+            if group.slot is not None:
+                self.cache.fill(group.slot, self.store.expert(layer, group.expert).block)
+                self.metrics.layer(layer).admit_bytes += self.block_bytes
+
+    def _add_cpu_sums(self, layer: int, out: torch.Tensor, started: tuple, release: int | None) -> None:
+        """Add the CPU job's fp32 sums into ``out``: the stream waits for the job's flag, or this thread for it."""
+        if release is not None and self._flag.wait_on(self._compute_stream(), release):
+            future, rows_dev, host_out, buffers = started
+            add_rows(out, rows_dev, host_out.to(out.device, non_blocking=True))
+            self._pending.append((layer, future, buffers))
+            self.metrics.layer(layer).cpu_jobs_gpu_waited += 1
+        else:
+            rows_dev, values = self._finish_cpu(layer, started)
+            add_rows(out, rows_dev, values.to(out.dtype))
 
     def _lend_or_reclaim(self, streaming: bool) -> None:
         """First MoE layer of a forward: a streaming one borrows cache slots for the ring, a decode returns them."""
@@ -366,12 +312,9 @@ class TieredDispatcher(ExpertDispatcher):
 
     def _route(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights, streaming: bool
-    ) -> _Routing:
+    ) -> Routing:
         """Sort pairs by expert on the host (one small copy), look each expert up, tell the policy."""
-        if topk_ids.numel() <= SMALL_ROUTING_PAIRS:
-            order_host, experts_l, counts_l = _sort_small(topk_ids.reshape(-1).tolist())
-        else:
-            order_host, experts_l, counts_l = _sort_large(topk_ids.reshape(-1).cpu())
+        order_host, experts_l, counts_l = sort_pairs(topk_ids)
         if self._pending:  # the copy above waited for the GPU, which waited for the pending CPU jobs
             self._collect_pending()
         self._poll_copy_timings()
@@ -381,28 +324,28 @@ class TieredDispatcher(ExpertDispatcher):
         order_dev, tokens_dev = torch.stack((order_host, tokens_host)).to(hidden.device, non_blocking=True)
         groups, start = [], 0
         for expert, count in zip(experts_l, counts_l, strict=True):
-            groups.append(_Group(expert, start, count, self.cache.get((layer, expert))))
+            groups.append(Group(expert, start, count, self.cache.get((layer, expert))))
             start += count
         if streaming:
             self._remember_streamed(layer, experts_l, counts_l)
         else:
             self.policy.record(layer, experts_l, counts_l, self.step)
         self.metrics.record_routing(layer, experts_l, counts_l)
-        return _Routing(
+        return Routing(
             groups=groups,
             tokens_host=tokens_host,
             tokens_dev=tokens_dev,
             gates_dev=topk_weights.reshape(-1)[order_dev],
         )
 
-    def _start_copies(self, layer: int, copy_groups: list[_Group]) -> _Copies:
+    def _start_copies(self, layer: int, copy_groups: list[Group]) -> Copies:
         """Enqueue the copy path's copies on the copy stream, before any compute of this call.
 
         Admitted misses are copied straight into their cache slot; the others go through the staging
         ring, prefetched ones first (their copies were issued earliest), as many as the ring has free
         slots; the rest wait for :meth:`_compute_on_device` to free a slot.
         """
-        copies = _Copies(direct=[g for g in copy_groups if g.slot is not None])
+        copies = Copies(direct=[g for g in copy_groups if g.slot is not None])
         counters = self.metrics.layer(layer)
         for group in copy_groups:
             if group.slot is not None:
@@ -419,7 +362,7 @@ class TieredDispatcher(ExpertDispatcher):
         return copies
 
     def _compute_on_device(
-        self, layer: int, out: torch.Tensor, hidden: torch.Tensor, routing: _Routing, hits, copies, streaming
+        self, layer: int, out: torch.Tensor, hidden: torch.Tensor, routing: Routing, hits, copies, streaming
     ) -> list[Slot]:
         """Run the hits and the copied experts.
 
@@ -448,12 +391,12 @@ class TieredDispatcher(ExpertDispatcher):
             self._release_staged(staged, stream)
         return read
 
-    def _release_staged(self, batch: list[tuple[_Group, Slot]], stream: Any) -> None:
+    def _release_staged(self, batch: list[tuple[Group, Slot]], stream: Any) -> None:
         self.cache.mark_released([slot for _, slot in batch], stream)
         for _, slot in batch:
             self.cache.return_staging(slot)
 
-    def _compute(self, out, hidden, routing: _Routing, work: list[tuple[_Group, Slot]]) -> None:
+    def _compute(self, out, hidden, routing: Routing, work: list[tuple[Group, Slot]]) -> None:
         """Run these groups from their slots (each waits for its copy): one grouped launch where it applies."""
         stream = self._compute_stream()
         for _, slot in work:
@@ -465,9 +408,9 @@ class TieredDispatcher(ExpertDispatcher):
     def _refill(
         self,
         layer: int,
-        waiting: deque[_Group],
-        staged: list[tuple[_Group, Slot]],
-        direct: list[tuple[_Group, Slot]] = (),
+        waiting: deque[Group],
+        staged: list[tuple[Group, Slot]],
+        direct: list[tuple[Group, Slot]] = (),
     ) -> None:
         """Copy ``direct`` groups into their slots, then waiting groups into free staging slots (oldest
         release first) until either runs out: one batch of copies."""
@@ -491,7 +434,7 @@ class TieredDispatcher(ExpertDispatcher):
         ranked = sorted(zip(counts, experts, strict=True), reverse=True)
         self._stream_history[layer] = [expert for count, expert in ranked if count >= floor]
 
-    def _prefetch_next(self, layer: int, routing: _Routing) -> None:
+    def _prefetch_next(self, layer: int, routing: Routing) -> None:
         """Start copying the next MoE layer's likely experts into the free staging slots (streaming calls)."""
         if self.config.miss_route == "cpu":
             return
@@ -510,7 +453,7 @@ class TieredDispatcher(ExpertDispatcher):
                 counters.copy_bytes += self.block_bytes
                 counters.prefetch_bytes += self.block_bytes
 
-    def _copy_in(self, layer: int, work: list[tuple[_Group, Slot]]) -> None:
+    def _copy_in(self, layer: int, work: list[tuple[Group, Slot]]) -> None:
         if not work:
             return
         self.cache.fill_many([(slot, self.store.expert(layer, group.expert).block) for group, slot in work])
@@ -519,7 +462,7 @@ class TieredDispatcher(ExpertDispatcher):
         counters.copy_pairs += sum(group.count for group, _ in work)
 
     def _start_cpu(
-        self, layer: int, hidden: torch.Tensor, routing: _Routing, groups: list[_Group], release: int | None
+        self, layer: int, hidden: torch.Tensor, routing: Routing, groups: list[Group], release: int | None
     ):
         """Gather the CPU-routed rows and gates to the host and submit the job.
 
@@ -614,7 +557,7 @@ class TieredDispatcher(ExpertDispatcher):
             predicted, start, end = self._copy_timings.pop(0)
             self.adapter.observe("copy", predicted, start.elapsed_time(end) / 1e3)
 
-    def _count(self, layer: int, hits: list[_Group], misses: list[_Group]) -> None:
+    def _count(self, layer: int, hits: list[Group], misses: list[Group]) -> None:
         counters = self.metrics.layer(layer)
         counters.calls += 1
         counters.experts_hit += len(hits)
