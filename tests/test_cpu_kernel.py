@@ -24,6 +24,7 @@ from moetier.cli import main
 from moetier.kernels import cpu_experts
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights, swiglu_expert
+from moetier.weights.fp4 import dequantize_fp4
 from moetier.weights.fp8 import dequantize_blocks
 
 BF16_BAR = 0.005  # kernel vs torch bf16, relative RMS
@@ -287,9 +288,28 @@ def test_bench_cpu_tier_quick(tmp_path):
     assert isa == cpu_experts.kernel_isa() and receipt["kernel_default"] == (isa in cpu_experts.FAST_ISAS)
     assert {r["kernel"] for r in rows if r["path"] == "c"} == {f"c-{isa}"}
     assert {r["kernel"] for r in rows if r["path"] == "torch"} == {"torch"}
-    assert receipt["expert_bytes"] == 3 * 256 * 128 * 2
+    assert list(receipt["formats"]) == ["bf16"] and {r["format"] for r in rows} == {"bf16"}
+    assert receipt["formats"]["bf16"]["expert_bytes"] == 3 * 256 * 128 * 2
+    assert all(r["job_bytes"] == 2 * 3 * 256 * 128 * 2 for r in rows)
     assert receipt["max_rel_err_vs_torch"] < BF16_BAR
-    assert f"| c | c-{isa} |" in next(tmp_path.glob("cpu-tier-*.md")).read_text()
+    assert f"| bf16 | c | c-{isa} |" in next(tmp_path.glob("cpu-tier-*.md")).read_text()
+
+
+def test_bench_cpu_tier_measures_fp8_and_fp4_experts_as_stored(tmp_path):
+    _require_compiler()
+    receipt = _bench_receipt(tmp_path, "--formats", "fp8,fp4", "--tokens", "1", "--threads", "2")
+    isa, rows = receipt["kernel_isa"], receipt["results"]
+    assert [(r["format"], r["kernel"]) for r in rows] == [
+        ("fp8", "torch"), ("fp8", f"c-{isa}-fp8"), ("fp4", "torch"), ("fp4", f"c-{isa}-fp4"),
+    ]  # fmt: skip
+    values = 3 * 256 * 128
+    # the bytes a job reads are the stored block: values + float32 scales (+ 64-byte alignment of each part)
+    fp8, fp4 = receipt["formats"]["fp8"], receipt["formats"]["fp4"]
+    assert fp8["expert_bytes"] == values + 3 * 64  # scale grids of 1x2, 1x2 and 2x1, each padded to a line
+    assert fp4["expert_bytes"] == values // 2 + values // 32 * 4
+    assert all(r["job_bytes"] == 2 * receipt["formats"][r["format"]]["expert_bytes"] for r in rows)
+    assert all(f["max_rel_err_vs_torch"] < BF16_BAR for f in (fp8, fp4))
+    assert f"| fp4 | c | c-{isa}-fp4 |" in next(tmp_path.glob("cpu-tier-*.md")).read_text()
 
 
 def test_bench_measures_a_build_the_tier_does_not_use_by_default(tmp_path, monkeypatch):
@@ -447,3 +467,160 @@ def test_fp8_tiles_outside_the_fast_scale_range_stay_exact(variant):
         q, scale = getattr(w, f"{name}_q"), getattr(w, f"{name}_scale")
         theirs = dequantize_blocks(q, scale, w.tile, torch.bfloat16)
         assert torch.equal(lib.dequantize_e4m3(q, scale, w.tile).view(torch.int16), theirs.view(torch.int16)), name
+
+
+# --- packed fp4 (e2m1) experts --------------------------------------------------------------------------
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# Scales for the all-codes check: the identity, powers of two (the release's ue8m0), ones that make the
+# products round (not powers of two), negative ones, ones whose products are bf16 or fp32 subnormals, ones
+# whose products overflow bf16 (inf) or fp32, and non-finite ones (the kernel's scalar path takes those).
+SPECIAL_SCALES = (1.0, 2.0**-10, 2.0**7, 0.3, 1 / 3, -1.7, -(2.0**-5), 2.0**-130, 2.0**-140, 2.0**-149, 1e38, 3e38)
+NON_FINITE = (float("inf"), -float("inf"), float("nan"))
+# (tile, hidden, intermediate): the release's (1, 32); tiles of 8 (scalar tails only) and 48 (32 + 16 values).
+FP4_SHAPES = [((1, 32), 224, 96), ((2, 8), 200, 72), ((1, 48), 240, 96)]
+
+
+def _fill_fp4(q: torch.Tensor, scale: torch.Tensor, gen: torch.Generator) -> None:
+    """Random bytes (all 16 codes in both nibbles) and positive scales, not powers of two, that bring the
+    projections near unit scale (random codes have an RMS near 2.9)."""
+    q.copy_(torch.randint(0, 256, q.shape, dtype=torch.uint8, generator=gen))
+    scale.copy_((torch.rand(scale.shape, generator=gen) + 0.5) / (3 * (2 * q.shape[1]) ** 0.5))
+
+
+def _fp4_experts(count, hidden, inter, tile, seed):
+    quant = ExpertQuant(kind="fp4-block", tile=tile)
+    layout = ExpertLayout((0,), num_experts=count, hidden_size=hidden, intermediate_size=inter, top_k=1, quant=quant)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        w = ExpertWeights.from_block(torch.zeros(layout.block_numel, dtype=torch.uint8), layout)
+        for name in ("gate", "up", "down"):
+            _fill_fp4(getattr(w, f"{name}_q"), getattr(w, f"{name}_scale"), gen)
+        out.append(w)
+    return out
+
+
+def _fp4_job(hidden, inter, tile, tokens, seed=0):
+    """As _fp8_job, with packed fp4 experts."""
+    _, x, dense = _job(hidden, inter, tokens, seed)
+    experts = _fp4_experts(len(tokens), hidden, inter, tile, seed)
+    groups = [CpuGroup(w, g.rows, g.gates) for w, g in zip(experts, dense, strict=True)]
+    dequantised = [
+        CpuGroup(w.dequantized(torch.bfloat16), g.rows, g.gates) for w, g in zip(experts, dense, strict=True)
+    ]
+    return x, groups, dequantised
+
+
+def _run_fp4(lib, x, groups, limit, threads, out=None):
+    tile = groups[0].weights.tile
+    return lib.run_fp4(x, [g.weights for g in groups], tile, [g.rows for g in groups], [g.gates for g in groups],
+                       limit, threads, out)  # fmt: skip
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_e2m1_decode_is_exact_for_every_code(variant):
+    """Scale 1: the kernel's bf16 of each code in either nibble is the e2m1 value (sign of zero included)."""
+    lib = _library(variant)
+    codes = torch.arange(256, dtype=torch.uint8).view(1, 256)  # low nibble = value 2j, high = 2j + 1
+    ours = lib.dequantize_e2m1(codes, torch.ones(1, 16), (1, 32))
+    table, byte = torch.tensor(E2M1_VALUES).to(torch.bfloat16), torch.arange(256)
+    expected = torch.stack([table[byte & 0xF], table[byte >> 4]], dim=-1).view(1, 512)
+    assert _same_bits(ours, expected), lib.isa
+    assert ours[0, 16].item() == 0.0 and str(ours[0, 16].item()) == "-0.0"  # byte 8's low nibble: code 8
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("tile", [(1, 32), (2, 24), (1, 48), (3, 6), (4, 16)])
+def test_e2m1_dequantize_equals_dequantize_fp4_for_every_code_and_scale(variant, tile):
+    """Every byte (so every code in both nibble positions) under every special scale, bit for bit; tile widths
+    that take the 32-value tile loop, the 32- and 16-value vector steps and the scalar tail."""
+    lib = _library(variant)
+    rows, cols = 12, 1536  # each row: all 256 bytes three times
+    q = torch.arange(rows * cols // 2, dtype=torch.int64).remainder(256).to(torch.uint8).view(rows, cols // 2)
+    grid = (rows // tile[0], cols // tile[1])
+    scales = SPECIAL_SCALES + NON_FINITE
+    scale = torch.tensor(scales)[torch.randint(0, len(scales), grid, generator=torch.Generator().manual_seed(tile[1]))]
+    scale[0, 0], scale[-1, -1] = SPECIAL_SCALES[0], SPECIAL_SCALES[-1]
+    theirs = dequantize_fp4(q, scale, torch.bfloat16)
+    ours = lib.dequantize_e2m1(q, scale, tile)
+    exponent = theirs.view(torch.int16) & 0x7F80
+    assert (exponent == 0).any() and (exponent == 0x7F80).any()  # the check sees subnormals and infinities
+    # NaN products (NaN scales, 0 * inf) stay NaN; their payload is torch's cast's own, so not compared
+    nan = theirs.isnan()
+    assert nan.any() and torch.equal(ours.isnan(), nan), lib.isa
+    assert _same_bits(ours[~nan], theirs[~nan]), lib.isa
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("tile,hidden,inter", FP4_SHAPES)
+@pytest.mark.parametrize("limit", [None, 0.4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fp4_path_equals_bf16_path_on_dequantised_weights(variant, tile, hidden, inter, limit, threads):
+    lib = _library(variant)
+    x, groups, dequantised = _fp4_job(hidden, inter, tile, tokens=(1, 3, 8), seed=tile[1] + threads)
+    ours = _run_fp4(lib, x, groups, limit, threads)
+    assert torch.equal(ours, _run(lib, x, dequantised, limit, threads)), lib.isa
+    assert _rel(ours, _torch_bf16(x, groups, limit)) < BF16_BAR, lib.isa
+    if limit is not None:  # the clamp is active on these values
+        assert _rel(_torch_bf16(x, groups, None), _torch_bf16(x, groups, limit)) > 20 * BF16_BAR
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fp4_power_of_two_and_special_scales_stay_exact(variant):
+    """The release's ue8m0 scales (powers of two), and tiles whose products are subnormal or huge."""
+    lib = _library(variant)
+    x, groups, _ = _fp4_job(224, 96, (1, 32), tokens=(1, 3), seed=21)
+    gen = torch.Generator().manual_seed(22)
+    for g in groups:
+        for name in ("gate", "up", "down"):
+            scale = getattr(g.weights, f"{name}_scale")
+            scale.copy_(2.0 ** torch.randint(-9, -5, scale.shape, generator=gen).float())
+    w = groups[0].weights
+    w.gate_scale[0, 0], w.up_scale[1, 2], w.down_scale[-1, 0] = 2.0**-130, 0.3e-3, -(2.0**-140)
+    w.gate_scale[2, 1] = 2.0**120  # products up to 6 * 2^120, finite in fp32 and bf16
+    dequantised = [CpuGroup(g.weights.dequantized(torch.bfloat16), g.rows, g.gates) for g in groups]
+    ours = _run_fp4(lib, x, groups, None, threads=2)
+    assert torch.equal(ours, _run(lib, x, dequantised, None, threads=2)), lib.isa
+
+
+def test_fp4_bad_inputs_raise_clear_errors():
+    lib = _library()
+    x, groups, _ = _fp4_job(224, 96, (1, 32), tokens=(3,), seed=23)
+    g = groups[0]
+    args = ([g.rows], [g.gates], None, 1)
+    with pytest.raises(ValueError, match="tile columns must be even"):
+        lib.run_fp4(x, [g.weights], (1, 31), *args)
+    with pytest.raises(ValueError, match="expert 0 has gate_q .* expected"):
+        lib.run_fp4(x, [g.weights], (1, 16), *args)  # the scale grids are for 32-value tiles
+    fp8 = _fp8_experts(1, 224, 96, (128, 128), seed=23)
+    with pytest.raises(ValueError, match="gate_q must be a contiguous 2-d torch.uint8"):
+        lib.run_fp4(x, fp8, (128, 128), *args)
+    with pytest.raises(ValueError, match="gate_q must be a contiguous 2-d torch.float8_e4m3fn"):
+        lib.run_fp8(x, [g.weights], (1, 32), *args)
+    with pytest.raises(ValueError, match="row index out of range"):
+        lib.run_fp4(x, [g.weights], (1, 32), [torch.tensor([0, 8, 1])], *args[1:])
+    with pytest.raises(ValueError, match="does not tile"):
+        lib.dequantize_e2m1(g.weights.gate_q, g.weights.gate_scale, (2, 32))
+
+
+def test_tier_uses_the_kernel_for_fp4_experts():
+    lib = _library()
+    if lib.isa not in cpu_experts.FAST_ISAS:
+        pytest.skip(f"the tier uses the {lib.isa} build only with MOETIER_CPU_KERNEL=1")
+    x, groups, dequantised = _fp4_job(224, 96, (1, 32), tokens=(1, 3, 8), seed=24)
+    tier = CpuExpertTier(0.4, threads=2)
+    ours = tier.run(CpuJob(hidden=x, groups=groups))
+    assert ours.kernel == tier.last_kernel == f"c-{lib.isa}-fp4"
+    bf16 = tier.run(CpuJob(hidden=x, groups=dequantised))
+    assert bf16.kernel == f"c-{lib.isa}"
+    assert torch.equal(ours.out, bf16.out)
+    assert _rel(ours.out, _torch_bf16(x, groups, 0.4)) < BF16_BAR
+    fp8 = _fp8_experts(1, 224, 96, (128, 128), seed=25)
+    mixed = tier.run(CpuJob(hidden=x, groups=[groups[0], CpuGroup(fp8[0], groups[1].rows, groups[1].gates)]))
+    tier.close()
+    assert mixed.kernel == "torch"  # fp4 and fp8 experts in one job: no single kernel entry

@@ -21,6 +21,7 @@ from test_fp4 import RELEASE_QUANT_CONFIG, encode_fp4
 from moetier import cli
 from moetier.config import ModelLoadConfig
 from moetier.errors import CheckpointError, ConfigError
+from moetier.kernels import cpu_experts
 from moetier.kernels.grouped_experts import _block_fits
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights, swiglu_expert
@@ -131,19 +132,52 @@ def test_layout_sizes_and_views():
         ExpertQuant(kind="int4")
 
 
-def test_kernels_refuse_fp4_experts_and_torch_computes_them():
+def test_grouped_kernel_refuses_fp4_experts_and_the_cpu_tier_runs_them():
     weights = _fp4_weights()
     hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1)).bfloat16()
     assert not _block_fits(weights, hidden)  # grouped (Triton) kernel: fp8-block e4m3 only
-    tier = CpuExpertTier(swiglu_limit=10.0, threads=1)
     rows, gates = torch.arange(5), torch.ones(5)
     job = CpuJob(hidden=hidden, groups=[CpuGroup(weights, rows, gates)])
-    out = torch.empty(hidden.shape, dtype=torch.float32)
-    assert not tier._kernel_fits(job, out)  # the C kernel: bf16 or e4m3 fp8-block only
-    result = tier.run(job)
+    torch_tier = CpuExpertTier(swiglu_limit=10.0, threads=1, use_kernel=False)
+    reference = torch_tier.run(job)
+    torch_tier.close()
+    assert reference.kernel == "torch"
+    assert torch.equal(reference.out, swiglu_expert(hidden, weights, 10.0).float())
+    # The C kernel (where it is built) takes fp4 jobs: its bf16 path's result on the dequantised expert, exactly.
+    tier = CpuExpertTier(swiglu_limit=10.0, threads=1)
+    assert tier._kernel_fits(job, torch.empty(hidden.shape, dtype=torch.float32)) == tier.use_kernel
+    ours = tier.run(job)
+    dense = tier.run(CpuJob(hidden=hidden, groups=[CpuGroup(weights.dequantized(torch.bfloat16), rows, gates)]))
     tier.close()
-    assert result.kernel == "torch"
-    assert torch.equal(result.out, swiglu_expert(hidden, weights, 10.0).float())
+    if tier.use_kernel:
+        assert ours.kernel == f"c-{cpu_experts.kernel_isa()}-fp4" and dense.kernel == f"c-{cpu_experts.kernel_isa()}"
+    assert torch.equal(ours.out, dense.out)
+    assert relative_error(ours.out, reference.out) < 0.005  # the C kernel's bf16 bar against torch
+
+
+def test_tiered_bf16_fp4_experts_run_the_c_kernel_bit_for_bit(checkpoints, prompt):
+    """bf16 fp4 experts missed to the CPU tier run the C kernel, and decode exactly as the same experts
+    dequantised at load do (there the kernel's bf16 path runs them)."""
+    if not cpu_experts.available():
+        pytest.skip("the C kernel is not built here (no compiler, or a build the tier does not use)")
+    runs, kernels = {}, {}
+    for expert_format in ("dense", "fp4"):
+        arena = HostExpertArena.for_checkpoint(checkpoints[1], torch.bfloat16, expert_format, progress=False)
+        options = dict(cache_slots=2, miss_route="cpu", cpu_threads=1)
+        loaded = _load(
+            checkpoints[1], torch.bfloat16, expert_format, dispatcher="tiered", expert_allocator=arena,
+            dispatcher_options=options,
+        )  # fmt: skip
+        dispatcher = loaded.model.dispatcher
+        runs[expert_format] = moetier_run(loaded, prompt, STEPS)
+        kernels[expert_format] = dispatcher.cpu_tier.last_kernel
+        assert dispatcher.metrics.snapshot()["totals"]["cpu_pairs"] > 0
+        dispatcher.close()
+    isa = cpu_experts.kernel_isa()
+    assert kernels == {"dense": f"c-{isa}", "fp4": f"c-{isa}-fp4"}
+    (ref_prefill, ref_steps, ref_tokens), (prefill, steps, tokens) = runs["dense"], runs["fp4"]
+    assert torch.equal(prefill, ref_prefill) and tokens == ref_tokens
+    assert all(torch.equal(a, b) for a, b in zip(steps, ref_steps, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

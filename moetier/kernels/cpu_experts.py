@@ -1,9 +1,11 @@
 """The CPU tier's C kernel (``cpu_experts.c``): a whole job of bf16 SwiGLU experts in one OpenMP region.
 
-Experts kept as float8 e4m3fn with float32 tile scales (DeepSeek's release format) run through
-:meth:`CpuExpertsLibrary.run_fp8`: each weight row is dequantised into a bf16 buffer exactly as
-:func:`moetier.weights.fp8.dequantize_blocks` does, so the result is bit for bit the bf16 path's on the
-dequantised weights, reading half the bytes.
+Experts kept as float8 e4m3fn with float32 tile scales (DeepSeek-V3's release format) run through
+:meth:`CpuExpertsLibrary.run_fp8`, and packed fp4 e2m1 ones with one float32 scale per 32 inputs
+(DeepSeek-V4's) through :meth:`CpuExpertsLibrary.run_fp4`: each weight row is dequantised into a bf16
+buffer exactly as the loader does (:func:`moetier.weights.fp8.dequantize_blocks`,
+:func:`moetier.weights.fp4.dequantize_fp4`), so the result is bit for bit the bf16 path's on the
+dequantised weights, reading half (fp8) or 0.31x (fp4, with its scales) the bytes.
 
 The source ships with the package and is compiled on first use with the system C compiler
 (``$CC``, else Python's configured compiler, else ``cc``/``gcc``) with ``-O3 -march=native -fopenmp``
@@ -33,6 +35,7 @@ import sysconfig
 import tempfile
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,20 +48,40 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
 # The builds the tier uses by default: each beat torch on the CPU tier's jobs. avx2 (moetier bench cpu-tier,
 # 6 experts of 4096 x 2048 on an AVX2-only EPYC, 2 cores): 16.8 against torch's 33.8 ms per 1-token job on
-# one thread, 11.0 against 18.4 on two; 31 against 122 at 4 tokens.
+# one thread, 11.0 against 18.4 on two; 31 against 122 at 4 tokens. fp4 experts (--formats fp4, same host, the
+# second core busy with other jobs): 26 against torch's ~1000 ms per 1-token job on one thread, 47 against 1400 at 4.
 FAST_ISAS = ("avx512_bf16", "avx512f", "avx2")
 _ERRORS = {-1: "bad arguments (offsets or a row index out of range)", -2: "out of memory for the activations"}
+# The C kernel's QUANT_* codes: how a quantised job's weights are stored.
+QUANT_E4M3, QUANT_E2M1 = 1, 2
 
 
-class Fp8Expert(Protocol):
-    """What :meth:`CpuExpertsLibrary.run_fp8` reads of one expert (a quantised ``ExpertWeights`` is one)."""
+class QuantExpert(Protocol):
+    """What :meth:`CpuExpertsLibrary.run_fp8` / :meth:`~CpuExpertsLibrary.run_fp4` read of one expert (a
+    quantised ``ExpertWeights`` is one). Shapes are in values; fp4 stores ``[R, C]`` as uint8 ``[R, C / 2]``."""
 
-    gate_q: torch.Tensor | None  # float8_e4m3fn [I, H]
-    up_q: torch.Tensor | None  # float8_e4m3fn [I, H]
-    down_q: torch.Tensor | None  # float8_e4m3fn [H, I]
+    gate_q: torch.Tensor | None  # float8_e4m3fn [I, H], or uint8 [I, H / 2] (fp4)
+    up_q: torch.Tensor | None  # as gate_q
+    down_q: torch.Tensor | None  # float8_e4m3fn [H, I], or uint8 [H, I / 2] (fp4)
     gate_scale: torch.Tensor | None  # float32 [ceil(I / tile_rows), ceil(H / tile_cols)]
     up_scale: torch.Tensor | None
     down_scale: torch.Tensor | None  # float32 [ceil(H / tile_rows), ceil(I / tile_cols)]
+
+
+@dataclass(frozen=True)
+class _QuantFormat:
+    """How one quantised format's experts are checked and passed to ``moetier_cpu_experts_quantised``."""
+
+    code: int  # QUANT_E4M3 or QUANT_E2M1
+    dtype: torch.dtype  # of the stored values
+    per_byte: int  # values per stored element along a row
+
+    def stored_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
+        return shape[0], shape[1] // self.per_byte
+
+
+_FP8 = _QuantFormat(QUANT_E4M3, torch.float8_e4m3fn, 1)
+_FP4 = _QuantFormat(QUANT_E2M1, torch.uint8, 2)
 
 
 _lock = threading.Lock()
@@ -80,28 +103,34 @@ class CpuExpertsLibrary:
         self._run = fn
         self._lib.moetier_cpu_experts_isa.restype = ctypes.c_char_p
         self.isa: str = self._lib.moetier_cpu_experts_isa().decode()
-        self._run_fp8 = self._bind_fp8()
+        self._run_quantised = self._bind_quantised()
 
-    def _bind_fp8(self) -> Any:
-        """The fp8 entry point, or None for a library built from a source without it."""
-        fn = getattr(self._lib, "moetier_cpu_experts_fp8", None)
+    def _bind_quantised(self) -> Any:
+        """The quantised (fp8 and fp4) entry point, or None for a library built from a source without it."""
+        fn = getattr(self._lib, "moetier_cpu_experts_quantised", None)
         if fn is None:
             return None
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        # n_experts; gate, up, down, their scales (pointer arrays); tile rows, cols; then as moetier_cpu_experts.
-        fn.argtypes = [i64, *[ptr] * 6, i64, i64, *[ptr] * 4, i64, i64, i64, ctypes.c_int, ctypes.c_float, ptr]
-        fn.argtypes += [ctypes.c_int]
-        fn.restype = ctypes.c_int
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        # quant, n_experts; gate, up, down, their scales (pointer arrays); tile rows, cols; then as
+        # moetier_cpu_experts.
+        fn.argtypes = [c_int, i64, *[ptr] * 6, i64, i64, *[ptr] * 4, i64, i64, i64, c_int, ctypes.c_float, ptr]
+        fn.argtypes += [c_int]
+        fn.restype = c_int
         decode = self._lib.moetier_e4m3_to_f32
         decode.argtypes, decode.restype = [ptr, ptr, i64], None
-        dequantize = self._lib.moetier_e4m3_dequantize
-        dequantize.argtypes, dequantize.restype = [ptr, ptr, i64, i64, i64, i64, ptr], None
+        dequantize = self._lib.moetier_dequantize
+        dequantize.argtypes, dequantize.restype = [c_int, ptr, ptr, i64, i64, i64, i64, ptr], c_int
         return fn
 
     @property
     def supports_fp8(self) -> bool:
         """Whether this build has the float8 e4m3fn entry point."""
-        return self._run_fp8 is not None
+        return self._run_quantised is not None
+
+    @property
+    def supports_fp4(self) -> bool:
+        """Whether this build has the packed fp4 (e2m1) entry point (the same one as fp8's)."""
+        return self._run_quantised is not None
 
     def run(
         self,
@@ -139,7 +168,7 @@ class CpuExpertsLibrary:
     def run_fp8(
         self,
         hidden: torch.Tensor,
-        experts: Sequence[Fp8Expert],
+        experts: Sequence[QuantExpert],
         tile: tuple[int, int],
         rows: Sequence[torch.Tensor],
         gates: Sequence[torch.Tensor],
@@ -153,30 +182,67 @@ class CpuExpertsLibrary:
         ``*_scale`` grids ``[ceil(R / tile[0]), ceil(C / tile[1])]`` (float32), all contiguous on the CPU.
         The result equals :meth:`run` on the weights dequantised to bf16 (``dequantize_blocks``), exactly.
         """
-        if self._run_fp8 is None:
-            raise RuntimeError(f"cpu_experts: {self.path.name} has no fp8 entry point")
+        return self._run_quant(_FP8, hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
+
+    def run_fp4(
+        self,
+        hidden: torch.Tensor,
+        experts: Sequence[QuantExpert],
+        tile: tuple[int, int],
+        rows: Sequence[torch.Tensor],
+        gates: Sequence[torch.Tensor],
+        swiglu_limit: float | None,
+        threads: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`run` for packed fp4 (e2m1) experts with one float32 scale per ``tile`` of values.
+
+        Each expert has ``gate_q``/``up_q`` uint8 ``[I, H / 2]`` and ``down_q`` ``[H, I / 2]`` (value ``2j`` of
+        a row in the low nibble of byte ``j``) and float32 ``*_scale`` grids ``[ceil(R / tile[0]),
+        ceil(C / tile[1])]`` over the ``[R, C]`` values (DeepSeek-V4: ``tile`` (1, 32)), all contiguous on the
+        CPU; ``H``, ``I`` and ``tile[1]`` even. The result equals :meth:`run` on the weights dequantised to
+        bf16 (``dequantize_fp4``), exactly.
+        """
+        return self._run_quant(_FP4, hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
+
+    def _run_quant(
+        self,
+        fmt: _QuantFormat,
+        hidden: torch.Tensor,
+        experts: Sequence[QuantExpert],
+        tile: tuple[int, int],
+        rows: Sequence[torch.Tensor],
+        gates: Sequence[torch.Tensor],
+        swiglu_limit: float | None,
+        threads: int,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        self._require_quantised()
         if not len(experts) == len(rows) == len(gates):
             raise ValueError("cpu_experts: experts, rows and gates must have one entry per expert")
         units, hidden_size = _check(hidden, torch.bfloat16, "hidden", ndim=2).shape
-        tile = _check_tile(tile)
-        inter = _check_fp8_experts(experts, hidden_size, tile)
+        tile = _check_tile(tile, fmt)
+        inter = _check_quant_experts(experts, hidden_size, tile, fmt)
         out = _check_out(out, units, hidden_size)
         flat_rows, flat_gates, offsets = _pack(rows, gates)
         names = ("gate_q", "up_q", "down_q", "gate_scale", "up_scale", "down_scale")
         arrays = [_pointers([getattr(e, name) for e in experts]) for name in names]
         limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-        status = self._run_fp8(
-            len(experts), *arrays, tile[0], tile[1], offsets, flat_rows.data_ptr(), flat_gates.data_ptr(),
+        status = self._run_quantised(
+            fmt.code, len(experts), *arrays, tile[0], tile[1], offsets, flat_rows.data_ptr(), flat_gates.data_ptr(),
             hidden.data_ptr(), units, hidden_size, inter, int(swiglu_limit is not None), limit, out.data_ptr(),
             int(threads),
         )  # fmt: skip
         _raise_for(status)
         return out
 
+    def _require_quantised(self) -> None:
+        if self._run_quantised is None:
+            raise RuntimeError(f"cpu_experts: {self.path.name} has no quantised (fp8/fp4) entry point")
+
     def decode_e4m3(self, codes: torch.Tensor) -> torch.Tensor:
         """The kernel's own decode of uint8 float8 e4m3fn codes to float32 (for tests)."""
-        if self._run_fp8 is None:
-            raise RuntimeError(f"cpu_experts: {self.path.name} has no fp8 entry point")
+        self._require_quantised()
         codes = _check(codes.reshape(-1).contiguous(), torch.uint8, "codes", ndim=1)
         values = torch.empty(codes.shape, dtype=torch.float32)
         self._lib.moetier_e4m3_to_f32(codes.data_ptr(), values.data_ptr(), codes.numel())
@@ -184,14 +250,26 @@ class CpuExpertsLibrary:
 
     def dequantize_e4m3(self, q: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
         """The kernel's row dequantisation of one float8 e4m3fn matrix to bf16 (for tests)."""
-        if self._run_fp8 is None:
-            raise RuntimeError(f"cpu_experts: {self.path.name} has no fp8 entry point")
-        rows, cols = _check(q, torch.float8_e4m3fn, "q", ndim=2).shape
-        tile = _check_tile(tile)
+        return self._dequantize(_FP8, q, scale, tile)
+
+    def dequantize_e2m1(self, q: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+        """The kernel's row dequantisation of one packed fp4 matrix (uint8 ``[R, C / 2]``) to bf16 ``[R, C]``
+        (for tests: compare with ``dequantize_fp4``)."""
+        return self._dequantize(_FP4, q, scale, tile)
+
+    def _dequantize(
+        self, fmt: _QuantFormat, q: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int]
+    ) -> torch.Tensor:
+        self._require_quantised()
+        rows, stored_cols = _check(q, fmt.dtype, "q", ndim=2).shape
+        cols, tile = stored_cols * fmt.per_byte, _check_tile(tile, fmt)
         if tuple(_check(scale, torch.float32, "scale", ndim=2).shape) != (-(-rows // tile[0]), -(-cols // tile[1])):
             raise ValueError(f"cpu_experts: scale {tuple(scale.shape)} does not tile {(rows, cols)} in {tile}")
         out = torch.empty((rows, cols), dtype=torch.bfloat16)
-        self._lib.moetier_e4m3_dequantize(q.data_ptr(), scale.data_ptr(), rows, cols, *tile, out.data_ptr())
+        status = self._lib.moetier_dequantize(
+            fmt.code, q.data_ptr(), scale.data_ptr(), rows, cols, *tile, out.data_ptr()
+        )
+        _raise_for(status)
         return out
 
 
@@ -213,28 +291,35 @@ def _check_out(out: torch.Tensor | None, units: int, hidden_size: int) -> torch.
     return _check(out, torch.float32, "out", ndim=2)
 
 
-def _check_tile(tile: tuple[int, int]) -> tuple[int, int]:
+def _check_tile(tile: tuple[int, int], fmt: _QuantFormat) -> tuple[int, int]:
     if len(tile) != 2 or not all(isinstance(t, int) and t > 0 for t in tile):
         raise ValueError(f"cpu_experts: tile must be two positive integers, got {tile!r}")
+    if tile[1] % fmt.per_byte:  # fp4: every tile starts on a whole byte
+        raise ValueError(f"cpu_experts: packed fp4 tile columns must be even, got {tile!r}")
     return int(tile[0]), int(tile[1])
 
 
-def _check_fp8_experts(experts: Sequence[Fp8Expert], hidden_size: int, tile: tuple[int, int]) -> int:
-    """The intermediate size I shared by every fp8 expert (1 when there are none); ValueError on any mismatch."""
-    inter = experts[0].down_q.shape[-1] if experts and experts[0].down_q is not None else 0
+def _check_quant_experts(
+    experts: Sequence[QuantExpert], hidden_size: int, tile: tuple[int, int], fmt: _QuantFormat
+) -> int:
+    """The intermediate size I shared by every quantised expert (1 when there are none); ValueError on any
+    mismatch. Shapes are in values (fp4 stores half as many bytes per row)."""
+    inter = experts[0].down_q.shape[-1] * fmt.per_byte if experts and experts[0].down_q is not None else 0
+    if hidden_size % fmt.per_byte:
+        raise ValueError(f"cpu_experts: packed fp4 needs an even hidden size, got {hidden_size}")
     shapes = {"gate": (inter, hidden_size), "up": (inter, hidden_size), "down": (hidden_size, inter)}
     for e, expert in enumerate(experts):
         for name, shape in shapes.items():
             q, scale = getattr(expert, f"{name}_q"), getattr(expert, f"{name}_scale")
             if q is None or scale is None:
                 raise ValueError(f"cpu_experts: expert {e} has no {name}_q / {name}_scale (not quantised)")
-            _check(q, torch.float8_e4m3fn, f"expert {e} {name}_q", ndim=2)
+            _check(q, fmt.dtype, f"expert {e} {name}_q", ndim=2)
             _check(scale, torch.float32, f"expert {e} {name}_scale", ndim=2)
-            grid = (-(-shape[0] // tile[0]), -(-shape[1] // tile[1]))
-            if tuple(q.shape) != shape or tuple(scale.shape) != grid:
+            stored, grid = fmt.stored_shape(shape), (-(-shape[0] // tile[0]), -(-shape[1] // tile[1]))
+            if tuple(q.shape) != stored or tuple(scale.shape) != grid:
                 raise ValueError(
                     f"cpu_experts: expert {e} has {name}_q {tuple(q.shape)} and {name}_scale {tuple(scale.shape)}, "
-                    f"expected {shape} and {grid} ({tile[0]}x{tile[1]} tiles)"
+                    f"expected {stored} and {grid} ({tile[0]}x{tile[1]} tiles)"
                 )
     return max(inter, 1)
 
@@ -396,6 +481,12 @@ def supports_fp8() -> bool:
     return lib is not None and lib.supports_fp8
 
 
+def supports_fp4() -> bool:
+    """Whether the default build runs packed fp4 (e2m1) experts (:meth:`CpuExpertsLibrary.run_fp4`)."""
+    lib = library()
+    return lib is not None and lib.supports_fp4
+
+
 def kernel_isa() -> str | None:
     """The SIMD path of the default build ("avx512_bf16", "avx512f", "avx2", "portable"), None when not built."""
     lib = library()
@@ -418,7 +509,7 @@ def run_experts(
 
 def run_fp8_experts(
     hidden: torch.Tensor,
-    experts: Sequence[Fp8Expert],
+    experts: Sequence[QuantExpert],
     tile: tuple[int, int],
     rows: Sequence[torch.Tensor],
     gates: Sequence[torch.Tensor],
@@ -428,6 +519,20 @@ def run_fp8_experts(
 ) -> torch.Tensor:
     """:meth:`CpuExpertsLibrary.run_fp8` with the default build; RuntimeError when there is none."""
     return _default_library().run_fp8(hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
+
+
+def run_fp4_experts(
+    hidden: torch.Tensor,
+    experts: Sequence[QuantExpert],
+    tile: tuple[int, int],
+    rows: Sequence[torch.Tensor],
+    gates: Sequence[torch.Tensor],
+    swiglu_limit: float | None,
+    threads: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:meth:`CpuExpertsLibrary.run_fp4` with the default build; RuntimeError when there is none."""
+    return _default_library().run_fp4(hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
 
 
 def _default_library() -> CpuExpertsLibrary:

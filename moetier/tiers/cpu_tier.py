@@ -7,9 +7,9 @@ launching device work. Each job returns an fp32 partial sum over the rows it tou
 
 bf16 jobs run the C kernel of :mod:`moetier.kernels.cpu_experts` when it is available (one OpenMP
 region for the whole job, every weight row read once for all of its expert's tokens), and so do
-float8 e4m3fn experts (``expert_format="fp8"``), dequantised row by row inside the kernel exactly as
-:func:`swiglu_expert` dequantises them; other dtypes (e5m2 included), and hosts where it cannot be
-built, run torch.
+float8 e4m3fn experts (``expert_format="fp8"``) and packed fp4 e2m1 experts (``expert_format="fp4"``,
+DeepSeek-V4's release), dequantised row by row inside the kernel exactly as :func:`swiglu_expert`
+dequantises them; other dtypes (e5m2 included), and hosts where it cannot be built, run torch.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ class CpuResult:
     # of which it waited for its inputs to land from the device (a latency of the call, not of its experts)
     wait_seconds: float = 0.0
     pairs: int = field(default=0)
-    # which path ran: "torch", or "c-" + the C kernel's ISA (e.g. "c-avx512_bf16"), "-fp8" for fp8 experts
+    # which path ran: "torch", or "c-" + the C kernel's ISA (e.g. "c-avx512_bf16"), then "-fp8" or "-fp4"
+    # for quantised experts
     kernel: str = TORCH_KERNEL
 
 
@@ -87,9 +88,10 @@ class CpuExpertTier:
     dot product in fp32 and rounds where a bf16 GEMM does: gate and up to bf16, the activation
     ``silu(gate) * up`` (after the optional clamp, by the limit rounded to bf16 as torch's clamp of bf16
     values gives) computed in fp32 and rounded once to bf16 (torch rounds ``silu(gate)`` and the
-    product separately), the expert's output to bf16 before the gate. float8 e4m3fn experts compute
-    exactly that on their weights dequantised to bf16 (as :func:`swiglu_expert` dequantises them). Its
-    results do not depend on ``threads``.
+    product separately), the expert's output to bf16 before the gate. float8 e4m3fn and packed fp4
+    (e2m1) experts compute exactly that on their weights dequantised to bf16 (as :func:`swiglu_expert`
+    dequantises them): bit for bit the C kernel's result on the dequantised experts. Its results do not
+    depend on ``threads``.
     ``last_kernel`` names the path of the latest job (also :attr:`CpuResult.kernel`).
     """
 
@@ -141,15 +143,17 @@ class CpuExpertTier:
         return CpuResult(out=out, seconds=seconds, wait_seconds=waited, pairs=pairs, kernel=kernel)
 
     def _kernel_fits(self, job: CpuJob, out: torch.Tensor) -> bool:
-        """bf16 hidden, an fp32 contiguous out, and experts all bf16 or all e4m3fn with one tile (contiguous)."""
+        """bf16 hidden, an fp32 contiguous out, and experts all bf16, or all of one quantised kind the kernel
+        runs (e4m3fn fp8-block, fp4-block) on one tile (contiguous)."""
         if not self.use_kernel or job.hidden.dtype != torch.bfloat16 or job.hidden.device.type != "cpu":
             return False
         if out.dtype != torch.float32 or not out.is_contiguous():
             return False
-        if _fp8_job(job):
-            if not all(_fp8_fits(g.weights, job.groups[0].weights.tile) for g in job.groups):
+        if _quantised_job(job):
+            first = job.groups[0].weights
+            if not all(_quant_fits(g.weights, first.quant_kind, first.tile) for g in job.groups):
                 return False
-            if not cpu_experts.supports_fp8():
+            if not _KERNEL_QUANT[first.quant_kind].supported():
                 return False
         elif not all(_bf16_fits(g.weights) for g in job.groups):
             return False
@@ -157,20 +161,21 @@ class CpuExpertTier:
 
     def _compute_c(self, job: CpuJob, out: torch.Tensor) -> str:
         groups = job.groups
-        if _fp8_job(job):
-            tile = groups[0].weights.tile
-            assert tile is not None  # _kernel_fits checked every group
-            cpu_experts.run_fp8_experts(
+        if _quantised_job(job):
+            first = groups[0].weights
+            assert first.tile is not None and first.quant_kind is not None  # _kernel_fits checked every group
+            quant = _KERNEL_QUANT[first.quant_kind]
+            quant.run(
                 job.hidden.contiguous(),
                 [g.weights for g in groups],
-                tile,
+                first.tile,
                 [g.rows for g in groups],
                 [g.gates for g in groups],
                 self.swiglu_limit,
                 self.threads,
                 out=out,
             )
-            return f"c-{cpu_experts.kernel_isa()}-fp8"
+            return f"c-{cpu_experts.kernel_isa()}-{quant.name}"
         cpu_experts.run_experts(
             job.hidden.contiguous(),
             [g.weights.gate_up for g in groups],
@@ -194,7 +199,7 @@ class CpuExpertTier:
         self._finalizer()
 
 
-def _fp8_job(job: CpuJob) -> bool:
+def _quantised_job(job: CpuJob) -> bool:
     """Whether the job's experts are quantised (judged by the first: a job mixing formats fits nowhere)."""
     return bool(job.groups) and job.groups[0].weights.quantized
 
@@ -208,13 +213,39 @@ def _bf16_fits(weights: ExpertWeights) -> bool:
     return all(_cpu_contiguous(w, torch.bfloat16) for w in (weights.gate_up, weights.down))
 
 
-def _fp8_fits(weights: ExpertWeights, tile: tuple[int, int] | None) -> bool:
-    """e4m3fn weights with float32 scales on ``tile`` (the job's): the kernel decodes e4m3fn only; e5m2 and
-    fp4-block (packed) experts run torch."""
-    if weights.quant_kind != "fp8-block" or weights.tile != tile:
+@dataclass(frozen=True)
+class _KernelQuant:
+    """One quantised expert kind the C kernel runs: its stored values' dtype and its name ("fp8", "fp4"),
+    which labels the result and names its entry (``cpu_experts.run_<name>_experts``, looked up when called)."""
+
+    values: torch.dtype
+    name: str
+    even_tile_cols: bool = False  # packed: two values a byte, so every tile must start on a whole byte
+
+    def supported(self) -> bool:
+        return getattr(cpu_experts, f"supports_{self.name}")()
+
+    def run(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return getattr(cpu_experts, f"run_{self.name}_experts")(*args, **kwargs)
+
+
+_KERNEL_QUANT = {
+    "fp8-block": _KernelQuant(torch.float8_e4m3fn, "fp8"),
+    "fp4-block": _KernelQuant(torch.uint8, "fp4", even_tile_cols=True),
+}
+
+
+def _quant_fits(weights: ExpertWeights, kind: str | None, tile: tuple[int, int] | None) -> bool:
+    """Weights of ``kind`` on ``tile`` (the job's first expert's) that the kernel decodes: e4m3fn fp8-block
+    (e5m2 runs torch) or packed fp4-block (DeepSeek-V4's (1, 32) tile, or any of even width), the values and
+    float32 scales contiguous on the CPU."""
+    quant = _KERNEL_QUANT.get(kind or "")
+    if quant is None or weights.quant_kind != kind or weights.tile != tile or tile is None:
+        return False
+    if quant.even_tile_cols and tile[1] % 2:
         return False
     values = (weights.gate_q, weights.up_q, weights.down_q)
     scales = (weights.gate_scale, weights.up_scale, weights.down_scale)
-    return all(_cpu_contiguous(q, torch.float8_e4m3fn) for q in values) and all(
+    return all(_cpu_contiguous(q, quant.values) for q in values) and all(
         _cpu_contiguous(s, torch.float32) for s in scales
     )
