@@ -11,16 +11,16 @@ Long prefills run the indexer and the attention in blocks of queries (:data:`QUE
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moetier.kernels.rmsnorm import rms_norm
-from moetier.models.deepseek_v4_cache import CompressorState, LayerCache
+from moetier.models.deepseek_v4_cache import CompressorState, LayerCache, RowWrites
 from moetier.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
-from moetier.models.deepseek_v4_decode import sink_attention_decode
+from moetier.models.deepseek_v4_decode import padded_keys, sink_attention_decode
 from moetier.models.deepseek_v4_rope import Rotation, StepRope, rotate_
 from moetier.models.layers import RMSNorm
 
@@ -175,21 +175,58 @@ class Compressor(nn.Module):
         self.norm = V4RMSNorm(dim, eps)
 
     def forward(
-        self, kv_gate: torch.Tensor, state: CompressorState, rope: StepRope, read: bool = True
+        self,
+        kv_gate: torch.Tensor,
+        state: CompressorState | list[CompressorState],
+        rope: StepRope,
+        read: bool = True,
+        writes: RowWrites | None = None,
     ) -> torch.Tensor | None:
         """Feed the tokens' projections ``kv_gate`` (``[T, 2 * width]``) into ``state``; return every entry
         emitted so far ``[count, dim]`` (None with ``read`` False: the caller reads what it needs). A step
-        that closes no window only stores its row."""
+        that closes no window only stores its row.
+
+        Decode passes one state per row (a list): row ``i`` goes to ``state[i]`` (through ``writes``, flushed
+        here only if a window closes), the windows the rows close are pooled together (one batched
+        computation whatever the number of sequences closing one) and nothing is read (None)."""
+        if isinstance(state, list):
+            self._decode(kv_gate, state, rope, writes or RowWrites())
+            return None
         closed = state.close_windows(kv_gate)
         if closed is not None:
             kv, gate, first = closed
             gate = gate + self.ape.float()  # float32 (the bias is kept in float32)
             if self.overlap:
                 kv, gate = self._pair_with_previous(kv, gate, state)
-            weights = torch.softmax(gate, dim=1).to(kv.dtype)
-            pooled = self.norm((kv * weights).sum(dim=1))
+            pooled = self._pool(kv, gate)
             state.append(rotate_(pooled, rope.entries(first, kv.shape[0], self.rate, pooled.dtype)))
         return state.emitted if read else None
+
+    def _pool(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Windows ``[n, rows, dim]`` (kv, and the biased float32 gate) -> their normed entries ``[n, dim]``."""
+        weights = torch.softmax(gate, dim=1).to(kv.dtype)
+        return self.norm((kv * weights).sum(dim=1))
+
+    def _decode(self, kv_gate: torch.Tensor, states: list[CompressorState], rope: StepRope, writes: RowWrites) -> None:
+        """One token per state (row ``i`` of ``kv_gate`` to ``states[i]``); the states whose window closes
+        emit its entry, pooled as :meth:`forward` pools one state's windows (the same per-window math)."""
+        rows = (kv_gate,) if len(states) == 1 else kv_gate.split(1)
+        closing = [state for state, row in zip(states, rows, strict=True) if state.push(row, writes)]
+        if not closing:
+            return
+        writes.flush()  # the closing windows' last rows
+        count, width = len(closing), closing[0].width
+        if count == 1 and not self.overlap:
+            windows = closing[0].open[None]
+        else:  # a fresh copy: overlapping windows keep their first halves as the next ones' predecessors
+            windows = torch.stack([state.open for state in closing])
+        kv, gate = windows[..., :width], windows[..., width:] + self.ape.float()  # float32 (the bias is)
+        if self.overlap:
+            kv, gate = self._pair_each_with_previous(kv, gate, closing)
+        pooled = self._pool(kv, gate)
+        rotate_(pooled, rope.entries_of(tuple(state.count for state in closing), self.rate, pooled.dtype))
+        for i, state in enumerate(closing):
+            state.append(pooled if count == 1 else pooled[i : i + 1])
 
     def _pair_with_previous(
         self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState
@@ -200,11 +237,36 @@ class Compressor(nn.Module):
             prev_kv = kv.new_zeros(1, self.rate, d)
             prev_gate = gate.new_full((1, self.rate, d), float("-inf"))
         else:
-            prev_kv, prev_gate = state.prev_kv[None], state.prev_gate[None]
-        state.prev_kv, state.prev_gate = kv[-1, :, :d].clone(), gate[-1, :, :d].clone()
+            prev_kv, prev_gate = state.prev_kv, state.prev_gate
+        state.prev_kv, state.prev_gate = kv[-1:, :, :d].clone(), gate[-1:, :, :d].clone()
         if kv.shape[0] > 1:
             prev_kv = torch.cat([prev_kv, kv[:-1, :, :d]])
             prev_gate = torch.cat([prev_gate, gate[:-1, :, :d]])
+        return torch.cat([prev_kv, kv[..., d:]], dim=1), torch.cat([prev_gate, gate[..., d:]], dim=1)
+
+    def _pair_each_with_previous(
+        self, kv: torch.Tensor, gate: torch.Tensor, states: list[CompressorState]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode: window ``i`` of ``[n, rate, 2*dim]`` is ``states[i]``'s -> ``[n, 2*rate, dim]``, each paired
+        with its own state's previous window as :meth:`_pair_with_previous` pairs one state's windows.
+        ``kv`` and ``gate`` are fresh tensors (not the open buffers): the states keep views of their first
+        halves as the next windows' predecessors, no copies."""
+        d, count = self.dim, len(states)
+        prev_kv, prev_gate = [], []
+        for state in states:
+            if state.prev_kv is None:  # a state's very first window: weight 0 via a -inf gate
+                prev_kv.append(kv.new_zeros(1, self.rate, d))
+                prev_gate.append(gate.new_full((1, self.rate, d), float("-inf")))
+            else:
+                prev_kv.append(state.prev_kv)
+                prev_gate.append(state.prev_gate)
+        own_kv, own_gate = kv[:, :, :d], gate[:, :, :d]
+        if count == 1:
+            states[0].prev_kv, states[0].prev_gate = own_kv, own_gate
+        for i, state in enumerate(states if count > 1 else ()):
+            state.prev_kv, state.prev_gate = own_kv[i : i + 1], own_gate[i : i + 1]
+        prev_kv = prev_kv[0] if count == 1 else torch.cat(prev_kv)
+        prev_gate = prev_gate[0] if count == 1 else torch.cat(prev_gate)
         return torch.cat([prev_kv, kv[..., d:]], dim=1), torch.cat([prev_gate, gate[..., d:]], dim=1)
 
 
@@ -233,37 +295,87 @@ class Indexer(nn.Module):
         head_weights: torch.Tensor,
         q_residual: torch.Tensor | None,
         rope: StepRope,
-        state: CompressorState,
+        state: CompressorState | list[CompressorState],
         q: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        writes: RowWrites | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Selected entry ids ``[T, k]`` and whether each may be attended (``[T, k]`` bool).
 
         ``kv_gate`` feeds the compressor, ``head_weights`` (``[T, heads]``) is ``weights_proj(x)``. Queries
-        come from ``q_residual``, or, for one decoding token, ``q`` (``[1, heads, dim]``, projected and
-        rotated): it sees every emitted entry, so the visibility is None (all) and no mask is built.
-        Every query row goes through the same operations whatever the block size, which only bounds
-        the workspace (BLAS may round a row's dot products differently for another row count; ties
-        fall as ``torch.topk`` breaks them within one row).
+        come from ``q_residual``. Every query row goes through the same operations whatever the block size,
+        which only bounds the workspace (BLAS may round a row's dot products differently for another row
+        count; ties fall as ``torch.topk`` breaks them within one row).
+
+        Decode (one token per sequence): ``state`` is the list of the sequences' states (row ``i`` feeds
+        ``state[i]``, its row copy through ``writes``), ``q`` their projected, rotated queries
+        ``[B, heads, dim]`` and ``head_weights`` as :meth:`score_weights` gives them. Each query sees all of
+        its sequence's entries, so the visibility is None (all) and no mask is built; see :meth:`_decode`
+        for the ids.
         """
+        if isinstance(state, list):
+            return self._decode(kv_gate, head_weights, q, rope, state, writes or RowWrites()), None
         keys = self.compressor(kv_gate, state, rope)
         if keys.dtype not in SCORE_DTYPES:
             keys = keys.float()
-        head_weights = head_weights.float() * self.heads**-0.5
+        weights = self.score_weights(head_weights, keys.dtype)
         per_query = indexer_query_bytes(self.heads, self.dim, keys.shape[0], kv_gate.element_size())
-        if q is not None:
-            (_,) = query_blocks(1, per_query)  # one query is one block, whatever its workspace
-            return self._scores(q, head_weights, keys).topk(min(self.topk, keys.shape[0]), dim=-1).indices, None
         rotation = rope.token["compress"]
         picked = [
-            self._select(q_residual[rows], rotation.rows(rows), head_weights[rows], rope.positions[rows], keys)
+            self._select(q_residual[rows], rotation.rows(rows), weights[rows], rope.positions[rows], keys)
             for rows in query_blocks(q_residual.shape[0], per_query)
         ]
         if len(picked) == 1:
             return picked[0]
         return torch.cat([ids for ids, _ in picked]), torch.cat([valid for _, valid in picked])
 
+    def score_weights(self, head_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """What :meth:`_scores` weighs the heads' scores with, for keys of ``dtype``: ``weights_proj(x)``
+        (``[T, heads]``) in float32 times ``heads ** -0.5``, and for 16-bit keys also times ``dim ** -0.5``
+        in that dtype, ``[T, 1, heads]`` (the head-summing matmul's operand). Token-wise: a decode step
+        computes them in its graphed segment (:meth:`DeepseekV4Attention.decode_projections`)."""
+        weights = head_weights.float() * self.heads**-0.5
+        if dtype in SCORE_DTYPES:
+            return (weights * self.dim**-0.5).to(dtype)[:, None, :]
+        return weights
+
+    def _decode(
+        self,
+        kv_gate: torch.Tensor,
+        weights: torch.Tensor,
+        q: torch.Tensor,
+        rope: StepRope,
+        states: list[CompressorState],
+        writes: RowWrites,
+    ) -> torch.Tensor | None:
+        """Decode's selection: ``[B, topk]`` ids, row ``i`` the top-k entries of ``states[i]`` where it has more
+        than ``topk`` entries; a sequence with at most ``topk`` attends all of them (what a top-k of all its
+        entries selects), its row means nothing, and so ids are None when no sequence has more.
+
+        The sequences' keys are scored together, zero-padded to the longest; each row's top-k then runs
+        over its own entries only (``torch.topk`` may break ties differently in a longer row), so every
+        sequence selects what it would alone."""
+        self.compressor(kv_gate, states, rope, writes=writes)
+        counts = [state.count for state in states]
+        if max(counts) <= self.topk:
+            return None
+        (_,) = query_blocks(1, indexer_query_bytes(self.heads, self.dim, max(counts), kv_gate.element_size()))
+        if len(states) == 1:
+            keys = states[0].emitted
+        else:
+            keys, _ = padded_keys([[state.emitted] for state in states], rope.zero_rows)
+        if keys.dtype not in SCORE_DTYPES:
+            keys = keys.float()
+        scores = self._scores(q, weights, keys)
+        if min(counts) == max(counts):  # no padding
+            return scores.topk(self.topk, dim=-1).indices
+        rows = [scores[i, :n].topk(self.topk).indices if n > self.topk else None for i, n in enumerate(counts)]
+        filler = next(row for row in rows if row is not None)
+        return torch.stack([filler if row is None else row for row in rows])
+
     def _scores(self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """``[T, C]`` fp32 scores of rotated queries ``q`` (``[T, heads, dim]``) over ``keys`` (``[C, dim]``).
+        """``[T, C]`` fp32 scores of rotated queries ``q`` (``[T, heads, dim]``) over ``keys`` (``[C, dim]``, or
+        ``[T, C, dim]``: each query its own keys). ``head_weights``: float32 ``[T, heads]`` (times
+        ``heads ** -0.5``), or for 16-bit keys also as :meth:`score_weights` finishes them (``[T, 1, heads]``).
 
         fp32 keys (an fp32 model): the reference's fp32 arithmetic. 16-bit keys: the per-head scores
         are computed in that dtype and summed over heads by a second matmul (fp32 accumulation), as
@@ -271,25 +383,30 @@ class Indexer(nn.Module):
         chunk over 128k tokens the fp32 ``[T, heads, C]`` matmul was ~9 TFLOP per CSA layer, most of
         the prefill's attention time.
         """
+        # Per-query keys: matmul's own bmm, without its views.
+        product = torch.bmm if keys.dim() == 3 else torch.matmul
         if keys.dtype in SCORE_DTYPES:
-            scores = torch.matmul(q.to(keys.dtype), keys.t()).relu_()
-            weights = (head_weights * self.dim**-0.5).to(keys.dtype)[:, None, :]
-            return torch.matmul(weights, scores).squeeze(1).float()
+            scores = product(q.to(keys.dtype), keys.transpose(-1, -2)).relu_()
+            weights = head_weights
+            if weights.dim() == 2:
+                weights = (head_weights * self.dim**-0.5).to(keys.dtype)[:, None, :]
+            return torch.bmm(weights, scores).squeeze(1).float()  # matmul's own kernel here, without its views
         # In place: one [block, heads, C] fp32 tensor alive, the same element-wise ops as relu(s) * c * w.
-        scores = torch.matmul(q.float(), keys.t())
+        scores = product(q.float(), keys.transpose(-1, -2))
         return scores.relu_().mul_(self.dim**-0.5).mul_(head_weights[..., None]).sum(dim=1)
 
     def _select(
         self,
         q_residual: torch.Tensor,
         rotation: Rotation,
-        head_weights: torch.Tensor,
+        weights: torch.Tensor,
         positions: torch.Tensor,
         keys: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k entry ids and their visibility for one block of queries (``keys`` fp32 ``[C, dim]``)."""
+        """Top-k entry ids and their visibility for one block of queries (``keys`` ``[C, dim]``, ``weights``
+        from :meth:`score_weights`)."""
         q = rotate_(self.wq_b(q_residual).view(q_residual.shape[0], self.heads, self.dim), rotation)
-        scores = self._scores(q, head_weights, keys)
+        scores = self._scores(q, weights, keys)
         visible = visible_entries(positions, keys.shape[0], self.compressor.rate)
         ids = scores.masked_fill_(~visible, float("-inf")).topk(min(self.topk, keys.shape[0]), dim=-1).indices
         return ids, visible.gather(1, ids)
@@ -451,7 +568,8 @@ class DeepseekV4Attention(nn.Module):
     def _decode(self, inputs: Projections, rope: StepRope, states: list[LayerCache]) -> torch.Tensor:
         """One token per sequence: every window key and emitted entry is visible to it."""
         q, index_q = self.decode_queries(inputs.q_residual, rope.token)
-        return self.decode_output(self.decode_attend(q, index_q, inputs, rope, states), rope.token[self.rope_kind])
+        out = self.decode_attend(q, index_q, self.decode_projections(inputs), rope, states)
+        return self.decode_output(out, rope.token[self.rope_kind])
 
     def decode_queries(
         self, q_residual: torch.Tensor, token: dict[str, Rotation]
@@ -467,6 +585,14 @@ class DeepseekV4Attention(nn.Module):
         index_q = projected[1].view(tokens, self.indexer.heads, self.indexer.dim)
         return q, rotate_(index_q, token["compress"])  # in place: its rows of the fused GEMM's output
 
+    def decode_projections(self, inputs: Projections) -> Projections:
+        """``inputs`` as :meth:`decode_attend` reads them: the indexer's head weights already as it scores
+        with them (:meth:`Indexer.score_weights`; the entries it scores come back in the model dtype, that
+        of ``kv``). Token-wise: a decode step computes them in its graphed segment."""
+        if self.indexer is None:
+            return inputs
+        return replace(inputs, index_weights=self.indexer.score_weights(inputs.index_weights, inputs.kv.dtype))
+
     def decode_attend(
         self,
         q: torch.Tensor,
@@ -475,32 +601,38 @@ class DeepseekV4Attention(nn.Module):
         rope: StepRope,
         states: list[LayerCache],
     ) -> torch.Tensor:
-        """Append each sequence's token to its state (row ``i`` of ``inputs`` to ``states[i]``) and attend:
-        the per-sequence part of decode. Returns the attention output ``[B, heads, head_dim]``, still rotated."""
-        keys = [self._decode_keys(i, state, inputs, index_q, rope) for i, state in enumerate(states)]
+        """Append each sequence's token to its state (row ``i`` of ``inputs``, from :meth:`decode_projections`,
+        to ``states[i]``) and attend: the per-sequence part of decode. Returns the attention output
+        ``[B, heads, head_dim]``, still rotated.
+
+        Per sequence only what its own state needs: the window's and compressors' row copies and the read of
+        its compressed entries (CSA: only the top-k, so paged or fp8 stores convert just those). Windows that
+        close are pooled together, the indexer scores every sequence at once, and the attention runs over
+        one padded tensor (:mod:`deepseek_v4_decode`)."""
+        writes = RowWrites()  # every row copy of the layer in one launch
+        rows = (inputs.kv,) if len(states) == 1 else inputs.kv.split(1)
+        keys = [[state.window.extend(row, writes)] for state, row in zip(states, rows, strict=True)]
+        if self.compressor is not None:
+            self.compressor(inputs.kv_gate, [state.compressor for state in states], rope, False, writes)
+            ids = None
+            if self.indexer is not None:
+                args = (inputs.index_kv_gate, inputs.index_weights, None, rope, [state.indexer for state in states])
+                ids, _ = self.indexer(*args, q=index_q, writes=writes)
+                for state in states:
+                    self._check_counts(state)
+            # CSA: a sequence with more than top-k entries reads back only those (its row of ``ids``), any other all
+            tops = [None] * len(states) if ids is None else ids.unbind(0)
+            for parts, state, top in zip(keys, states, tops, strict=True):
+                entries = state.compressor
+                if top is not None and entries.count > self.indexer.topk:
+                    parts.append(entries.emitted_at(top))
+                elif entries.count:
+                    parts.append(entries.emitted)
+        writes.flush()
         seen = max(sum(part.shape[0] for part in parts) for parts in keys)
         elem = inputs.kv.element_size()
         (_,) = query_blocks(1, attention_query_bytes(self.heads, self.head_dim, seen, seen, elem))
-        return sink_attention_decode(q, keys, self.attn_sink, self.head_dim**-0.5, rope.key_masks)
-
-    def _decode_keys(
-        self, i: int, state: LayerCache, inputs: Projections, index_q: torch.Tensor | None, rope: StepRope
-    ) -> list[torch.Tensor]:
-        """Sequence ``i``'s keys after appending its token: its window, then the compressed entries it attends."""
-        parts = [state.window.extend(inputs.kv[i : i + 1])]
-        if self.compressor is None:
-            return parts
-        if self.indexer is None:  # HCA: every emitted entry
-            entries = self.compressor(inputs.kv_gate[i : i + 1], state.compressor, rope)
-        else:  # CSA: only the top-k entries are read back (paged or fp8 stores convert just those)
-            self.compressor(inputs.kv_gate[i : i + 1], state.compressor, rope, read=False)
-            kv_gate, weights = inputs.index_kv_gate[i : i + 1], inputs.index_weights[i : i + 1]
-            ids, _ = self.indexer(kv_gate, weights, None, rope, state.indexer, q=index_q[i : i + 1])
-            self._check_counts(state)
-            entries = state.compressor.emitted_at(ids[0])
-        if entries.shape[0]:
-            parts.append(entries)
-        return parts
+        return sink_attention_decode(q, keys, self.attn_sink, self.head_dim**-0.5, rope.key_masks, rope.zero_rows)
 
     def decode_output(self, out: torch.Tensor, rotation: Rotation) -> torch.Tensor:
         """Attention output ``[B, heads, head_dim]`` (rotated back in place) -> ``[B, hidden]``."""

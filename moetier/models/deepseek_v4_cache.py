@@ -17,6 +17,26 @@ from moetier.models.base import SequenceCache
 from moetier.models.cache import kv_rows
 
 
+class RowWrites:
+    """The row copies of one decode layer (each sequence's new window key and compressor rows), made together:
+    one ``torch._foreach_copy_`` is one dispatch, and on CUDA one launch, instead of one per sequence and
+    store. Stores hand their destination rows here and the rows land at :meth:`flush`: whoever reads a
+    store's rows (a closing window's pooling, the attention) flushes first."""
+
+    def __init__(self) -> None:
+        self.dst: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.dst.append(dst)
+        self.src.append(src)
+
+    def flush(self) -> None:
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src)
+            self.dst, self.src = [], []
+
+
 class SlidingWindowKV:
     """The last ``window - 1`` keys of one layer (V4 uses one tensor as both key and value).
 
@@ -37,16 +57,20 @@ class SlidingWindowKV:
         """The kept keys ``[<= window - 1, D]`` (a view)."""
         return self.buffer[self.start : self.start + self.length]
 
-    def extend(self, new: torch.Tensor) -> torch.Tensor:
+    def extend(self, new: torch.Tensor, writes: RowWrites | None = None) -> torch.Tensor:
         """Append ``new`` (``[T, D]``); return the kept keys followed by ``new``, the keys the new queries see.
 
-        The result may be a view of the buffer: valid until the next :meth:`extend`.
+        The result may be a view of the buffer: valid until the next :meth:`extend`. With ``writes`` the copy
+        of ``new`` into the buffer may be left to it (the view holds ``new`` once it is flushed).
         """
         if not self.keep:
             return new
         end, tokens = self.start + self.length, new.shape[0]
         if end + tokens <= self.buffer.shape[0]:
-            self.buffer[end : end + tokens] = new
+            if writes is None:
+                self.buffer[end : end + tokens] = new
+            else:
+                writes.add(self.buffer[end : end + tokens], new)
             keys = self.buffer[self.start : end + tokens]
         else:
             keys = torch.cat([self.keys, new]) if self.length else new
@@ -77,10 +101,11 @@ class CompressorState:
     """Rolling state of one compressor.
 
     ``open`` rows ``[:n_open]`` hold the raw projections (kv then gate channels, ``[rate, 2 * width]``) of
-    the tokens of the still-open window; ``prev_kv``/``prev_gate`` (overlapping CSA windows only) the first
-    half of the last closed window, gate already biased, which the next entry pools; ``entries`` rows
-    ``[:count]`` the emitted entries. ``kv_dtype`` applies to the entries only, the part that grows with
-    the context (fp8: one scale per entry); the rolling tensors are a few rows and stay in the model dtype.
+    the tokens of the still-open window; ``prev_kv``/``prev_gate`` (overlapping CSA windows only, ``[1, rate,
+    width / 2]``) the first half of the last closed window, gate already biased, which the next entry
+    pools; ``entries`` rows ``[:count]`` the emitted entries. ``kv_dtype`` applies to the entries only, the
+    part that grows with the context (fp8: one scale per entry); the rolling tensors are a few rows and stay
+    in the model dtype.
     """
 
     def __init__(
@@ -120,6 +145,20 @@ class CompressorState:
             self.open[: self.n_open] = joined[closed:]
             windows = joined[:closed].view(closed // self.rate, self.rate, 2 * width)
         return windows[..., :width], windows[..., width:], self.count
+
+    def push(self, row: torch.Tensor, writes: RowWrites | None = None) -> bool:
+        """Decode: store one token's projections (``[1, 2 * width]``; the copy left to ``writes`` when given);
+        True when they close the open window, whose rows are then all of :attr:`open` (until the next
+        push, which starts the next window)."""
+        if writes is None:
+            self.open[self.n_open : self.n_open + 1] = row
+        else:
+            writes.add(self.open[self.n_open : self.n_open + 1], row)
+        self.n_open += 1
+        if self.n_open < self.rate:
+            return False
+        self.n_open = 0
+        return True
 
     @property
     def open_kv(self) -> torch.Tensor:

@@ -1,59 +1,94 @@
 """DeepSeek-V4 decode attention: one new token per sequence, every key it has visible to it.
 
 Decode of a few streams is bound by kernel launches, so the attention of all sequences runs as one
-batched computation: each sequence's keys (its window, then its compressed entries) are copied into
-one zero-padded ``[B, S, D]`` tensor and the padding is masked out of the softmax. A masked key's
-probability is exactly zero and its (zero) value adds nothing, so each row gets the softmax of its
-own keys; only the GEMMs' blocking over the longer padded rows may round differently.
+batched computation: each sequence's keys (its window, then its compressed entries) are laid out in
+one zero-padded ``[B, S, D]`` tensor (one concatenation of every sequence's parts and its padding rows)
+and the padding is masked out of the softmax. A masked key's probability is exactly zero and its (zero)
+value adds nothing, so each row gets the softmax of its own keys; only the GEMMs' blocking over the
+longer padded rows may round differently. Nothing here waits for the device: the masks' key counts
+travel to it without a host sync (:func:`host_ints`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from moetier.models.layers import stack_padded
-
 # Padding masks ``[B, S]`` (True = padding) by the sequences' key counts; several layers of one step
 # share a key layout (every sliding layer; compressed layers of one rate), so they share the mask.
 MaskCache = dict[tuple[int, ...], torch.Tensor]
+# Zero rows to pad with, by (width, dtype, device): read only, so one block serves every layer of a step.
+ZeroRows = dict[tuple[int, torch.dtype, torch.device], torch.Tensor]
+
+
+def host_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``. To CUDA through pinned memory and a non-blocking copy:
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory and waits for the stream to drain
+    (a host sync in the middle of the step)."""
+    cpu = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return cpu.to(device)
+    return cpu.pin_memory().to(device, non_blocking=True)
 
 
 def sink_attention_one(q: torch.Tensor, keys: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention of one query (``[H, D]``) over keys it sees in full (``[S, D]``, K = V), with a
-    per-head sink logit that joins the normaliser but carries no value."""
+    per-head sink logit that joins the normaliser but carries no value. The logits join the float32 sinks
+    in one concatenation (a 16-bit model's logits are widened there, exactly as a cast would)."""
     scores = torch.mm(q, keys.t()) * scale
-    probs = torch.softmax(torch.cat([scores.float(), sinks.float()[:, None]], dim=-1), dim=-1).to(q.dtype)
+    probs = torch.softmax(torch.cat([scores, sinks.float()[:, None]], dim=-1), dim=-1).to(q.dtype)
     return torch.mm(probs[:, :-1], keys)
 
 
-def padded_keys(keys: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
-    """Each sequence's key parts (``[n, D]`` each, concatenated in order) in one zero-padded ``[B, S, D]``
-    tensor, and each sequence's key count."""
+def zero_rows(rows: int, like: torch.Tensor, zeros: ZeroRows) -> torch.Tensor:
+    """``[rows, D]`` zeros of ``like``'s width, dtype and device, a view of a block kept in ``zeros``."""
+    key = (like.shape[-1], like.dtype, like.device)
+    block = zeros.get(key)
+    if block is None or block.shape[0] < rows:
+        block = zeros[key] = like.new_zeros(rows, like.shape[-1])
+    return block[:rows]
+
+
+def padded_keys(keys: list[list[torch.Tensor]], zeros: ZeroRows | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Each sequence's key parts (``[n, D]`` each, in order) in one zero-padded ``[B, S, D]`` tensor, and
+    each sequence's key count: one concatenation of every part followed by its sequence's padding rows
+    (views of one zero block, from ``zeros`` when given): one op whatever the number of sequences and parts."""
     lengths = [sum(part.shape[0] for part in parts) for parts in keys]
-    return stack_padded(keys), lengths
+    longest, first = max(lengths), keys[0][0]
+    pad = zero_rows(longest - min(lengths), first, {} if zeros is None else zeros) if min(lengths) < longest else None
+    rows: list[torch.Tensor] = []
+    for parts, length in zip(keys, lengths, strict=True):
+        rows += parts
+        if length < longest:
+            rows.append(pad[: longest - length])
+    return torch.cat(rows).view(len(keys), longest, first.shape[-1]), lengths
 
 
 def padding_mask(lengths: list[int], device: torch.device, masks: MaskCache) -> torch.Tensor:
     """``[B, max(lengths)]`` bool, True past each sequence's ``lengths[b]`` keys (built once per layout)."""
     key = tuple(lengths)
     if key not in masks:
-        counts = torch.tensor(lengths, device=device)
+        counts = host_ints(lengths, device)
         masks[key] = torch.arange(max(lengths), device=device)[None, :] >= counts[:, None]
     return masks[key]
 
 
 def sink_attention_decode(
-    q: torch.Tensor, keys: list[list[torch.Tensor]], sinks: torch.Tensor, scale: float, masks: MaskCache
+    q: torch.Tensor,
+    keys: list[list[torch.Tensor]],
+    sinks: torch.Tensor,
+    scale: float,
+    masks: MaskCache,
+    zeros: ZeroRows | None = None,
 ) -> torch.Tensor:
     """:func:`sink_attention_one` for ``B`` sequences at once: ``q`` ``[B, H, D]``, ``keys[b]`` the key parts
-    of sequence ``b`` -> ``[B, H, D]``. One sequence runs unpadded (no mask, the fewest ops)."""
+    of sequence ``b`` -> ``[B, H, D]``. One sequence runs unpadded (no mask, the fewest ops). Padding is
+    masked in the logits' dtype (-inf is exact in any float dtype) before they join the float32 sinks."""
     if len(keys) == 1:
         parts = keys[0]
         return sink_attention_one(q[0], parts[0] if len(parts) == 1 else torch.cat(parts), sinks, scale)[None]
-    padded, lengths = padded_keys(keys)
+    padded, lengths = padded_keys(keys, zeros)
     tokens, heads = q.shape[:2]
     logits = torch.bmm(q, padded.transpose(1, 2)) * scale
-    logits = logits.float()
     if min(lengths) != max(lengths):
         logits = logits.masked_fill_(padding_mask(lengths, q.device, masks)[:, None, :], float("-inf"))
     sink = sinks.float().view(1, heads, 1).expand(tokens, heads, 1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moetier.models.deepseek_v4_decode import MaskCache
+from moetier.models.deepseek_v4_decode import MaskCache, ZeroRows, host_ints
 
 # The rope tables of a V4 model, in the order their tensors are flattened.
 ROPE_KINDS = ("main", "compress")
@@ -71,15 +71,17 @@ class StepRope:
     positions: torch.Tensor
     token: dict[str, Rotation]
     compress: RotaryTable
-    # Rotations of compressed entries emitted this step, by (first entry, count, rate, dtype): the CSA
-    # compressor and its indexer's, and every layer of the same rate, close the same windows in a step.
-    emitted: dict[tuple[int, int, int, torch.dtype], Rotation] = field(default_factory=dict)
-    # Decode's key padding masks of this step (see :mod:`deepseek_v4_decode`), shared by the layers.
+    # Rotations of compressed entries emitted this step, by (first entry, count, rate, dtype), or by (the
+    # entries, rate, dtype) for entries of several sequences: the CSA compressor and its indexer's, and
+    # every layer of the same rate, close the same windows in a step.
+    emitted: dict[tuple, Rotation] = field(default_factory=dict)
+    # Decode's key padding masks and zero rows of this step (see :mod:`deepseek_v4_decode`), shared by the layers.
     key_masks: MaskCache = field(default_factory=dict)
+    zero_rows: ZeroRows = field(default_factory=dict)
 
     def rows(self, rows: slice) -> StepRope:
         token = {k: r.rows(rows) for k, r in self.token.items()}
-        return StepRope(self.positions[rows], token, self.compress, self.emitted, self.key_masks)
+        return StepRope(self.positions[rows], token, self.compress, self.emitted, self.key_masks, self.zero_rows)
 
     def entries(self, first: int, count: int, rate: int, dtype: torch.dtype) -> Rotation:
         """The rotation of entries ``first .. first + count - 1`` (at positions ``w * rate``), computed once a step."""
@@ -88,6 +90,16 @@ class StepRope:
             device = self.positions.device
             positions = torch.arange(first * rate, (first + count) * rate, rate, device=device)
             self.emitted[key] = self.compress(positions, dtype)
+        return self.emitted[key]
+
+    def entries_of(self, ids: tuple[int, ...], rate: int, dtype: torch.dtype) -> Rotation:
+        """The rotation of entries ``ids`` (any order; several sequences', decode emits one each), computed
+        once a step; a single entry is :meth:`entries`'."""
+        if len(ids) == 1:
+            return self.entries(ids[0], 1, rate, dtype)
+        key = (ids, rate, dtype)
+        if key not in self.emitted:
+            self.emitted[key] = self.compress(host_ints([i * rate for i in ids], self.positions.device), dtype)
         return self.emitted[key]
 
 

@@ -6,8 +6,10 @@ time for ~2 ms of GPU work on an H200, ~670 kernels plus their Python). A step r
     inputs    graph   embedding, residual streams, the rotations of the step's positions
     per layer:
       pre     graph   the previous layer's MoE output merged into the streams, attn_hc + norm, the fused
-                      projections of x, the rotated queries (the attention's and the indexer's)
-      core    eager   each sequence's window, compressor and indexer, then the padded sink attention
+                      projections of x, the rotated queries (the attention's and the indexer's), the
+                      indexer's head weights as it scores with them
+      core    eager   each sequence's window and compressors' rows, then batched over the sequences: the
+                      windows that close, the indexer's scores, the padded sink attention
       post    graph   rotate back, output projection, mHC merge, ffn_hc + norm, router, shared expert
       experts eager   the dispatcher (its tiers decide on the host from the routing)
     final     graph   the last MoE output merged in, hyper-head, final norm
@@ -86,6 +88,7 @@ def _pre(layer: DeepseekV4DecoderLayer, carried: int, *tensors: torch.Tensor | N
     """Segment: ``carried`` carry tensors then the rotations' -> streams, post, comb, q, index_q, projections."""
     streams = _settle(layer, tensors[:carried])
     post, comb, q, index_q, inputs = layer.decode_pre(streams, rotations_from(tensors[carried:]))
+    inputs = layer.attn.decode_projections(inputs)
     projected = (inputs.q_residual, inputs.kv, inputs.kv_gate, inputs.index_kv_gate, inputs.index_weights)
     return streams, post, comb, q, index_q, *projected
 
