@@ -20,7 +20,14 @@ from torch import nn
 from moetier.kernels.rmsnorm import rms_norm
 from moetier.models.deepseek_v4_cache import CompressorState, LayerCache, RowWrites
 from moetier.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
-from moetier.models.deepseek_v4_decode import padded_keys, sink_attention_decode
+from moetier.models.deepseek_v4_decode import (
+    CompressedKeys,
+    KeySet,
+    padded_keys,
+    sink_attention,
+    sink_attention_decode,
+    sliding_keys,
+)
 from moetier.models.deepseek_v4_rope import Rotation, StepRope, rotate_
 from moetier.models.layers import RMSNorm
 
@@ -410,68 +417,6 @@ class Indexer(nn.Module):
         visible = visible_entries(positions, keys.shape[0], self.compressor.rate)
         ids = scores.masked_fill_(~visible, float("-inf")).topk(min(self.topk, keys.shape[0]), dim=-1).indices
         return ids, visible.gather(1, ids)
-
-
-# One attended key set: keys shared by all queries ([S, D]) or per query ([T, S, D]), and a [T, S] mask.
-KeySet = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass
-class CompressedKeys:
-    """The compressed entries ``[C, D]`` a layer's queries attend, gathered per block of queries.
-
-    HCA: every entry, ``mask`` ``[T, C]`` marks the complete ones. CSA: ``ids`` ``[T, k]`` are each
-    query's top-k entries and ``mask`` ``[T, k]`` whether each may be attended; the ``[T, k, D]``
-    gather happens per block (2 GiB for 4096 queries of V4-Flash if done at once).
-    """
-
-    entries: torch.Tensor
-    mask: torch.Tensor
-    ids: torch.Tensor | None = None
-
-    @property
-    def per_query(self) -> int:
-        """Compressed keys each query attends."""
-        return self.mask.shape[1]
-
-    def rows(self, rows: slice) -> KeySet:
-        if self.ids is None:
-            return self.entries, self.mask[rows]
-        return self.entries[self.ids[rows]], self.mask[rows]
-
-
-def sliding_keys(keys: torch.Tensor, num_queries: int, window: int) -> KeySet:
-    """Per-query windows ``[T, window, D]`` over ``keys`` (cached tokens then the ``T`` new ones).
-
-    Query ``i`` sees the ``window`` keys ending at its own position: O(T * window), not O(T^2).
-    """
-    missing = window - 1 - (keys.shape[0] - num_queries)  # fewer than window-1 cached tokens at the start
-    padded = F.pad(keys, (0, 0, missing, 0))
-    windows = padded.unfold(0, window, 1).transpose(1, 2)
-    slot = torch.arange(window, device=keys.device)[None, :] + torch.arange(num_queries, device=keys.device)[:, None]
-    return windows, slot >= missing
-
-
-def sink_attention(q: torch.Tensor, key_sets: list[KeySet], sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention of ``q`` (``[T, H, D]``) over several key sets (K = V) plus a per-head sink logit.
-
-    The sink joins the softmax normaliser but carries no value, so a head may attend to "nothing".
-    """
-    tokens, heads = q.shape[:2]
-    logits = []
-    for keys, mask in key_sets:
-        pattern = "thd,sd->ths" if keys.dim() == 2 else "thd,tsd->ths"
-        scores = torch.einsum(pattern, q, keys) * scale
-        logits.append(scores.float().masked_fill(~mask[:, None, :], float("-inf")))
-    logits.append(sinks.float().view(1, heads, 1).expand(tokens, heads, 1))
-    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1).to(q.dtype)
-    out, start = torch.zeros_like(q), 0
-    for keys, _ in key_sets:
-        size = keys.shape[-2]
-        pattern = "ths,sd->thd" if keys.dim() == 2 else "ths,tsd->thd"
-        out = out + torch.einsum(pattern, probs[..., start : start + size], keys)
-        start += size
-    return out
 
 
 @dataclass

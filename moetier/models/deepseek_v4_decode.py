@@ -1,4 +1,5 @@
-"""DeepSeek-V4 decode attention: one new token per sequence, every key it has visible to it.
+"""DeepSeek-V4's sink attention over key sets: a prefill chunk's (:func:`sink_attention`, per-query
+windows and compressed entries) and decode's (one new token per sequence, every key it has visible to it).
 
 Decode of a few streams is bound by kernel launches, so the attention of all sequences runs as one
 batched computation: each sequence's keys (its window, then its compressed entries) are laid out in
@@ -11,7 +12,10 @@ travel to it without a host sync (:func:`host_ints`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 # Padding masks ``[B, S]`` (True = padding) by the sequences' key counts; several layers of one step
 # share a key layout (every sliding layer; compressed layers of one rate), so they share the mask.
@@ -94,3 +98,65 @@ def sink_attention_decode(
     sink = sinks.float().view(1, heads, 1).expand(tokens, heads, 1)
     probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1).to(q.dtype)
     return torch.bmm(probs[..., :-1], padded)
+
+
+# One attended key set: keys shared by all queries ([S, D]) or per query ([T, S, D]), and a [T, S] mask.
+KeySet = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class CompressedKeys:
+    """The compressed entries ``[C, D]`` a layer's queries attend, gathered per block of queries.
+
+    HCA: every entry, ``mask`` ``[T, C]`` marks the complete ones. CSA: ``ids`` ``[T, k]`` are each
+    query's top-k entries and ``mask`` ``[T, k]`` whether each may be attended; the ``[T, k, D]``
+    gather happens per block (2 GiB for 4096 queries of V4-Flash if done at once).
+    """
+
+    entries: torch.Tensor
+    mask: torch.Tensor
+    ids: torch.Tensor | None = None
+
+    @property
+    def per_query(self) -> int:
+        """Compressed keys each query attends."""
+        return self.mask.shape[1]
+
+    def rows(self, rows: slice) -> KeySet:
+        if self.ids is None:
+            return self.entries, self.mask[rows]
+        return self.entries[self.ids[rows]], self.mask[rows]
+
+
+def sliding_keys(keys: torch.Tensor, num_queries: int, window: int) -> KeySet:
+    """Per-query windows ``[T, window, D]`` over ``keys`` (cached tokens then the ``T`` new ones).
+
+    Query ``i`` sees the ``window`` keys ending at its own position: O(T * window), not O(T^2).
+    """
+    missing = window - 1 - (keys.shape[0] - num_queries)  # fewer than window-1 cached tokens at the start
+    padded = F.pad(keys, (0, 0, missing, 0))
+    windows = padded.unfold(0, window, 1).transpose(1, 2)
+    slot = torch.arange(window, device=keys.device)[None, :] + torch.arange(num_queries, device=keys.device)[:, None]
+    return windows, slot >= missing
+
+
+def sink_attention(q: torch.Tensor, key_sets: list[KeySet], sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of ``q`` (``[T, H, D]``) over several key sets (K = V) plus a per-head sink logit.
+
+    The sink joins the softmax normaliser but carries no value, so a head may attend to "nothing".
+    """
+    tokens, heads = q.shape[:2]
+    logits = []
+    for keys, mask in key_sets:
+        pattern = "thd,sd->ths" if keys.dim() == 2 else "thd,tsd->ths"
+        scores = torch.einsum(pattern, q, keys) * scale
+        logits.append(scores.float().masked_fill(~mask[:, None, :], float("-inf")))
+    logits.append(sinks.float().view(1, heads, 1).expand(tokens, heads, 1))
+    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1).to(q.dtype)
+    out, start = torch.zeros_like(q), 0
+    for keys, _ in key_sets:
+        size = keys.shape[-2]
+        pattern = "ths,sd->thd" if keys.dim() == 2 else "ths,tsd->thd"
+        out = out + torch.einsum(pattern, probs[..., start : start + size], keys)
+        start += size
+    return out
