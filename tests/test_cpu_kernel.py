@@ -350,23 +350,22 @@ def _fill_fp8(q: torch.Tensor, scale: torch.Tensor, gen: torch.Generator) -> Non
     scale.copy_((torch.rand(scale.shape, generator=gen) + 0.5) / (150 * q.shape[1] ** 0.5))
 
 
-def _fp8_experts(count, hidden, inter, tile, seed, fp8=torch.float8_e4m3fn):
-    quant = ExpertQuant(tile=tile, fp8=fp8)
+def _quant_experts(count, hidden, inter, quant, fill, seed):
+    """``count`` random experts stored as ``quant`` describes, their values and scales drawn by ``fill``."""
     layout = ExpertLayout((0,), num_experts=count, hidden_size=hidden, intermediate_size=inter, top_k=1, quant=quant)
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
         w = ExpertWeights.from_block(torch.zeros(layout.block_numel, dtype=torch.uint8), layout)
         for name in ("gate", "up", "down"):
-            _fill_fp8(getattr(w, f"{name}_q"), getattr(w, f"{name}_scale"), gen)
+            fill(getattr(w, f"{name}_q"), getattr(w, f"{name}_scale"), gen)
         out.append(w)
     return out
 
 
-def _fp8_job(hidden, inter, tile, tokens, seed=0):
-    """As _job, with quantised experts; also returns the same groups on the experts dequantised to bf16."""
+def _quant_job(experts, hidden, inter, tokens, seed):
+    """As _job, with the quantised ``experts``; also returns the same groups on the experts dequantised to bf16."""
     _, x, dense = _job(hidden, inter, tokens, seed)
-    experts = _fp8_experts(len(tokens), hidden, inter, tile, seed)
     groups = [CpuGroup(w, g.rows, g.gates) for w, g in zip(experts, dense, strict=True)]
     dequantised = [
         CpuGroup(w.dequantized(torch.bfloat16), g.rows, g.gates) for w, g in zip(experts, dense, strict=True)
@@ -374,10 +373,23 @@ def _fp8_job(hidden, inter, tile, tokens, seed=0):
     return x, groups, dequantised
 
 
+def _run_quant(lib, name, x, groups, limit, threads, out=None):
+    """``lib.run_fp8`` or ``lib.run_fp4`` (``name``) on ``groups``."""
+    run = getattr(lib, f"run_{name}")
+    return run(x, [g.weights for g in groups], groups[0].weights.tile, [g.rows for g in groups],
+               [g.gates for g in groups], limit, threads, out)  # fmt: skip
+
+
+def _fp8_experts(count, hidden, inter, tile, seed, fp8=torch.float8_e4m3fn):
+    return _quant_experts(count, hidden, inter, ExpertQuant(tile=tile, fp8=fp8), _fill_fp8, seed)
+
+
+def _fp8_job(hidden, inter, tile, tokens, seed=0):
+    return _quant_job(_fp8_experts(len(tokens), hidden, inter, tile, seed), hidden, inter, tokens, seed)
+
+
 def _run_fp8(lib, x, groups, limit, threads, out=None):
-    tile = groups[0].weights.tile
-    return lib.run_fp8(x, [g.weights for g in groups], tile, [g.rows for g in groups], [g.gates for g in groups],
-                       limit, threads, out)  # fmt: skip
+    return _run_quant(lib, "fp8", x, groups, limit, threads, out)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -489,33 +501,15 @@ def _fill_fp4(q: torch.Tensor, scale: torch.Tensor, gen: torch.Generator) -> Non
 
 
 def _fp4_experts(count, hidden, inter, tile, seed):
-    quant = ExpertQuant(kind="fp4-block", tile=tile)
-    layout = ExpertLayout((0,), num_experts=count, hidden_size=hidden, intermediate_size=inter, top_k=1, quant=quant)
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(count):
-        w = ExpertWeights.from_block(torch.zeros(layout.block_numel, dtype=torch.uint8), layout)
-        for name in ("gate", "up", "down"):
-            _fill_fp4(getattr(w, f"{name}_q"), getattr(w, f"{name}_scale"), gen)
-        out.append(w)
-    return out
+    return _quant_experts(count, hidden, inter, ExpertQuant(kind="fp4-block", tile=tile), _fill_fp4, seed)
 
 
 def _fp4_job(hidden, inter, tile, tokens, seed=0):
-    """As _fp8_job, with packed fp4 experts."""
-    _, x, dense = _job(hidden, inter, tokens, seed)
-    experts = _fp4_experts(len(tokens), hidden, inter, tile, seed)
-    groups = [CpuGroup(w, g.rows, g.gates) for w, g in zip(experts, dense, strict=True)]
-    dequantised = [
-        CpuGroup(w.dequantized(torch.bfloat16), g.rows, g.gates) for w, g in zip(experts, dense, strict=True)
-    ]
-    return x, groups, dequantised
+    return _quant_job(_fp4_experts(len(tokens), hidden, inter, tile, seed), hidden, inter, tokens, seed)
 
 
 def _run_fp4(lib, x, groups, limit, threads, out=None):
-    tile = groups[0].weights.tile
-    return lib.run_fp4(x, [g.weights for g in groups], tile, [g.rows for g in groups], [g.gates for g in groups],
-                       limit, threads, out)  # fmt: skip
+    return _run_quant(lib, "fp4", x, groups, limit, threads, out)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

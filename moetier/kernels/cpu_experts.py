@@ -475,16 +475,13 @@ def build(extra_flags: tuple[str, ...] = ()) -> Path:
     return target
 
 
-def supports_fp8() -> bool:
-    """Whether the default build runs float8 e4m3fn experts (:meth:`CpuExpertsLibrary.run_fp8`)."""
-    lib = library()
-    return lib is not None and lib.supports_fp8
+QUANT_NAMES = ("fp8", "fp4")  # the quantised expert formats the kernel runs: e4m3 fp8-block, packed e2m1 fp4-block
 
 
-def supports_fp4() -> bool:
-    """Whether the default build runs packed fp4 (e2m1) experts (:meth:`CpuExpertsLibrary.run_fp4`)."""
+def supports_quantised(name: str) -> bool:
+    """Whether the default build runs ``name`` experts ("fp8": float8 e4m3fn, "fp4": packed e2m1)."""
     lib = library()
-    return lib is not None and lib.supports_fp4
+    return lib is not None and getattr(lib, f"supports_{_quant_name(name)}")
 
 
 def kernel_isa() -> str | None:
@@ -507,7 +504,8 @@ def run_experts(
     return _default_library().run(hidden, gate_up, down, rows, gates, swiglu_limit, threads, out)
 
 
-def run_fp8_experts(
+def run_quantised_experts(
+    name: str,
     hidden: torch.Tensor,
     experts: Sequence[QuantExpert],
     tile: tuple[int, int],
@@ -517,22 +515,16 @@ def run_fp8_experts(
     threads: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:meth:`CpuExpertsLibrary.run_fp8` with the default build; RuntimeError when there is none."""
-    return _default_library().run_fp8(hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
+    """:meth:`CpuExpertsLibrary.run_fp8` or ``run_fp4`` (``name``) with the default build; RuntimeError when
+    there is none."""
+    run = getattr(_default_library(), f"run_{_quant_name(name)}")
+    return run(hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
 
 
-def run_fp4_experts(
-    hidden: torch.Tensor,
-    experts: Sequence[QuantExpert],
-    tile: tuple[int, int],
-    rows: Sequence[torch.Tensor],
-    gates: Sequence[torch.Tensor],
-    swiglu_limit: float | None,
-    threads: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:meth:`CpuExpertsLibrary.run_fp4` with the default build; RuntimeError when there is none."""
-    return _default_library().run_fp4(hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
+def _quant_name(name: str) -> str:
+    if name not in QUANT_NAMES:
+        raise ValueError(f"unknown quantised expert format {name!r}; the kernel runs {', '.join(QUANT_NAMES)}")
+    return name
 
 
 def _default_library() -> CpuExpertsLibrary:

@@ -215,18 +215,18 @@ def _bf16_fits(weights: ExpertWeights) -> bool:
 
 @dataclass(frozen=True)
 class _KernelQuant:
-    """One quantised expert kind the C kernel runs: its stored values' dtype and its name ("fp8", "fp4"),
-    which labels the result and names its entry (``cpu_experts.run_<name>_experts``, looked up when called)."""
+    """One quantised expert kind the C kernel runs: its stored values' dtype and its name ("fp8", "fp4",
+    :data:`cpu_experts.QUANT_NAMES`), which labels the result and picks the kernel's entry."""
 
     values: torch.dtype
     name: str
     even_tile_cols: bool = False  # packed: two values a byte, so every tile must start on a whole byte
 
     def supported(self) -> bool:
-        return getattr(cpu_experts, f"supports_{self.name}")()
+        return cpu_experts.supports_quantised(self.name)
 
     def run(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return getattr(cpu_experts, f"run_{self.name}_experts")(*args, **kwargs)
+        return cpu_experts.run_quantised_experts(self.name, *args, **kwargs)
 
 
 _KERNEL_QUANT = {
