@@ -18,6 +18,12 @@ more than ``MAX_GROUP_TOKENS`` tokens (prefill's busy experts) keep the per-expe
 tensor cores better; the choice is made per group, so a group computes the same in every placement.
 Used on CUDA when Triton is importable (``MOETIER_TRITON=0`` turns it off); after one failure the
 per-expert path runs from then on.
+
+Expert blocks may be dense (the activations' dtype), fp8-block (e4m3 values and float32 tile scales) or
+fp4-block (packed e2m1 nibbles, low nibble first, and float32 tile scales); quantised weights are
+dequantised in the kernel exactly as the loader does. The fp4-block path is off until its GPU test has
+passed: it runs only with ``MOETIER_FP4_GROUPED=1`` (read per call); otherwise fp4 experts take the
+per-expert path.
 """
 
 from __future__ import annotations
@@ -63,19 +69,33 @@ if triton is not None:
         TILE_R: tl.constexpr,
         TILE_C: tl.constexpr,
     ):
-        """Rows x cols of one matrix of an expert block, in ``dtype``. Dense: ``part`` is the matrix's first
-        element. Quantised: ``part``/``scales`` are byte offsets of its e4m3 values and its float32 tile
-        scales, and each value is dequantised as the loader does, ``(float(v) * scale).to(dtype)``."""
-        if QUANT:
+        """Rows x cols of one matrix of an expert block, in ``dtype``. Dense (``QUANT`` 0): ``part`` is the
+        matrix's first element. Quantised: ``part``/``scales`` are byte offsets of its stored values and its
+        float32 tile scales, one per ``TILE_R x TILE_C`` tile; ``QUANT`` 1 stores e4m3 values, 2 packed e2m1
+        (column ``c`` is byte ``c // 2`` of the row, low nibble when ``c`` is even). Each value is dequantised
+        as the loader does, ``(float(v) * scale).to(dtype)``."""
+        if QUANT == 0:
+            base = block.to(tl.pointer_type(dtype))
+            return tl.load(base + part + rows[:, None] * width + cols[None, :], mask=mask, other=0.0)
+        else:
             base = block.to(tl.pointer_type(tl.uint8))
-            raw = tl.load(base + part + rows[:, None] * width + cols[None, :], mask=mask, other=0)
             grid = (width + TILE_C - 1) // TILE_C
             scale_at = (rows // TILE_R)[:, None] * grid + (cols // TILE_C)[None, :]
             scale = tl.load((base + scales).to(tl.pointer_type(tl.float32)) + scale_at, mask=mask, other=0.0)
-            return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(dtype)
-        else:
-            base = block.to(tl.pointer_type(dtype))
-            return tl.load(base + part + rows[:, None] * width + cols[None, :], mask=mask, other=0.0)
+            if QUANT == 1:
+                raw = tl.load(base + part + rows[:, None] * width + cols[None, :], mask=mask, other=0)
+                value = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                raw = tl.load(base + part + rows[:, None] * (width // 2) + (cols // 2)[None, :], mask=mask, other=0)
+                code = tl.where((cols % 2 == 1)[None, :], raw >> 4, raw & 0xF)
+                # e2m1: sign (bit 3), exponent (bits 2-1, bias 1), mantissa (bit 0); exponent 0 is subnormal.
+                # Magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6, each exact in float32 (moetier.weights.fp4's table).
+                half = (code & 1).to(tl.float32) * 0.5
+                exponent = (code >> 1) & 3
+                power = tl.where(exponent == 3, 4.0, tl.where(exponent == 2, 2.0, 1.0))
+                magnitude = tl.where(exponent == 0, half, (1.0 + half) * power)
+                value = tl.where((code & 8) != 0, -magnitude, magnitude)
+            return (value * scale).to(dtype)
 
     @triton.jit
     def _gate_up_kernel(
@@ -205,30 +225,37 @@ def grouped_usable(hidden: torch.Tensor, groups: Sequence[Group]) -> bool:
 
 
 def _block_fits(weights: ExpertWeights, hidden: torch.Tensor) -> bool:
-    """Dense blocks in the activations' dtype, or e4m3 fp8-block ones, on the activations' device.
-
-    fp4-block (packed) experts have no kernel: they run the per-expert torch path.
-    """
+    """Dense blocks in the activations' dtype, e4m3 fp8-block ones, or (with ``MOETIER_FP4_GROUPED=1``,
+    until the fp4 kernel's GPU test has passed) packed fp4-block ones, on the activations' device."""
     if weights.block.device != hidden.device:
         return False
     if weights.quantized:
+        if weights.quant_kind == "fp4-block":
+            return fp4_grouped_enabled() and weights.down_q.dtype == torch.uint8
         return weights.quant_kind == "fp8-block" and weights.down_q.dtype == torch.float8_e4m3fn
     return weights.block.dtype == hidden.dtype
 
 
+def fp4_grouped_enabled() -> bool:
+    """Whether fp4-block experts may take the grouped kernels (``MOETIER_FP4_GROUPED=1``, read per call)."""
+    return os.environ.get("MOETIER_FP4_GROUPED", "0") == "1"
+
+
 def _placement(weights: ExpertWeights) -> tuple:
-    """The kernels' constants for a block: whether it is quantised, where its matrices lie, the tile.
+    """The kernels' constants for a block: its ``QUANT`` (0 dense, 1 fp8, 2 fp4), where its matrices lie,
+    the tile.
 
     Dense: element offsets of gate, up and down in ``[gate; up; down]``. Quantised: byte offsets of the
-    three float8 matrices and their scale grids (the layout's ``quant_parts``), and the tile.
+    three float8 (or packed e2m1) matrices and their scale grids (the layout's ``quant_parts``), and the tile.
     """
     if not weights.quantized:
         inter, size = weights.down.shape[1], weights.down.shape[0]
-        return (False, 0, inter * size, 2 * inter * size, 0, 0, 0, 1, 1)
+        return (0, 0, inter * size, 2 * inter * size, 0, 0, 0, 1, 1)
     block = weights.block.data_ptr()
     offset = lambda view: view.data_ptr() - block  # noqa: E731 - a local shorthand
     views = (weights.gate_q, weights.up_q, weights.down_q, weights.gate_scale, weights.up_scale, weights.down_scale)
-    return (True, *(offset(v) for v in views), *weights.tile)
+    quant = 2 if weights.quant_kind == "fp4-block" else 1
+    return (quant, *(offset(v) for v in views), *weights.tile)
 
 
 def _tables(groups: Sequence[Group], pair_tokens_host: torch.Tensor, per_token: int) -> tuple:
@@ -266,7 +293,8 @@ def run_grouped(
 ) -> None:
     """The Triton path of :func:`run_experts` (no checks: see :func:`grouped_usable`)."""
     first = groups[0][0]
-    inter, size = (first.down_q if first.quantized else first.down).shape[1], hidden.shape[1]
+    # gate is [I, H] (fp4: [I, H/2] bytes), down [H, I]: the intermediate size is gate's rows.
+    inter, size = (first.gate_q.shape[0] if first.quantized else first.down.shape[1]), hidden.shape[1]
     quant, gate, up, down, gate_scale, up_scale, down_scale, tile_r, tile_c = _placement(first)
     tile = {"QUANT": quant, "TILE_R": tile_r, "TILE_C": tile_c}
     host = pair_tokens.cpu() if pair_tokens_host is None else pair_tokens_host
