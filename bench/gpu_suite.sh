@@ -16,7 +16,8 @@
 # FP8_EXPERTS=1 writes the bench model's routed experts as fp8 + tile scales (DeepSeek's fp8 release format)
 # and runs decode/prefill with --expert-format fp8 (half the miss bytes).
 # KV_LAYOUT_CHECK=1 adds two decode runs with fp8 KV, contiguous then paged.
-# CPU_TIER=1 adds `moetier bench cpu-tier` (torch vs the C kernel at CPU_TIER_THREADS, default 8,14,16).
+# CPU_TIER=1 adds `moetier bench cpu-tier` (torch vs the C kernel at CPU_TIER_THREADS, default 8,14,16, for the
+# expert formats in CPU_TIER_FORMATS, default bf16,fp8,fp4).
 # TRACE=modes (e.g. "tiered") saves those modes' profiled 1-stream decode steps as gzipped Chrome traces.
 # GRAPHS_CHECK=1 adds two decode runs (resident and tiered, 1 and 4 streams) with MOETIER_CUDA_GRAPHS=0, then =1.
 # The bench model is deleted at the end (KEEP_MODEL=1 keeps it): a second suite in the same call may need the disk.
@@ -68,7 +69,8 @@ bench() {  # bench KIND SECONDS ARGS...: one benchmark, its log appended, its st
 }
 if [ -n "${CPU_TIER:-}" ]; then  # the CPU tier's kernels alone (torch and C), no model needed
     echo "=== bench cpu-tier" >> "$LOG"
-    timeout 240 python3 -m moetier.cli bench cpu-tier --threads "${CPU_TIER_THREADS:-8,14,16}" --out "$OUT" 2>&1 \
+    timeout 240 python3 -m moetier.cli bench cpu-tier --threads "${CPU_TIER_THREADS:-8,14,16}" \
+        --formats "${CPU_TIER_FORMATS:-bf16,fp8,fp4}" --out "$OUT" 2>&1 \
         | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
