@@ -77,8 +77,14 @@ for dt, hidden, inter, tokens, counts, limit in {_CASES!r}:
 print(json.dumps(results))
 """
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"} if device == "cpu" else dict(os.environ)
-    done = subprocess.run([sys.executable, "-c", body], env=env, capture_output=True, text=True, timeout=300)
+    return _run_script(body, device)
+
+
+def _run_script(code: str, device: str, **env: str) -> list[dict]:
+    """Run ``code`` in a fresh interpreter (Triton's interpreter when ``device`` is cpu: it is chosen before
+    Triton is imported) with ``env`` added; its last output line is the JSON result."""
+    env = {**os.environ, **env, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -159,11 +165,7 @@ print(json.dumps(results))
 
 
 def _run_quant(device: str) -> list[dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"} if device == "cpu" else dict(os.environ)
-    code = _QUANT_CHECK.format(device=device)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _run_script(_QUANT_CHECK.format(device=device), device)
 
 
 def _check_quant(results: list[dict], bf16_bar: float) -> None:
@@ -243,13 +245,7 @@ print(json.dumps(results))
 
 
 def _run_fp4(device: str) -> list[dict]:
-    env = {**os.environ, "MOETIER_FP4_GROUPED": "1"}
-    if device == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-    code = _FP4_CHECK.format(device=device)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _run_script(_FP4_CHECK.format(device=device), device, MOETIER_FP4_GROUPED="1")
 
 
 def _check_fp4(results: list[dict], on_cuda: bool) -> None:
