@@ -6,7 +6,7 @@
 # Stages can be skipped: SKIP_TESTS=1, SKIP_BENCH=1 (all benchmarks), SKIP_DECODE=1, SKIP_PREFILL=1, SKIP_SERVE=1.
 # BENCH_SHAPE picks the bench model's widths (deepseek-v4-flash, the default; deepseek-v3; qwen3-235b);
 # BENCH_LAYERS (default 3) sets the model depth; ROUTING_SKEW=alpha draws each layer's expert popularity
-# from Dirichlet(alpha) (make-bench-model --routing-skew: small alpha, few hot experts; unset: uniform); GPU_TEST_ARGS adds pytest arguments (e.g. "-k deepseek_v4");
+# from Dirichlet(alpha) (make-bench-model --routing-skew: small alpha, few hot experts; unset: uniform); GPU_TEST_ARGS adds pytest arguments (e.g. "-k deepseek_v4"); GPU_TEST_TIMEOUT (default 420 s) bounds them;
 # BENCH_ARGS replaces the decode bench's "--profile"; PREFILL_ARGS replaces the prefill bench's
 # "--prompt-lens 8k,32k,128k --profile"; the prefill bench runs once per chunk size in PREFILL_CHUNKS
 # (default "4096 16384"); SHORT_TURNS=1 adds the short-turn prefill (512/2048 tokens, pure CPU and copy
@@ -15,8 +15,9 @@
 # (default 8GiB: backbone, KV, an auto 4096-token chunk and a few % of the experts) and drives it at 1/2/4 streams.
 # FP8_EXPERTS=1 writes the bench model's routed experts as fp8 + tile scales (DeepSeek's fp8 release format)
 # and runs decode/prefill with --expert-format fp8 (half the miss bytes).
-# KV_LAYOUT_CHECK=1 adds two decode runs with fp8 KV, contiguous then paged.
-# CPU_TIER=1 adds `moetier bench cpu-tier` (torch vs the C kernel at CPU_TIER_THREADS, default 8,14,16, for the
+# KV_LAYOUT_CHECK=1 adds two decode runs with fp8 KV, contiguous then paged (KV_LAYOUT_PROMPT: their prompt
+# length, default 64, e.g. 32768 for long-context decode; KV_LAYOUT_MODES, default resident,tiered; KV_LAYOUT_DTYPE).
+# CPU_TIER=1 adds the C kernel's tests on this host's ISAs and `moetier bench cpu-tier` (torch vs the C kernel at CPU_TIER_THREADS, default 8,14,16, for the
 # expert formats in CPU_TIER_FORMATS, default bf16,fp8,fp4).
 # TRACE=modes (e.g. "tiered") saves those modes' profiled 1-stream decode steps as gzipped Chrome traces.
 # GRAPHS_CHECK=1 adds two decode runs (resident and tiered, 1 and 4 streams) with MOETIER_CUDA_GRAPHS=0, then =1.
@@ -49,7 +50,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     echo "=== gpu tests" >> "$LOG"
     gpu_files=$(grep -l "mark.gpu" tests/test_*.py)
     eval "test_args=(${GPU_TEST_ARGS:-})"  # shell words, so -k "a or b" stays one expression
-    timeout 300 python3 -m pytest -q -m gpu $gpu_files "${test_args[@]}" -p no:cacheprovider 2>&1 | tee -a "$LOG"
+    # -v names each test as it runs and --durations lists the slow ones: a timeout still says where it stopped.
+    timeout "${GPU_TEST_TIMEOUT:-420}" python3 -m pytest -v --durations=15 -m gpu $gpu_files "${test_args[@]}" \
+        -p no:cacheprovider 2>&1 | tee -a "$LOG"
     status=${PIPESTATUS[0]}
     echo "gpu tests exit status: $status" | tee -a "$LOG"
 fi
@@ -68,6 +71,11 @@ bench() {  # bench KIND SECONDS ARGS...: one benchmark, its log appended, its st
     [ "$code" -eq 0 ] || status=$code
 }
 if [ -n "${CPU_TIER:-}" ]; then  # the CPU tier's kernels alone (torch and C), no model needed
+    # First the C kernel's own tests: this host's AVX-512 builds are paths the dev machines cannot run.
+    echo "=== cpu kernel tests (host ISAs)" >> "$LOG"
+    timeout 180 python3 -m pytest -q tests/test_cpu_kernel.py tests/test_fp8_experts.py tests/test_fp4_experts.py \
+        -m "not gpu" -p no:cacheprovider 2>&1 | tail -15 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     echo "=== bench cpu-tier" >> "$LOG"
     timeout 240 python3 -m moetier.cli bench cpu-tier --threads "${CPU_TIER_THREADS:-8,14,16}" \
         --formats "${CPU_TIER_FORMATS:-bf16,fp8,fp4}" --out "$OUT" 2>&1 \
@@ -100,7 +108,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     fi
     if [ -n "${KV_LAYOUT_CHECK:-}" ]; then  # fp8 KV, contiguous then paged: the paged read's cost in decode
         for layout in contiguous paged; do
-            bench decode 300 --streams 1,4 --repeats 2 --modes resident,tiered --kv-dtype fp8 --kv-layout "$layout"
+            bench decode 300 --streams 1,4 --repeats 2 --modes "${KV_LAYOUT_MODES:-resident,tiered}" \
+                --kv-dtype "${KV_LAYOUT_DTYPE:-fp8}" --kv-layout "$layout" --prompt-len "${KV_LAYOUT_PROMPT:-64}"
         done
     fi
     if [ -z "${SKIP_PREFILL:-}" ]; then
