@@ -135,11 +135,11 @@ def test_layout_sizes_and_views():
 def test_grouped_kernel_refuses_fp4_experts_and_the_cpu_tier_runs_them():
     weights = _fp4_weights()
     hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1)).bfloat16()
-    with pytest.MonkeyPatch.context() as env:  # grouped (Triton) kernel: fp4 only with MOETIER_FP4_GROUPED=1
+    with pytest.MonkeyPatch.context() as env:  # grouped (Triton) kernel: fp4 unless MOETIER_FP4_GROUPED=0
         env.delenv("MOETIER_FP4_GROUPED", raising=False)
-        assert not _block_fits(weights, hidden)  # off by default until its GPU test has passed
-        env.setenv("MOETIER_FP4_GROUPED", "1")
-        assert _block_fits(weights, hidden)
+        assert _block_fits(weights, hidden)  # on by default since its GPU test passed
+        env.setenv("MOETIER_FP4_GROUPED", "0")
+        assert not _block_fits(weights, hidden)
     rows, gates = torch.arange(5), torch.ones(5)
     job = CpuJob(hidden=hidden, groups=[CpuGroup(weights, rows, gates)])
     torch_tier = CpuExpertTier(swiglu_limit=10.0, threads=1, use_kernel=False)

@@ -234,10 +234,10 @@ for seed, (dt, hidden, inter, tokens, counts, limit) in enumerate(CASES):
         ref.index_add_(0, t, y)
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     on = k.grouped_usable(x.to(DEVICE), groups)
-    flag = os.environ.pop("MOETIER_FP4_GROUPED")
-    off = k.grouped_usable(x.to(DEVICE), groups)  # without the variable: the per-expert path
-    os.environ["MOETIER_FP4_GROUPED"] = flag
-    results.append({{"dtype": dt, "counts": counts, "usable": on, "usable_without_flag": off,
+    os.environ["MOETIER_FP4_GROUPED"] = "0"
+    off = k.grouped_usable(x.to(DEVICE), groups)  # switched off: the per-expert path
+    os.environ.pop("MOETIER_FP4_GROUPED")
+    results.append({{"dtype": dt, "counts": counts, "usable": on, "usable_switched_off": off,
                     "broken": list(k._BROKEN), "kernel_vs_torch": rel(out["kernel"], out["torch"]),
                     "kernel_vs_ref": rel(out["kernel"], ref), "torch_vs_ref": rel(out["torch"], ref)}})
 print(json.dumps(results))
@@ -245,13 +245,13 @@ print(json.dumps(results))
 
 
 def _run_fp4(device: str) -> list[dict]:
-    return _run_script(_FP4_CHECK.format(device=device), device, MOETIER_FP4_GROUPED="1")
+    return _run_script(_FP4_CHECK.format(device=device), device)
 
 
 def _check_fp4(results: list[dict], on_cuda: bool) -> None:
     assert len(results) == 5
     for r in results:
-        assert r["usable"] and not r["usable_without_flag"] and not r["broken"], r
+        assert r["usable"] and not r["usable_switched_off"] and not r["broken"], r
         if r["dtype"] == "float32":
             assert r["kernel_vs_torch"] < 1e-5, r
         elif on_cuda:  # the bf16 bars of the dense and fp8 tests on CUDA
@@ -269,8 +269,8 @@ def test_grouped_kernels_dequantise_fp4_experts_as_the_loader_does_on_cuda():
     _check_fp4(_run_fp4("cuda"), on_cuda=True)
 
 
-def test_fp4_experts_take_the_per_expert_path_without_the_flag(monkeypatch):
-    """Off by default (until the fp4 kernel's GPU test has passed): fp4 blocks never fit without the flag."""
+def test_fp4_experts_take_the_per_expert_path_when_switched_off(monkeypatch):
+    """On by default (its GPU test passed); ``MOETIER_FP4_GROUPED=0`` sends fp4 blocks to the per-expert path."""
     from moetier.kernels import grouped_experts as k
     from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights
 
@@ -278,12 +278,12 @@ def test_fp4_experts_take_the_per_expert_path_without_the_flag(monkeypatch):
     layout = ExpertLayout(moe_layers=(0,), num_experts=1, hidden_size=64, intermediate_size=32, top_k=1, quant=quant)
     weights = ExpertWeights.from_block(torch.zeros(layout.block_numel, dtype=torch.uint8), layout)
     x = torch.randn(2, 64)
-    for value in (None, "0", ""):
+    monkeypatch.setenv("MOETIER_FP4_GROUPED", "0")
+    assert not k._block_fits(weights, x)
+    for value in (None, "1"):
         if value is None:
             monkeypatch.delenv("MOETIER_FP4_GROUPED", raising=False)
         else:
             monkeypatch.setenv("MOETIER_FP4_GROUPED", value)
-        assert not k._block_fits(weights, x)
-    monkeypatch.setenv("MOETIER_FP4_GROUPED", "1")
-    assert k._block_fits(weights, x)
+        assert k._block_fits(weights, x)
     assert k._placement(weights)[0] == 2 and k._placement(weights)[-2:] == (1, 32)

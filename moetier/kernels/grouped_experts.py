@@ -21,9 +21,8 @@ per-expert path runs from then on.
 
 Expert blocks may be dense (the activations' dtype), fp8-block (e4m3 values and float32 tile scales) or
 fp4-block (packed e2m1 nibbles, low nibble first, and float32 tile scales); quantised weights are
-dequantised in the kernel exactly as the loader does. The fp4-block path is off until its GPU test has
-passed: it runs only with ``MOETIER_FP4_GROUPED=1`` (read per call); otherwise fp4 experts take the
-per-expert path.
+dequantised in the kernel exactly as the loader does. ``MOETIER_FP4_GROUPED=0`` (read per call) sends
+fp4 experts to the per-expert path instead (the fp4 path passed its GPU test on an H200 on 2026-12-01).
 """
 
 from __future__ import annotations
@@ -225,8 +224,8 @@ def grouped_usable(hidden: torch.Tensor, groups: Sequence[Group]) -> bool:
 
 
 def _block_fits(weights: ExpertWeights, hidden: torch.Tensor) -> bool:
-    """Dense blocks in the activations' dtype, e4m3 fp8-block ones, or (with ``MOETIER_FP4_GROUPED=1``,
-    until the fp4 kernel's GPU test has passed) packed fp4-block ones, on the activations' device."""
+    """Dense blocks in the activations' dtype, e4m3 fp8-block ones, or (unless ``MOETIER_FP4_GROUPED=0``)
+    packed fp4-block ones, on the activations' device."""
     if weights.block.device != hidden.device:
         return False
     if weights.quantized:
@@ -237,8 +236,8 @@ def _block_fits(weights: ExpertWeights, hidden: torch.Tensor) -> bool:
 
 
 def fp4_grouped_enabled() -> bool:
-    """Whether fp4-block experts may take the grouped kernels (``MOETIER_FP4_GROUPED=1``, read per call)."""
-    return os.environ.get("MOETIER_FP4_GROUPED", "0") == "1"
+    """Whether fp4-block experts may take the grouped kernels (unless ``MOETIER_FP4_GROUPED=0``, read per call)."""
+    return os.environ.get("MOETIER_FP4_GROUPED", "1") != "0"
 
 
 def _placement(weights: ExpertWeights) -> tuple:
