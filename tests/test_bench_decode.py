@@ -129,3 +129,31 @@ def test_trace_saves_the_timeline_of_the_profiled_steps(bench_model, tmp_path):
     assert {"v4.attend", "v4.dispatch", "tiers.route", "tiers.device", "tiers.cpu_job"} <= names
     with pytest.raises(ConfigError, match="unknown bench mode"):
         DecodeBenchConfig(model=bench_model, trace=["warp"])
+
+
+def test_long_prompts_are_prefilled_in_chunks_with_the_same_greedy_tokens(bench_model):
+    """Long-context runs prefill each stream in chunks (bounded attention scores): same tokens as one call."""
+    import torch
+
+    from moetier.bench.common import load_checkpoint
+    from moetier.bench.decode import _DecodeRun, _time_decode
+
+    loaded, device, _ = load_checkpoint(bench_model, "fp32", "cpu")
+    vocab = loaded.model.config.vocab_size
+    tokens = {}
+    for chunk in (64, 7):  # one call, then chunks of 7 (not a divisor of 20)
+        cfg = DecodeBenchConfig(
+            model=bench_model, streams=[2], steps=3, repeats=1, warmup=1, prompt_len=20, prefill_chunk=chunk,
+            dtype="fp32", device="cpu",
+        )  # fmt: skip
+        run = _DecodeRun(loaded.model, 2, cfg, vocab)
+        first = run.prefill()
+        assert all(c.length == 20 for c in run.caches)
+        tokens[chunk] = (
+            first.tolist(),
+            _time_decode(_DecodeRun(loaded.model, 2, cfg, vocab), loaded.model.dispatcher)[1],
+        )
+        assert torch.is_tensor(first)
+    assert tokens[64] == tokens[7]
+    with pytest.raises(ConfigError, match="prefill-chunk"):
+        DecodeBenchConfig(model=bench_model, prefill_chunk=0)

@@ -11,6 +11,8 @@ The same loaded model (one pinned home copy of the experts) is measured with eac
 - ``tiered-host``: ``tiered`` with ``gpu_waits_for_cpu`` off: the host thread, not the compute stream,
   waits for the CPU tier (``tiered`` lets the GPU wait where the driver can, and the receipt says
   when it cannot). Not in the default modes.
+- ``tiered-nohint``: ``tiered`` without the next-layer prefetch driven by the model's hints
+  (``decode_prefetch=0``; ``naive`` never prefetches). Not in the default modes.
 
 Each result carries its expert coverage (distinct experts touched per layer), its traffic, and
 ratios to the naive baseline, to the resident run and to the bound ``streams * DRAM_bw / missed
@@ -57,7 +59,7 @@ from moetier.tiers.host_store import HostExpertArena
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
 from moetier.weights.loader import LoadedModel
 
-MODES = ("resident", "naive", "cpu", "copy", "tiered", "tiered-host")
+MODES = ("resident", "naive", "cpu", "copy", "tiered", "tiered-host", "tiered-nohint")
 DEFAULT_MODES = MODES[:5]
 
 
@@ -71,6 +73,7 @@ class DecodeBenchConfig:
     cache_fraction: float = 0.05
     policy: str = "lfu"
     prompt_len: int = 64
+    prefill_chunk: int = 2048  # longer prompts are prefilled one stream at a time, this many tokens per call
     warmup: int = 4
     steps: int = 16
     repeats: int = 3
@@ -105,8 +108,8 @@ class DecodeBenchConfig:
             raise ConfigError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.kv_dtype not in (None, "bf16", "fp8"):
             raise ConfigError(f"--kv-dtype must be bf16 or fp8 (default: the model dtype), got {self.kv_dtype!r}")
-        if min(self.prompt_len, self.steps, self.repeats) < 1 or self.warmup < 0:
-            raise ConfigError("--prompt-len, --steps and --repeats must be >= 1 and --warmup >= 0")
+        if min(self.prompt_len, self.prefill_chunk, self.steps, self.repeats) < 1 or self.warmup < 0:
+            raise ConfigError("--prompt-len, --prefill-chunk, --steps and --repeats must be >= 1 and --warmup >= 0")
 
 
 class _DecodeRun:
@@ -122,10 +125,20 @@ class _DecodeRun:
 
     @torch.inference_mode()
     def prefill(self) -> torch.Tensor:
-        ids = torch.cat(self.prompts).to(self.model.device)
-        hidden = self.model(ids, self.caches, [self.cfg.prompt_len] * self.streams)
-        last = hidden.view(self.streams, self.cfg.prompt_len, -1)[:, -1]
-        return self.model.compute_logits(last).argmax(-1)
+        """All prompts in one call, or (longer than ``prefill_chunk``: a long-context decode measurement)
+        each stream in chunks, as the engine prefills: the eager attention's scores stay bounded."""
+        length, chunk = self.cfg.prompt_len, self.cfg.prefill_chunk
+        if length <= chunk:
+            ids = torch.cat(self.prompts).to(self.model.device)
+            hidden = self.model(ids, self.caches, [length] * self.streams)
+            return self.model.compute_logits(hidden.view(self.streams, length, -1)[:, -1]).argmax(-1)
+        last = []
+        for prompt, cache in zip(self.prompts, self.caches, strict=True):
+            for start in range(0, length, chunk):
+                part = prompt[start : start + chunk].to(self.model.device)
+                hidden = self.model(part, [cache], [part.shape[0]])
+            last.append(hidden[-1])
+        return self.model.compute_logits(torch.stack(last)).argmax(-1)
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -207,11 +220,13 @@ def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: t
         resident = resident_store(store, device)
         return None if resident is None else ResidentDispatcher(resident)
     options: dict[str, Any] = {"policy": cfg.policy, "cpu_threads": cfg.cpu_threads}
-    if mode == "naive":
-        options |= {"cache_slots": 0, "miss_route": "copy", "calibrate": False}
+    if mode == "naive":  # the seed's baseline: every active expert copied when it is needed, nothing ahead
+        options |= {"cache_slots": 0, "miss_route": "copy", "calibrate": False, "decode_prefetch": 0}
     else:
         options |= {"cache_slots": slots, "miss_route": "auto" if mode.startswith("tiered") else mode}
         options["gpu_waits_for_cpu"] = mode != "tiered-host"
+        if mode == "tiered-nohint":  # tiered without the next-layer prefetch the model's hints drive
+            options["decode_prefetch"] = 0
     dispatcher = TieredDispatcher(store, **options)
     dispatcher.prepare(device)
     return dispatcher
@@ -233,6 +248,12 @@ def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams
         "copy_bytes_per_token": total.copy_bytes / tokens,
         "cpu_pairs_per_token": total.cpu_pairs / tokens,
         "cpu_ms_per_layer_call": 1e3 * total.cpu_seconds / max(1, total.calls),
+        # Next-layer prefetch from the model's hints: experts copied ahead that were used / never needed,
+        # and how well the hints predicted (distinct experts per hinted call).
+        "prefetch_used_per_step": total.prefetch_used / steps,
+        "prefetch_wasted_per_step": total.prefetch_wasted / steps,
+        "hint_precision": snap["totals"]["hint_precision"],
+        "hint_recall": snap["totals"]["hint_recall"],
         "distinct_experts_per_layer": {str(k): len(v) for k, v in sorted(metrics.routing_counts().items())},
         # Measured / start-up cost of each miss route while decoding (tiers.route_costs.RouteAdapter).
         "route_cost_scales": dict(getattr(getattr(dispatcher, "adapter", None), "scales", {})),
@@ -355,6 +376,12 @@ def _agreement(tokens_by_mode: dict[int, dict[str, list[int]]]) -> dict[str, flo
     return out
 
 
+def _pair(result: dict[str, Any], first: str, second: str, digits: int) -> str:
+    if first not in result:
+        return "-"
+    return f"{fmt(result[first], digits)} / {fmt(result[second], digits)}"
+
+
 def markdown_table(receipt: dict[str, Any]) -> str:
     """A Markdown summary of a decode receipt."""
     plan, bounds = receipt["plan"], receipt["bounds"]
@@ -365,8 +392,8 @@ def markdown_table(receipt: dict[str, Any]) -> str:
         f"H2D {bounds['h2d_pinned_gbps'] or 0:.1f} GB/s, git {receipt['environment']['git_sha']}",
         "",
         "| mode | streams | tok/s (median [min-max]) | x naive | x resident | x hf | hit rate | DRAM bound tok/s "
-        "| x bound |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| x bound | prefetched used / wasted per step | hint precision / recall |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in receipt["results"]:
         t = r["tok_s"]
@@ -374,7 +401,9 @@ def markdown_table(receipt: dict[str, Any]) -> str:
             f"| {r['mode']} | {r['streams']} | {t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}] "
             f"| {fmt(r.get('ratio_to_naive'))} | {fmt(r.get('ratio_to_resident'))} | {fmt(r.get('ratio_to_hf'))} "
             f"| {fmt(r.get('hit_rate'))} "
-            f"| {fmt(r.get('bound_dram_tok_s'), 1)} | {fmt(r.get('ratio_to_dram_bound'))} |"
+            f"| {fmt(r.get('bound_dram_tok_s'), 1)} | {fmt(r.get('ratio_to_dram_bound'))} "
+            f"| {_pair(r, 'prefetch_used_per_step', 'prefetch_wasted_per_step', 1)} "
+            f"| {_pair(r, 'hint_precision', 'hint_recall', 2)} |"
         )
     lines += [f"- {note}" for note in receipt["notes"]]
     return "\n".join(lines) + "\n"
@@ -392,6 +421,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add_placement_arguments(parser, MODES, "expert cache policy (lru, lfu, static)", DEFAULT_MODES)
     parser.add_argument("--streams", default="1,2,4", help="comma-separated stream counts")
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=2048, help="longer prompts: prefilled per stream in chunks this long"
+    )
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -410,6 +442,7 @@ def run(args: argparse.Namespace) -> int:
         **placement_options(args),
         streams=parse_int_list(args.streams, "--streams"),
         prompt_len=args.prompt_len,
+        prefill_chunk=args.prefill_chunk,
         warmup=args.warmup,
         steps=args.steps,
         repeats=args.repeats,

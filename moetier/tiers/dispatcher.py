@@ -34,6 +34,18 @@ class ExpertDispatcher(ABC):
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor: ...
 
+    @property
+    def wants_hints(self) -> bool:
+        """Whether :meth:`hint` does anything: models skip computing predictions for a dispatcher that
+        ignores them. Default: False."""
+        return False
+
+    def hint(self, layer: int, topk_ids: torch.Tensor) -> None:  # noqa: B027 - an optional hook, not abstract
+        """Advice for the next dispatch of MoE layer ``layer``: ``topk_ids`` ``[T, K]`` (int64, on the compute
+        device, one row per token of that coming call) are the experts a prediction expects. A model makes
+        it one layer early, before dispatching the current layer, so a tiered dispatcher can start copying
+        them while this layer and the next attention run. Results never depend on hints. Default: ignored."""
+
 
 def expert_accumulator(hidden: torch.Tensor) -> torch.Tensor:
     """The float32 ``[T, H]`` buffer the experts' weighted outputs are summed into.

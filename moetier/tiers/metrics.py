@@ -19,8 +19,10 @@ class LayerCounters:
     PCIe: ``copy_bytes`` for experts copied in to compute a miss (into a staging slot, or straight
     into the cache slot that admits it), ``admit_bytes`` for copies that only fill the cache (a
     CPU-computed miss being admitted, warm-up). ``prefetch_bytes`` (part of ``copy_bytes``) were
-    copied ahead by a streaming call of the previous MoE layer; ``prefetch_used`` / ``prefetch_wasted``
-    count the prefetched experts this layer computed / never needed.
+    copied ahead by the previous MoE layer's call (a streaming call's guess, or a decode call's hint);
+    ``prefetch_used`` / ``prefetch_wasted`` count the prefetched experts this layer computed / never needed.
+    Hinted decode calls (``ExpertDispatcher.hint``): ``hint_experts`` distinct experts predicted,
+    ``hint_correct`` of them used, ``hint_actual`` distinct experts those calls used.
     """
 
     calls: int = 0
@@ -40,10 +42,15 @@ class LayerCounters:
     prefetch_used: int = 0
     prefetch_wasted: int = 0
     cpu_jobs_gpu_waited: int = 0  # CPU-tier jobs the compute stream waited for (the host went on)
+    hint_experts: int = 0
+    hint_correct: int = 0
+    hint_actual: int = 0
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["hit_rate"] = _ratio(self.uses_hit, self.uses_hit + self.uses_miss)
+        out["hint_precision"] = _ratio(self.hint_correct, self.hint_experts)
+        out["hint_recall"] = _ratio(self.hint_correct, self.hint_actual)
         return out
 
 

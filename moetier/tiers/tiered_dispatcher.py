@@ -27,7 +27,6 @@ import logging
 import time
 from collections import deque
 from concurrent import futures
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,84 +40,13 @@ from moetier.tiers.dispatcher import ExpertDispatcher, expert_accumulator
 from moetier.tiers.expert_cache import ExpertCache, Slot
 from moetier.tiers.experts import ExpertStore, swiglu_expert
 from moetier.tiers.gpu_wait import HostFlag
+from moetier.tiers.hints import HintBuffer
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.policies import make_policy
-from moetier.tiers.route_costs import MissRoute, RouteAdapter, RouteCosts, split_misses
+from moetier.tiers.route_costs import RouteAdapter, RouteCosts, split_misses
+from moetier.tiers.tiered_config import TieredConfig, default_staging_slots
 
 log = logging.getLogger(__name__)
-
-# The seed's measured crossover: from 32 tokens an expert is a GEMM the device runs for the price
-# of its copy, while host cores would spend many times the copy time on it.
-DEFAULT_FAT_THRESHOLD = 32
-# Enough ring to keep PCIe busy through the attention between two MoE layers of a prefill chunk
-# (at ~55 GB/s a 50 MB expert lands every ~0.9 ms); the plan charges it against the expert cache.
-MIN_STAGING_SLOTS = 16
-
-
-# A V4-Flash layer's attention over a 16k-token chunk at long context takes ~100+ ms on an H200,
-# during which PCIe could land ~110 experts: lend up to that many cache slots to the ring.
-DEFAULT_LEND_SLOTS = 128
-
-
-def default_staging_slots(top_k: int) -> int:
-    """Staging ring size when not configured: a decode step's misses, and at least ``MIN_STAGING_SLOTS``."""
-    return max(top_k, MIN_STAGING_SLOTS)
-
-
-@dataclass
-class TieredConfig:
-    """Options of the tiered dispatcher (``load_model(..., dispatcher="tiered", dispatcher_options={...})``).
-
-    Exactly one of ``cache_slots`` / ``cache_bytes`` sizes the VRAM cache. ``miss_route`` sends
-    every miss to the CPU tier, every miss through the copy path, or (``auto``) splits them by
-    the routes' costs: measured at start-up on CUDA unless ``cpu_share`` (the fraction of miss
-    throughput the CPU tier provides, 0..1) fixes the ratio; ``auto`` never sends a group of
-    ``fat_threshold`` or more tokens to the CPU. ``staging_slots`` sizes the staging ring
-    (default :func:`default_staging_slots`). Calls of ``stream_min_tokens`` or more tokens are
-    streaming calls (module docstring); ``prefetch`` turns their cross-layer prefetch on, and up to
-    ``lend_slots`` cache slots join the staging ring while they last (the experts those slots held
-    are reloaded when the next non-streaming call starts; 0 disables). With ``gpu_waits_for_cpu``
-    (the default; CUDA with stream memory operations), a decode call's CPU-tier result is awaited by
-    the compute stream instead of the host thread, except at the last MoE layer
-    (:mod:`moetier.tiers.gpu_wait`). With ``adapt_costs`` (``None``: on CUDA, where the costs are
-    measured; ``True``: anywhere; ``auto`` route without ``cpu_share`` only), decode calls rescale each
-    route's costs by what its share of each call took (:class:`RouteAdapter`); the split then follows
-    wall-clock timings, so it is not reproducible run to run (the math is the same either way).
-    """
-
-    cache_slots: int | None = None
-    cache_bytes: int | None = None
-    policy: str = "lru"
-    policy_options: dict[str, Any] = field(default_factory=dict)
-    cpu_threads: int | None = None
-    miss_route: MissRoute = "auto"
-    cpu_share: float | None = None
-    staging_slots: int | None = None
-    calibrate: bool = True
-    fat_threshold: int = DEFAULT_FAT_THRESHOLD
-    stream_min_tokens: int = 64
-    prefetch: bool = True
-    lend_slots: int = DEFAULT_LEND_SLOTS
-    gpu_waits_for_cpu: bool = True  # where the driver allows it (moetier.tiers.gpu_wait); else the host waits
-    adapt_costs: bool | None = None
-
-    def __post_init__(self) -> None:
-        if (self.cache_slots is None) == (self.cache_bytes is None):
-            raise ConfigError("tiered dispatcher needs exactly one of cache_slots= or cache_bytes=")
-        if (self.cache_slots or 0) < 0 or (self.cache_bytes or 0) < 0:
-            raise ConfigError("tiered dispatcher cache size must be >= 0")
-        if self.miss_route not in ("auto", "cpu", "copy"):
-            raise ConfigError(f"miss_route must be 'auto', 'cpu' or 'copy', got {self.miss_route!r}")
-        if self.cpu_share is not None and not 0.0 <= self.cpu_share <= 1.0:
-            raise ConfigError(f"cpu_share must be in [0, 1], got {self.cpu_share}")
-        if self.staging_slots is not None and self.staging_slots < 1:
-            raise ConfigError(f"staging_slots must be >= 1, got {self.staging_slots}")
-        if self.lend_slots < 0:
-            raise ConfigError(f"lend_slots must be >= 0, got {self.lend_slots}")
-        if self.fat_threshold < 1 or self.stream_min_tokens < 1:
-            raise ConfigError(
-                f"fat_threshold and stream_min_tokens must be >= 1, got {self.fat_threshold}, {self.stream_min_tokens}"
-            )
 
 
 class TieredDispatcher(ExpertDispatcher):
@@ -153,6 +81,7 @@ class TieredDispatcher(ExpertDispatcher):
         self.adapter = RouteAdapter()
         self.metrics.route_cost_scales = self.adapter.scales  # the same dict: /metrics reads it live
         self._copy_timings: list[tuple[float, Any, Any]] = []  # (predicted seconds, start, end) of a call's copies
+        self._hints = HintBuffer()
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -183,6 +112,15 @@ class TieredDispatcher(ExpertDispatcher):
             cfg.policy,
             self.costs,
         )
+
+    @property
+    def wants_hints(self) -> bool:
+        return self.config.decode_prefetch > 0 and self.config.miss_route != "cpu"
+
+    def hint(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Keep a decode call's prediction for ``layer`` (copied to the host without a sync, see :mod:`hints`)."""
+        if self.wants_hints and 0 < topk_ids.shape[0] < self.config.stream_min_tokens:
+            self._hints.record(layer, topk_ids)
 
     @property
     def gpu_waits_for_cpu(self) -> bool:
@@ -255,6 +193,8 @@ class TieredDispatcher(ExpertDispatcher):
                 self._stop_copy_timer(timer, sum(self.costs.copy(g.count) for g in copy_groups))
             if streaming and self.config.prefetch:
                 self._prefetch_next(layer, routing)
+            elif not streaming and self.wants_hints:
+                self._prefetch_hinted(layer)
             self._admit_cpu_routed(layer, cpu_groups)
         except BaseException:
             if started is not None:
@@ -270,6 +210,8 @@ class TieredDispatcher(ExpertDispatcher):
         hits = [g for g in routing.groups if g.slot is not None]
         misses = [g for g in routing.groups if g.slot is None]
         self._count(layer, hits, misses)
+        if not streaming:
+            self._score_hint(layer, [g.expert for g in routing.groups])
         # A prefetched miss is already on its way to the device: it is not the CPU's any more.
         prefetched = [g for g in misses if self.cache.is_prefetched((layer, g.expert))]
         others = [g for g in misses if not self.cache.is_prefetched((layer, g.expert))]
@@ -347,19 +289,31 @@ class TieredDispatcher(ExpertDispatcher):
         """
         copies = Copies(direct=[g for g in copy_groups if g.slot is not None])
         counters = self.metrics.layer(layer)
+        from_host, moved = [], []
         for group in copy_groups:
-            if group.slot is not None:
-                continue
             slot = self.cache.claim_prefetched((layer, group.expert))
-            if slot is None:
+            if slot is not None:
+                counters.copy_pairs += group.count
+                counters.prefetch_used += 1
+            if group.slot is not None:  # admitted: into its cache slot, from the prefetched copy if there is one
+                (from_host if slot is None else moved).append((group, slot))
+            elif slot is None:
                 copies.waiting.append(group)
             else:
                 copies.staged.append((group, slot))
-                counters.copy_pairs += group.count
-                counters.prefetch_used += 1
         counters.prefetch_wasted += len(self.cache.drop_prefetched())
-        self._refill(layer, copies.waiting, copies.staged, [(g, g.slot) for g in copies.direct])
+        self._move_prefetched(moved)
+        self._refill(layer, copies.waiting, copies.staged, [(g, g.slot) for g, _ in from_host])
         return copies
+
+    def _move_prefetched(self, moved: list[tuple[Group, Slot]]) -> None:
+        """Admitted experts already prefetched into staging slots: copied device to device into their cache
+        slots (on the copy stream, after the prefetch), the staging slots freed at once (nothing reads them)."""
+        if not moved:
+            return
+        self.cache.fill_many([(group.slot, staged.tensor) for group, staged in moved])
+        for _, staged in moved:
+            self.cache.return_staging(staged)
 
     def _compute_on_device(
         self, layer: int, out: torch.Tensor, hidden: torch.Tensor, routing: Routing, hits, copies, streaming
@@ -453,6 +407,26 @@ class TieredDispatcher(ExpertDispatcher):
                 counters.copy_bytes += self.block_bytes
                 counters.prefetch_bytes += self.block_bytes
 
+    def _prefetch_hinted(self, layer: int) -> None:
+        """Copy the next MoE layer's hinted experts that are not resident into free staging slots (decode)."""
+        nxt = self._next_layer[layer]
+        counters, started = self.metrics.layer(nxt), 0
+        for expert in self._hints.take(nxt):
+            if started == self.config.decode_prefetch or self.cache.free_staging == 0:
+                return
+            if self.cache.prefetch((nxt, expert)):
+                started += 1
+                counters.copy_bytes += self.block_bytes
+                counters.prefetch_bytes += self.block_bytes
+
+    def _score_hint(self, layer: int, experts: list[int]) -> None:
+        hinted, correct = self._hints.score(layer, experts)
+        if hinted:
+            counters = self.metrics.layer(layer)
+            counters.hint_experts += hinted
+            counters.hint_correct += correct
+            counters.hint_actual += len(experts)
+
     def _copy_in(self, layer: int, work: list[tuple[Group, Slot]]) -> None:
         if not work:
             return
@@ -461,9 +435,7 @@ class TieredDispatcher(ExpertDispatcher):
         counters.copy_bytes += self.block_bytes * len(work)
         counters.copy_pairs += sum(group.count for group, _ in work)
 
-    def _start_cpu(
-        self, layer: int, hidden: torch.Tensor, routing: Routing, groups: list[Group], release: int | None
-    ):
+    def _start_cpu(self, layer: int, hidden: torch.Tensor, routing: Routing, groups: list[Group], release: int | None):
         """Gather the CPU-routed rows and gates to the host and submit the job.
 
         Returns ``(future, rows on device, pinned fp32 result, buffers to keep alive)``; with ``release``

@@ -1,0 +1,88 @@
+"""Options of the tiered dispatcher (:class:`TieredConfig`) and the defaults they start from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moetier.errors import ConfigError
+from moetier.tiers.route_costs import MissRoute
+
+# The seed's measured crossover: from 32 tokens an expert is a GEMM the device runs for the price
+# of its copy, while host cores would spend many times the copy time on it.
+DEFAULT_FAT_THRESHOLD = 32
+# Enough ring to keep PCIe busy through the attention between two MoE layers of a prefill chunk
+# (at ~55 GB/s a 50 MB expert lands every ~0.9 ms); the plan charges it against the expert cache.
+MIN_STAGING_SLOTS = 16
+
+
+# A V4-Flash layer's attention over a 16k-token chunk at long context takes ~100+ ms on an H200,
+# during which PCIe could land ~110 experts: lend up to that many cache slots to the ring.
+DEFAULT_LEND_SLOTS = 128
+
+
+def default_staging_slots(top_k: int) -> int:
+    """Staging ring size when not configured: a decode step's misses, and at least ``MIN_STAGING_SLOTS``."""
+    return max(top_k, MIN_STAGING_SLOTS)
+
+
+@dataclass
+class TieredConfig:
+    """Options of the tiered dispatcher (``load_model(..., dispatcher="tiered", dispatcher_options={...})``).
+
+    Exactly one of ``cache_slots`` / ``cache_bytes`` sizes the VRAM cache. ``miss_route`` sends
+    every miss to the CPU tier, every miss through the copy path, or (``auto``) splits them by
+    the routes' costs: measured at start-up on CUDA unless ``cpu_share`` (the fraction of miss
+    throughput the CPU tier provides, 0..1) fixes the ratio; ``auto`` never sends a group of
+    ``fat_threshold`` or more tokens to the CPU. ``staging_slots`` sizes the staging ring
+    (default :func:`default_staging_slots`). Calls of ``stream_min_tokens`` or more tokens are
+    streaming calls (module docstring); ``prefetch`` turns their cross-layer prefetch on, and up to
+    ``lend_slots`` cache slots join the staging ring while they last (the experts those slots held
+    are reloaded when the next non-streaming call starts; 0 disables). With ``gpu_waits_for_cpu``
+    (the default; CUDA with stream memory operations), a decode call's CPU-tier result is awaited by
+    the compute stream instead of the host thread, except at the last MoE layer
+    (:mod:`moetier.tiers.gpu_wait`). With ``adapt_costs`` (``None``: on CUDA, where the costs are
+    measured; ``True``: anywhere; ``auto`` route without ``cpu_share`` only), decode calls rescale each
+    route's costs by what its share of each call took (:class:`RouteAdapter`); the split then follows
+    wall-clock timings, so it is not reproducible run to run (the math is the same either way).
+    A decode call copies up to ``decode_prefetch`` of the experts the model hinted for the next MoE
+    layer (:meth:`ExpertDispatcher.hint`) into free staging slots once its own copies are enqueued
+    (0: hints are not asked for).
+    """
+
+    cache_slots: int | None = None
+    cache_bytes: int | None = None
+    policy: str = "lru"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    cpu_threads: int | None = None
+    miss_route: MissRoute = "auto"
+    cpu_share: float | None = None
+    staging_slots: int | None = None
+    calibrate: bool = True
+    fat_threshold: int = DEFAULT_FAT_THRESHOLD
+    stream_min_tokens: int = 64
+    prefetch: bool = True
+    lend_slots: int = DEFAULT_LEND_SLOTS
+    gpu_waits_for_cpu: bool = True  # where the driver allows it (moetier.tiers.gpu_wait); else the host waits
+    adapt_costs: bool | None = None
+    decode_prefetch: int = 4
+
+    def __post_init__(self) -> None:
+        if (self.cache_slots is None) == (self.cache_bytes is None):
+            raise ConfigError("tiered dispatcher needs exactly one of cache_slots= or cache_bytes=")
+        if (self.cache_slots or 0) < 0 or (self.cache_bytes or 0) < 0:
+            raise ConfigError("tiered dispatcher cache size must be >= 0")
+        if self.miss_route not in ("auto", "cpu", "copy"):
+            raise ConfigError(f"miss_route must be 'auto', 'cpu' or 'copy', got {self.miss_route!r}")
+        if self.cpu_share is not None and not 0.0 <= self.cpu_share <= 1.0:
+            raise ConfigError(f"cpu_share must be in [0, 1], got {self.cpu_share}")
+        if self.staging_slots is not None and self.staging_slots < 1:
+            raise ConfigError(f"staging_slots must be >= 1, got {self.staging_slots}")
+        if self.lend_slots < 0:
+            raise ConfigError(f"lend_slots must be >= 0, got {self.lend_slots}")
+        if self.decode_prefetch < 0:
+            raise ConfigError(f"decode_prefetch must be >= 0, got {self.decode_prefetch}")
+        if self.fat_threshold < 1 or self.stream_min_tokens < 1:
+            raise ConfigError(
+                f"fat_threshold and stream_min_tokens must be >= 1, got {self.fat_threshold}, {self.stream_min_tokens}"
+            )
