@@ -1,4 +1,4 @@
-"""Paged KV pools sized once at start-up from the engine's KV-token budget (and the prefix cache's snapshots)."""
+"""Paged KV pools sized once at start-up from the engine's KV-token budget (and an optional snapshot reserve)."""
 
 import logging
 
@@ -40,21 +40,20 @@ def test_v4_pools_are_allocated_at_start_up_for_the_budget(families, caplog, kv_
     assert (stats.kv_pool_blocks, stats.kv_pool_blocks_used, stats.kv_pool_bytes_allocated) == (46, 0, nbytes)
     storage = "float32" if kv_dtype == "auto" else "fp8"
     gib = f"{nbytes / 2**30:.6f}"
-    line = (f"KV cache (paged, {storage}): 2 pools, 46 blocks of 4 rows, {gib} GiB, for 128 tokens "
-            "(2 streams x 64) + 0 tokens of prefix-cache snapshots")  # fmt: skip
+    line = f"KV cache (paged, {storage}): 2 pools, 46 blocks of 4 rows, {gib} GiB, for 128 tokens (2 streams x 64)"
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache")] == [line]
 
 
-def test_the_prefix_caches_snapshots_get_their_share_of_blocks(families, caplog):
+def test_a_snapshot_reserve_gets_its_share_of_blocks(families, caplog):
     loaded, _ = families("deepseek_v4")
     with caplog.at_level(logging.INFO, logger="moetier.engine.engine"):
-        engine = make_engine(loaded, prefix_cache_bytes=4096, **V4)
+        engine = make_engine(loaded, prefix_cache_bytes=8192, prefix_cache_reserve_bytes=4096, **V4)
     # A 128-token probe holds (2 x 32 + 2 x 16) rows of 128 B and 2 x 32 of 64 B: 16384 B, 128 B a token;
     # 4096 B of snapshots = 32 tokens: 8 more rows per CSA store, 4 per HCA store, 8 per indexer store.
     assert _v4_blocks(128, 2, 4, snapshot_rows=(8, 4, 8)) == {32: 34, 16: 22}
     assert _blocks_by_width(engine) == {32: 34, 16: 22}
-    assert any(r.getMessage().endswith("for 128 tokens (2 streams x 64) + 32 tokens of prefix-cache snapshots")
-               for r in caplog.records)  # fmt: skip
+    assert any(r.getMessage().endswith("for 128 tokens (2 streams x 64) + 32 tokens reserved for prefix-cache "
+                                       "snapshots") for r in caplog.records)  # fmt: skip
 
 
 def _serve(engine, vocab):
@@ -92,13 +91,13 @@ def test_qwen_pool_size_and_kv_usage_in_blocks(families):
     loaded, vocab = families("qwen3_moe")
     engine = make_engine(loaded, **{**V4, "kv_block_tokens": 8, "prefix_cache_bytes": 64 << 10})
     # One pool: keys and values of 4 layers share the row shape (2 KV heads x 16), 8 stores of 128 B rows.
-    # 128 tokens + 64 KiB of snapshots (64 tokens at 1 KiB): 192 rows -> 24 blocks, + 1 partial, per store.
-    assert _blocks_by_width(engine) == {16: 8 * 25}
+    # 128 tokens (no snapshot share: snapshots borrow spare blocks): 16 blocks, + 1 partial, per store.
+    assert _blocks_by_width(engine) == {16: 8 * 17}
     metrics = ServerMetrics(engine.stats, lambda: "tiny")
     engine.add_request("a", random_prompt(30, seed=5, vocab=vocab), SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()  # the 30-token prompt: 4 blocks in each of the 8 stores
     assert engine.stats().kv_pool_blocks_used == 32
-    assert metrics.registry.get_sample_value("moetier:kv_cache_usage_perc", {"model_name": "tiny"}) == 32 / 200
+    assert metrics.registry.get_sample_value("moetier:kv_cache_usage_perc", {"model_name": "tiny"}) == 32 / 136
 
 
 def test_contiguous_layout_logs_its_budget(families, caplog):

@@ -42,6 +42,7 @@ import torch
 from moetier.config import ModelLoadConfig, default_device
 from moetier.engine.detokenizer import IncrementalText
 from moetier.engine.elastic import ElasticExpertBudget
+from moetier.engine.kv_sizing import size_kv
 from moetier.engine.model_runner import ModelRunner
 from moetier.engine.prefill_meter import PrefillMeter
 from moetier.engine.prefix_cache import PrefixCache, chain_hashes
@@ -71,7 +72,6 @@ from moetier.engine.types import (
 from moetier.errors import ConfigError
 from moetier.models.base import SequenceCache
 from moetier.models.paged_kv import PagedKVSpace
-from moetier.tiers.kv_estimate import kv_budget_line
 from moetier.weights.loader import LoadedModel, load_model
 
 __all__ = ["Engine", "EngineBusyError", "EngineConfig", "EngineStats", "RequestUpdate", "TokenLogprob"]
@@ -220,23 +220,11 @@ class Engine:
 
     def _size_kv(self) -> None:
         """Allocate the paged KV pools for the KV-token budget (once, before any cache) and log the KV cache."""
-        budget, streams, window = self.scheduler.kv_token_budget, self.config.max_streams, self.max_model_len
-        origin = f"{streams} streams x {window}" if budget == streams * window else "the KV-token budget"
-        kv_dtype, space, hint = self.config.kv_dtype, self.runner.kv_space, "kv_token_budget"
-        storage = str(self.model.dtype).removeprefix("torch.") if kv_dtype == "auto" else kv_dtype
-        label = f"{'contiguous' if space is None else 'paged'}, {storage}"
-        if space is None:
-            about = kv_budget_line(self.model.config, budget, origin, streams, self.model.dtype.itemsize, kv_dtype)
-            logger.info("KV cache (%s): %s", label, about)
-            return
-        if self.elastic is not None and self.plan.budget.reserved_streams < streams:  # the rest borrow expert slots
-            budget, origin = min(budget, self.plan.budget.reserved_streams * window), "the plan's reserved streams"
-            hint = "--kv-reserve-streams"
-        # Prefix-cache snapshots get blocks of their own (why: PagedKVSpace.size_for): they outlive their
-        # sequences, and the prefix cache evicts one only to store another, never for a running sequence.
-        snapshots = 0 if self.prefix_cache is None else self.prefix_cache.capacity_bytes
-        sizing = space.size_for(self.runner.new_cache, budget, streams, snapshots, hint)
-        logger.info("KV cache (%s): %s", label, sizing.describe(origin))
+        # With an elastic expert cache the pools hold the plan's reserved streams (the rest borrow slots).
+        streams = self.plan.budget.reserved_streams if self.elastic is not None else None
+        reserve = 0 if self.prefix_cache is None else self.config.prefix_cache_reserve_bytes
+        budget, window = self.scheduler.kv_token_budget, self.max_model_len
+        logger.info("%s", size_kv(self.config, self.model, self.runner, budget, window, streams, reserve))
 
     def _fit_experts(self) -> None:
         """Between steps: size the expert cache for the KV in use plus the caches about to be allocated."""
@@ -501,7 +489,7 @@ class Engine:
         request = self._requests[seq.request_id]
         self._publish(seq, seq.num_computed)
         self.prefill_meter.drop(seq.request_id)
-        self.runner.free(seq.request_id)
+        self._free_cache(seq.request_id)
         if seq.params.prompt_logprobs is not None and request.updates_sent == 0:
             seq.prompt_logprobs = [None]  # the recompute scores the prompt again; nothing was sent yet
 
@@ -530,7 +518,8 @@ class Engine:
             logger.info("prefix caching off: %s caches cannot be snapshotted", type(probe).__name__)
             return
         self._prefix_truncatable = probe.truncatable
-        self.prefix_cache = PrefixCache(config.prefix_block_tokens, config.prefix_cache_bytes)
+        # Paged KV: snapshots share the pools' blocks, and a pool out of blocks evicts them (reclaim hook).
+        self.prefix_cache = PrefixCache(config.prefix_block_tokens, config.prefix_cache_bytes, self.runner.kv_space)
         self.runner.mark_every = None if probe.truncatable else config.prefix_block_tokens
         self.scheduler.on_admit = self._admit
         self.sharing = PrefixSharing(self.prefix_cache, self.scheduler, self._hashes, self._publish,
@@ -601,7 +590,14 @@ class Engine:
     def _release(self, request: _Request) -> None:
         self.scheduler.finish(request.seq)
         self.prefill_meter.drop(request.seq.request_id)
-        self.runner.free(request.seq.request_id)
+        self._free_cache(request.seq.request_id)
         self._requests.pop(request.seq.request_id, None)
         if not self.scheduler.waiting:  # nobody to hand the freed KV to: the experts take it back now
             self._fit_experts()
+
+    def _free_cache(self, request_id: str) -> None:
+        """Drop a sequence's cache. Paged KV: snapshots that shared its blocks now hold them alone and
+        cost them, so the prefix cache evicts down to its budget again."""
+        self.runner.free(request_id)
+        if self.prefix_cache is not None:
+            self.prefix_cache.trim()

@@ -17,10 +17,22 @@ What each family can serve (see ``SequenceCache.truncatable``):
   prompt's last block boundary and the runner marks the cache at every boundary it reaches, so the
   snapshot is taken where the state is.
 
-Snapshots are independent copies, never shared with a running sequence (a hit copies the snapshot
-into a fresh cache), so any entry may be evicted at any time: least recently used first, to stay
-under ``capacity_bytes``. A truncatable snapshot that extends an older one on the same chain
-replaces it (the longer one serves every prefix the shorter one did).
+A snapshot is never written (a hit copies it into a fresh cache), so any entry may be evicted at any
+time: least recently used first, to stay under ``capacity_bytes``. A truncatable snapshot that extends
+an older one on the same chain replaces it (the longer one serves every prefix the shorter one did).
+
+Memory, by KV layout:
+
+- contiguous: a snapshot is a copy of its own; its ``nbytes`` is what it costs, counted from insertion;
+- paged (``space`` given, :mod:`moetier.models.paged_kv`): a snapshot shares its blocks with the
+  sequence it came from, so it costs its state outside the pools (V4's windows and rolling tensors)
+  plus the blocks no running sequence holds (the pools' *lent* blocks, counted once however many
+  snapshots share them). That cost grows when a sequence sharing a snapshot's blocks is freed, so the
+  engine calls :meth:`PrefixCache.trim` then. The cache is the space's reclaim hook: a pool with no
+  free block for a running sequence evicts (:meth:`PrefixCache.reclaim`) least recently used
+  snapshots that hold lent blocks of it before it grows. Taking a snapshot takes no block; only the
+  copy-on-write of a partly filled block its sequence shares with it does, and that may evict the
+  snapshot itself (the write then goes in place).
 """
 
 from __future__ import annotations
@@ -29,10 +41,11 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moetier.errors import ConfigError
 from moetier.models.base import SequenceCache
+from moetier.models.paged_kv import KVBlockPool, PagedKVSpace, paged_holdings
 
 __all__ = ["PrefixCache", "PrefixHit", "chain_hashes"]
 
@@ -55,7 +68,8 @@ def chain_hashes(tokens: Sequence[int], block_tokens: int, previous: Sequence[by
 class _Entry:
     hashes: tuple[bytes, ...]  # the chain of the stored prefix, one hash per block
     snapshot: SequenceCache
-    nbytes: int
+    nbytes: int  # paged KV: the bytes outside the pools (the blocks are counted by the pools)
+    holdings: list[tuple[KVBlockPool, list[int], int]] = field(default_factory=list)  # paged KV: marked blocks
 
     @property
     def key(self) -> bytes:
@@ -64,6 +78,11 @@ class _Entry:
     def servable(self) -> tuple[bytes, ...]:
         """The prefixes (by chain hash) this entry can start a sequence from."""
         return self.hashes if self.snapshot.truncatable else self.hashes[-1:]
+
+    def can_free(self, pool: KVBlockPool, block: int | None) -> bool:
+        """Whether dropping this entry may give ``pool`` a block: it holds one of the pool's lent blocks,
+        or ``block`` (a copy-on-write's source, which dropping may leave its writer's alone)."""
+        return any(p is pool and (block in blocks or any(map(p.is_lent, blocks))) for p, blocks, _ in self.holdings)
 
 
 @dataclass
@@ -77,11 +96,13 @@ class PrefixHit:
 class PrefixCache:
     """Snapshots keyed by chain hash, LRU-evicted under a byte budget; see the module docstring.
 
-    Counters: ``queries``/``query_tokens`` (lookups and the prompt tokens they covered), ``hits``/
-    ``hit_tokens`` (lookups that matched and the tokens served), ``evictions``.
+    ``space``: the paged KV space the snapshots' blocks come from (None: contiguous caches); the cache
+    registers itself as its reclaim hook. Counters: ``queries``/``query_tokens`` (lookups and the prompt
+    tokens they covered), ``hits``/``hit_tokens`` (lookups that matched and the tokens served),
+    ``evictions`` (to stay under the budget, and to give a pool's blocks back to running sequences).
     """
 
-    def __init__(self, block_tokens: int, capacity_bytes: int) -> None:
+    def __init__(self, block_tokens: int, capacity_bytes: int, space: PagedKVSpace | None = None) -> None:
         if block_tokens < 1 or capacity_bytes < 0:
             raise ConfigError(f"prefix cache needs block_tokens >= 1 and capacity_bytes >= 0, got "
                               f"{block_tokens} and {capacity_bytes}")  # fmt: skip
@@ -89,11 +110,19 @@ class PrefixCache:
         self.capacity_bytes = capacity_bytes
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._index: dict[bytes, dict[bytes, None]] = {}  # prefix hash -> keys of entries serving it
-        self.bytes_used = 0
+        self._held = 0  # the entries' nbytes
+        self.space = space
+        if space is not None:
+            space.reclaim_hook = self.reclaim
         self.queries = self.query_tokens = self.hits = self.hit_tokens = self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def bytes_used(self) -> int:
+        """What the snapshots cost now (see the module docstring: paged KV counts blocks only they hold)."""
+        return self._held + (0 if self.space is None else self.space.bytes_lent)
 
     def lookup(self, hashes: Sequence[bytes], num_tokens: int) -> PrefixHit | None:
         """The longest stored prefix of a ``num_tokens``-token prompt whose chain is ``hashes``, leaving at
@@ -135,30 +164,50 @@ class PrefixCache:
 
     def insert(self, hashes: Sequence[bytes], snapshot: SequenceCache) -> bool:
         """Store ``snapshot`` (a ``len(hashes)``-block prefix) unless already servable or larger than the
-        whole budget; evicts least recently used entries to make room. Returns whether it was stored."""
+        whole budget (its ``nbytes``: all it may cost alone); evicts least recently used entries to make
+        room. Returns whether it was stored."""
         if not hashes or snapshot.length != len(hashes) * self.block_tokens:
             raise ValueError(f"a snapshot of {snapshot.length} tokens does not match {len(hashes)} blocks")
         if self.contains(hashes):
             return False
-        entry = _Entry(tuple(hashes), snapshot, snapshot.nbytes)
-        if entry.nbytes > self.capacity_bytes:
+        if snapshot.nbytes > self.capacity_bytes:
             return False
+        holdings = [] if self.space is None else paged_holdings(snapshot)
+        entry = _Entry(tuple(hashes), snapshot, snapshot.nbytes - sum(n for *_, n in holdings), holdings)
         if snapshot.truncatable:  # shorter truncatable entries on this chain are now redundant
             for key in [h for h in entry.hashes[:-1] if h in self._entries]:
                 if self._entries[key].snapshot.truncatable:
                     self._remove(key)
-        while self.bytes_used + entry.nbytes > self.capacity_bytes:
-            self._remove(next(iter(self._entries)))
-            self.evictions += 1
         self._entries[entry.key] = entry
-        self.bytes_used += entry.nbytes
+        self._held += entry.nbytes
+        for pool, blocks, _ in holdings:
+            pool.mark(blocks)
         for h in entry.servable():
             self._index.setdefault(h, {})[entry.key] = None
+        self.trim()  # the newest entry goes last, and only if it alone is over the budget
+        return entry.key in self._entries
+
+    def trim(self) -> None:
+        """Evict least recently used entries until the snapshots cost at most ``capacity_bytes``."""
+        while self._entries and self.bytes_used > self.capacity_bytes:
+            self._remove(next(iter(self._entries)))
+            self.evictions += 1
+
+    def reclaim(self, pool: KVBlockPool, block: int | None) -> bool:
+        """The paged KV space's reclaim hook (:class:`moetier.models.paged_kv.PagedKVSpace`): evict the
+        least recently used entry whose eviction may give ``pool`` a block; False when none can."""
+        key = next((k for k, entry in self._entries.items() if entry.can_free(pool, block)), None)
+        if key is None:
+            return False
+        self._remove(key)  # its blocks go back when the snapshot is dropped, i.e. on return
+        self.evictions += 1
         return True
 
     def _remove(self, key: bytes) -> None:
         entry = self._entries.pop(key)
-        self.bytes_used -= entry.nbytes
+        self._held -= entry.nbytes
+        for pool, blocks, _ in entry.holdings:  # unmarked before the snapshot releases them
+            pool.unmark(blocks)
         for h in entry.servable():
             keys = self._index[h]
             del keys[key]

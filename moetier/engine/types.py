@@ -52,7 +52,12 @@ class EngineConfig:
     - ``kv_headroom_tokens``: optimistic admission's extra reservation, and the least a reservation grows by.
     - ``enable_prefix_caching``: start requests from cached snapshots of earlier requests' prefixes
       (:mod:`moetier.engine.prefix_cache`); ``prefix_cache_bytes`` bounds the snapshots' memory (on
-      the model's device; LRU eviction) and ``prefix_block_tokens`` is the hashing granularity.
+      the model's device; LRU eviction) and ``prefix_block_tokens`` is the hashing granularity. It is a
+      bound, not an allocation: contiguous snapshots are allocated as they are taken; paged ones share
+      their sequences' blocks and count only what no running sequence holds (see ``kv_layout``).
+    - ``prefix_cache_reserve_bytes`` (paged layout; at most ``prefix_cache_bytes``; default 0): bytes of
+      blocks the pools hold for snapshots beyond the KV-token budget, from start-up, so that snapshots
+      survive while running sequences fill the budget. Ignored by the contiguous layout.
     - ``prefix_share_min_blocks`` / ``prefix_share_max_wait_s`` (prefix caching on): a waiting request
       whose prompt shares at least this many blocks with a running request's not yet computed prefix
       waits (at most this many seconds in total; 0 = never) for that prefix to be cached, instead of
@@ -62,7 +67,9 @@ class EngineConfig:
     - ``kv_layout``: ``"contiguous"`` (each sequence's rows preallocated for its reservation, copied when
       it grows) or ``"paged"`` (blocks of ``kv_block_tokens`` rows from shared pools, taken as tokens
       arrive and shared, not copied, by growth and prefix snapshots; :mod:`moetier.models.paged_kv`). The
-      pools are allocated at start-up for the KV-token budget plus ``prefix_cache_bytes`` of snapshots.
+      pools are allocated at start-up for the KV-token budget (plus ``prefix_cache_reserve_bytes``);
+      snapshots live in the blocks running sequences do not need, and a running sequence that finds no
+      free block evicts least recently used snapshots before a pool grows.
     - ``expert_format``: the routed experts' home copy when the engine loads a checkpoint: ``"dense"``
       (dequantised to the model dtype), ``"fp8"`` (an fp8-block checkpoint's float8 + scales, half the
       bytes) or ``"fp4"`` (DeepSeek-V4's packed FP4 + scales; :class:`moetier.config.ModelLoadConfig`).
@@ -77,6 +84,7 @@ class EngineConfig:
     kv_headroom_tokens: int = 256
     enable_prefix_caching: bool = True
     prefix_cache_bytes: int = 1 << 30
+    prefix_cache_reserve_bytes: int = 0
     prefix_block_tokens: int = 16
     prefix_share_min_blocks: int = 4
     prefix_share_max_wait_s: float = 60.0
@@ -103,6 +111,10 @@ class EngineConfig:
         budget = self.prefix_cache_bytes
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise ConfigError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")
+        reserve = self.prefix_cache_reserve_bytes
+        if isinstance(reserve, bool) or not isinstance(reserve, int) or not 0 <= reserve <= budget:
+            raise ConfigError(f"prefix_cache_reserve_bytes must be an integer in [0, prefix_cache_bytes = {budget}], "
+                              f"got {reserve!r}")  # fmt: skip
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.kv_layout not in KV_LAYOUTS:
@@ -183,10 +195,13 @@ class EngineStats:
     prefix_shared_deferrals_total: int = 0
     prefix_shared_tokens_saved_total: int = 0
     # Paged KV only (None otherwise): bytes of the blocks sequences and snapshots hold, and of the pools;
-    # the same in blocks (the pools are sized at start-up: kv_pool_blocks_used / kv_pool_blocks is the KV use).
+    # blocks running sequences hold (shared with snapshots or not), blocks only snapshots hold (lent to the
+    # prefix cache, which counts them in prefix_cache_bytes; running sequences take them back on demand),
+    # and the pools' blocks (sized at start-up: kv_pool_blocks_used / kv_pool_blocks is the KV use).
     kv_pool_bytes_used: int | None = None
     kv_pool_bytes_allocated: int | None = None
     kv_pool_blocks_used: int | None = None
+    kv_pool_blocks_lent: int | None = None
     kv_pool_blocks: int | None = None
     # Tiered experts only (None otherwise): the elastic VRAM expert cache now, its bounds, how often it was
     # resized, and the KV bytes the running sequences hold against the plan's reservation.

@@ -14,11 +14,15 @@ store. :class:`PagedKVRows` keeps that contract over blocks of ``block_tokens`` 
 - a block returns to the pool when the last table holding it is dropped.
 
 The engine sizes the pools once, at start-up (:meth:`PagedKVSpace.size_for`), for its KV-token budget
-and its prefix cache's snapshots, so KV memory is fixed and known before the first request; a pool
-that still runs out grows (into a new tensor, the old blocks copied over) with one warning.
+(plus an optional reserve for prefix-cache snapshots), so KV memory is fixed and known before the first
+request. Prefix-cache snapshots live in the blocks running sequences do not need: the prefix cache marks
+the blocks its snapshots hold (:meth:`KVBlockPool.mark`), a block only snapshots hold is *lent*, and a
+pool with no free block asks its reclaim hook to drop snapshots before it grows. A pool that still runs
+out grows (into a new tensor, the old blocks copied over) with one warning.
 
-Reads gather the table's rows into one tensor (a copy; an attention kernel reading blocks in place is
-the next step), then dequantise fp8 storage as :class:`KVRows` does. Caches built inside
+Reads gather the table's rows into one tensor (a copy), then dequantise fp8 storage as :class:`KVRows`
+does; decode attention (Qwen3, DeepSeek-V3) skips that copy on CUDA and reads the blocks in place
+(:mod:`moetier.kernels.paged_attention`, through :meth:`PagedKVRows.pool_rows` and ``token_rows``). Caches built inside
 ``with paged_kv(space):`` get paged stores (:func:`moetier.models.cache.kv_rows`); elsewhere they stay
 contiguous.
 ``nbytes`` keeps :class:`KVRows`' meaning (the store's capacity in bytes, what the engine reserves);
@@ -42,7 +46,7 @@ import torch
 from moetier.errors import ConfigError
 from moetier.kernels.kv_read import try_read_rows
 from moetier.models.cache import FP8_DTYPE, KVRows, kv_storage_dtype, quantize_fp8
-from moetier.tiers.workspace import gib
+from moetier.units import gib
 
 KV_LAYOUTS = ("contiguous", "paged")
 _ACTIVE: ContextVar[PagedKVSpace | None] = ContextVar("moetier_paged_kv", default=None)
@@ -56,8 +60,13 @@ class KVBlockPool:
 
     Block-major, token-next layout: the pool viewed as ``[blocks * block_tokens, *lead, width]`` is
     indexed by ``block * block_tokens + offset``, so a store's whole table reads or writes in one op.
-    ``blocks`` are allocated up front; when every one is held, :meth:`allocate` grows the pool (into a
-    new tensor, the old blocks copied over) and calls ``on_grow(pool, old_blocks)``.
+    ``blocks`` are allocated up front. When every one is held, :meth:`allocate` first calls
+    ``reclaim(pool, block)`` (``block``: the shared block a copy-on-write copies, else None) while it
+    returns True: it drops a prefix-cache snapshot, which may free blocks. Only then does it grow the
+    pool (into a new tensor, the old blocks copied over) and call ``on_grow(pool, old_blocks)``.
+
+    ``marks[b]`` counts the references to block ``b`` that prefix-cache snapshots hold (a part of
+    ``refs[b]``); ``lent`` counts the blocks snapshots alone hold (spare blocks the pool lends them).
     """
 
     def __init__(
@@ -70,6 +79,7 @@ class KVBlockPool:
         block_tokens: int,
         blocks: int = INITIAL_BLOCKS,
         on_grow: Callable[[KVBlockPool, int], None] | None = None,
+        reclaim: Callable[[KVBlockPool, int | None], bool] | None = None,
     ) -> None:
         self.lead, self.width, self.block_tokens = lead, width, block_tokens
         self.data = torch.empty(blocks, block_tokens, *lead, width, dtype=storage, device=device)
@@ -77,9 +87,11 @@ class KVBlockPool:
         if storage == FP8_DTYPE:
             self.scales = torch.empty(blocks, block_tokens, *lead, groups, dtype=torch.float32, device=device)
         self.refs = [0] * blocks
+        self.marks = [0] * blocks
+        self.lent = 0
         self.free: list[int] = []  # released blocks, handed out again first
         self.fresh = 0  # blocks [fresh, blocks) were never handed out
-        self.on_grow = on_grow
+        self.on_grow, self.reclaim = on_grow, reclaim
         # A store's blocks go back when its last holder is dropped, in whichever thread that happens
         # (a garbage-collection pass may run anywhere): reference counts change under this lock.
         self._lock = threading.Lock()
@@ -112,35 +124,90 @@ class KVBlockPool:
         return tensor.view(-1, *tensor.shape[2:])
 
     def allocate(self) -> int:
+        """A block of one reference: a free one, else one reclaimed from snapshots, else a grown pool's."""
+        return self._obtain(None)
+
+    def copy_block(self, source: int) -> int:
+        """A block holding ``source``'s rows, private to the caller, who then drops its reference to
+        ``source`` (copy-on-write): a copy, or ``source`` itself with one more reference when reclaiming
+        snapshots left the caller its only holder (no block taken, no row copied)."""
+        block = self._obtain(source)
+        if block != source:
+            self.data[block].copy_(self.data[source])
+            if self.scales is not None:
+                self.scales[block].copy_(self.scales[source])
+        return block
+
+    def _obtain(self, source: int | None) -> int:
+        while True:
+            with self._lock:
+                block = self._take(source)
+                if block is not None:
+                    return block
+                if self.reclaim is None:
+                    return self._take_grown()
+            # Outside the lock: dropping a snapshot releases its blocks, which takes the lock again.
+            if not self.reclaim(self, source):
+                break
         with self._lock:
-            if self.free:
-                block = self.free.pop()
-            else:
-                if self.fresh == self.blocks:
-                    self._grow()
-                block, self.fresh = self.fresh, self.fresh + 1
-            self.refs[block] = 1
-            return block
+            block = self._take(source)  # another thread may have freed one meanwhile
+            return self._take_grown() if block is None else block
+
+    def _take(self, source: int | None) -> int | None:
+        """(Lock held.) ``source`` again if its caller now holds it alone, else a free block, else None."""
+        if source is not None and self.refs[source] == 1:
+            self._count(source, 1, 0)
+            return source
+        if self.free:
+            block = self.free.pop()
+        elif self.fresh < self.blocks:
+            block, self.fresh = self.fresh, self.fresh + 1
+        else:
+            return None
+        self.refs[block] = 1  # a free block has no marks
+        return block
+
+    def _take_grown(self) -> int:
+        """(Lock held, no block left.) A block of the grown pool."""
+        self._grow()
+        block, self.fresh = self.fresh, self.fresh + 1
+        self.refs[block] = 1
+        return block
 
     def retain(self, blocks: Sequence[int]) -> None:
         with self._lock:
             for block in blocks:
-                self.refs[block] += 1
+                self._count(block, 1, 0)
 
     def release(self, blocks: Sequence[int]) -> None:
         with self._lock:
             for block in blocks:
-                self.refs[block] -= 1
+                self._count(block, -1, 0)
                 if self.refs[block] == 0:
                     self.free.append(block)
 
-    def copy_block(self, source: int) -> int:
-        """A private copy of ``source`` (copy-on-write); the caller drops its reference to ``source``."""
-        block = self.allocate()
-        self.data[block].copy_(self.data[source])
-        if self.scales is not None:
-            self.scales[block].copy_(self.scales[source])
-        return block
+    def mark(self, blocks: Sequence[int]) -> None:
+        """Count one reference to each of ``blocks`` (held already) as a prefix-cache snapshot's."""
+        with self._lock:
+            for block in blocks:
+                self._count(block, 0, 1)
+
+    def unmark(self, blocks: Sequence[int]) -> None:
+        """Undo :meth:`mark`, before the snapshot releases its blocks (so marks never exceed refs)."""
+        with self._lock:
+            for block in blocks:
+                self._count(block, 0, -1)
+
+    def is_lent(self, block: int) -> bool:
+        """Whether only snapshots hold ``block`` (dropping them all frees it)."""
+        return 0 < self.marks[block] == self.refs[block]
+
+    def _count(self, block: int, refs: int, marks: int) -> None:
+        """(Lock held.) Change ``block``'s references and marks, keeping ``lent`` up to date."""
+        was = self.is_lent(block)
+        self.refs[block] += refs
+        self.marks[block] += marks
+        self.lent += self.is_lent(block) - was
 
     def reserve(self, blocks: int) -> None:
         """Hold at least ``blocks`` blocks (no growth callback: this is sizing, not running out)."""
@@ -167,25 +234,30 @@ class KVBlockPool:
             scales[:old].copy_(self.scales)
             self.scales = scales
         self.refs += [0] * (blocks - old)
+        self.marks += [0] * (blocks - old)
 
 
 @dataclass
 class KVSpaceStats:
     """What the pools of a :class:`PagedKVSpace` hold: blocks in use (``blocks_shared`` of them by more
-    than one table: what sharing saved), blocks allocated, and their bytes."""
+    than one table: what sharing saved; ``blocks_lent`` of them by prefix-cache snapshots alone),
+    blocks allocated, and their bytes."""
 
     blocks_used: int
     blocks_shared: int
     blocks_allocated: int
     bytes_used: int
     bytes_allocated: int
+    blocks_lent: int = 0
+    bytes_lent: int = 0
 
 
 @dataclass(frozen=True)
 class KVSizing:
     """What :meth:`PagedKVSpace.size_for` allocated: ``blocks`` of ``block_tokens`` rows over ``pools``
     pools (``nbytes`` in all), for ``tokens`` tokens of ``sequences`` running sequences plus
-    ``snapshot_tokens`` tokens of rows that outlive them (prefix-cache snapshots)."""
+    ``snapshot_tokens`` tokens reserved for rows that outlive them (prefix-cache snapshots; 0 by default:
+    snapshots borrow the blocks running sequences do not need)."""
 
     pools: int
     blocks: int
@@ -198,10 +270,11 @@ class KVSizing:
     def describe(self, origin: str) -> str:
         """One line for the start-up log; ``origin`` says where ``tokens`` comes from."""
         pools = f"{self.pools} pool{'s' * (self.pools != 1)}"
-        return (
-            f"{pools}, {self.blocks} blocks of {self.block_tokens} rows, {gib(self.nbytes)} GiB, for {self.tokens} "
-            f"tokens ({origin}) + {self.snapshot_tokens} tokens of prefix-cache snapshots"
-        )
+        line = f"{pools}, {self.blocks} blocks of {self.block_tokens} rows, {gib(self.nbytes)} GiB, for {self.tokens} "
+        line += f"tokens ({origin})"
+        if self.snapshot_tokens:
+            line += f" + {self.snapshot_tokens} tokens reserved for prefix-cache snapshots"
+        return line
 
 
 class PagedKVSpace:
@@ -210,6 +283,11 @@ class PagedKVSpace:
     :meth:`size_for` allocates the pools once, before the first cache, for a KV-token budget; a pool
     that runs out later still grows (a fallback: one warning, naming ``grow_hint``). A space nobody
     sized starts each pool at :data:`INITIAL_BLOCKS` and grows quietly (benchmarks, tests).
+
+    ``reclaim_hook(pool, block)`` (the prefix cache sets it): called by a pool with no free block before
+    it grows, in the allocating thread and outside the pool's lock; it drops one snapshot whose
+    eviction can give ``pool`` a block (or make ``block``, being copied on write, its writer's alone)
+    and returns True, or returns False when no snapshot can.
     """
 
     def __init__(self, device: torch.device | str, block_tokens: int = 64) -> None:
@@ -221,6 +299,7 @@ class PagedKVSpace:
         self.grow_hint = "kv_token_budget"  # the knob the growth warning names (size_for sets it)
         self._census: list[tuple[KVBlockPool, int]] | None = None  # (pool, rows) of stores built while sizing
         self._warned = False
+        self.reclaim_hook: Callable[[KVBlockPool, int | None], bool] | None = None
 
     @property
     def pools(self) -> list[KVBlockPool]:
@@ -231,7 +310,9 @@ class PagedKVSpace:
         key = (lead, width, storage, groups)
         if key not in self._pools:
             blocks = INITIAL_BLOCKS if self._census is None and self.sizing is None else 0
-            pool = KVBlockPool(lead, width, storage, groups, self.device, self.block_tokens, blocks, self._grew)
+            pool = KVBlockPool(
+                lead, width, storage, groups, self.device, self.block_tokens, blocks, self._grew, self._reclaim
+            )
             self._pools[key] = pool
         pool = self._pools[key]
         if self._census is not None:
@@ -247,8 +328,8 @@ class PagedKVSpace:
         grow_hint: str = "kv_token_budget",
     ) -> KVSizing:
         """Allocate the pools for at most ``sequences`` caches of ``new_cache`` (a ``max_tokens -> cache``
-        factory) that hold ``tokens`` tokens together, plus ``snapshot_bytes`` of rows that outlive them,
-        counted as :attr:`PagedKVRows.nbytes` counts (the prefix cache's byte budget).
+        factory) that hold ``tokens`` tokens together, plus ``snapshot_bytes`` reserved for rows that
+        outlive them, counted as :attr:`PagedKVRows.nbytes` counts (prefix-cache snapshots).
 
         Rows per token come from the caches themselves: one probe cache of ``tokens`` tokens is built and
         each of its stores reports its capacity (K/V and latents: one row per token, V4's compressed
@@ -258,14 +339,12 @@ class PagedKVSpace:
         Snapshots add their share of ``snapshot_bytes`` to each store's rows, in proportion to its bytes.
         ``grow_hint`` names the knob that sizes the pools, for the warning of a pool that still runs out.
 
-        Why snapshots get blocks of their own, beyond the running sequences': a snapshot outlives its
-        sequence (a finished request's last snapshot, the partly filled block a running sequence copied
-        on write, a preempted request's snapshot) and the prefix cache evicts one only to store another,
-        never to make room for a running sequence. It bounds them by ``prefix_cache_bytes`` counted as
-        contiguous rows (:attr:`PagedKVRows.nbytes`), the VRAM a placement plan reserves for them too, so
-        that is the allowance; blocks a snapshot shares with a running sequence are counted twice, the
-        price of a bound that holds whatever is cached. (Only a snapshot's last, partly filled block per
-        store is not in the allowance: many short V4 snapshots may still make a pool grow.)
+        Why snapshots need no blocks of their own (``snapshot_bytes`` is 0 unless a reserve is asked
+        for): a snapshot shares its blocks with the sequence it was taken from, and what it alone holds
+        (a finished or preempted request's blocks, the partly filled block its sequence copied on write)
+        is lent: a pool with no free block drops least recently used snapshots through
+        ``reclaim_hook`` before it grows. Running sequences never hold more than the budget's blocks, so
+        with every lent block reclaimable a pool sized here does not grow for snapshots.
         """
         census = self._count_rows(new_cache, tokens)
         probe_bytes = sum(rows * pool.row_bytes for pool, rows in census)
@@ -304,17 +383,29 @@ class PagedKVSpace:
         self._warned = True
         report(
             "paged KV pool %s grew from %d to %d blocks: the pools were sized at start-up for %d tokens "
-            "(+ %d of prefix-cache snapshots); raise %s so that they hold it from the start",
+            "(+ %d reserved for prefix-cache snapshots); raise %s so that they hold it from the start",
             (*pool.lead, pool.width), old, pool.blocks, sizing.tokens, sizing.snapshot_tokens, self.grow_hint,
         )  # fmt: skip
 
+    @property
+    def bytes_lent(self) -> int:
+        """Bytes of the blocks only prefix-cache snapshots hold (cheap: no walk over the blocks)."""
+        return sum(p.lent * p.block_bytes for p in self._pools.values())
+
+    def _reclaim(self, pool: KVBlockPool, block: int | None) -> bool:
+        hook = self.reclaim_hook
+        return hook is not None and hook(pool, block)
+
     def engine_stats(self) -> dict[str, int]:
-        """The :class:`moetier.engine.types.EngineStats` fields of paged KV."""
+        """The :class:`moetier.engine.types.EngineStats` fields of paged KV. Bytes used: every held block;
+        blocks used: those running sequences hold, not the ones lent to snapshots (a running sequence
+        takes those back), so that blocks used / blocks is the KV use."""
         stats = self.stats()
         return {
             "kv_pool_bytes_used": stats.bytes_used,
             "kv_pool_bytes_allocated": stats.bytes_allocated,
-            "kv_pool_blocks_used": stats.blocks_used,
+            "kv_pool_blocks_used": stats.blocks_used - stats.blocks_lent,
+            "kv_pool_blocks_lent": stats.blocks_lent,
             "kv_pool_blocks": stats.blocks_allocated,
         }
 
@@ -326,6 +417,8 @@ class PagedKVSpace:
             blocks_allocated=sum(p.blocks for p in pools),
             bytes_used=sum(p.used * p.block_bytes for p in pools),
             bytes_allocated=sum(p.blocks * p.block_bytes for p in pools),
+            blocks_lent=sum(p.lent for p in pools),
+            bytes_lent=self.bytes_lent,
         )
 
 
@@ -342,6 +435,27 @@ def paged_kv(space: PagedKVSpace | None) -> Iterator[None]:
 def active_space() -> PagedKVSpace | None:
     """The space of the innermost :func:`paged_kv` block (None outside: caches are contiguous)."""
     return _ACTIVE.get()
+
+
+def paged_holdings(cache: object) -> list[tuple[KVBlockPool, list[int], int]]:
+    """(pool, block table, ``nbytes``) of every paged row store reachable from ``cache`` through its
+    attributes, lists, tuples and dicts (tensors skipped): the blocks a prefix-cache snapshot holds. A
+    store found twice counts once."""
+    found, seen, stack = [], set(), [cache]
+    while stack:
+        obj = stack.pop()
+        if obj is None or isinstance(obj, torch.Tensor | str | bytes | int | float) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, PagedKVRows):
+            found.append((obj._pool, obj.blocks, obj.nbytes))
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, list | tuple):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return found
 
 
 class PagedKVRows(KVRows):
@@ -472,3 +586,16 @@ class PagedKVRows(KVRows):
             self._index = grown
         first = self._table[b] * size
         torch.arange(first, first + size, out=self._index[b * size : (b + 1) * size])
+
+    # --- in-place reads (attention kernels; read-only) ---------------------------------------------
+
+    def pool_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pool's values and fp8 scales (None unless fp8) as ``[pool rows, *lead, width | groups]`` views,
+        indexed by :meth:`token_rows`. Take them after the step's writes: a write may grow the pool into new
+        tensors."""
+        pool = self._pool
+        return pool.flat(pool.data), None if pool.scales is None else pool.flat(pool.scales)
+
+    def token_rows(self, end: int) -> torch.Tensor:
+        """The pool row of each token slot ``[0, end)`` (int64 ``[end]``; a view, valid until the next write)."""
+        return self._index[:end]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moetier.errors import ConfigError
-from moetier.tiers.workspace import gib
+from moetier.units import gib
 
 
 @dataclass(frozen=True)

@@ -43,10 +43,10 @@ from moetier.tiers.workspace import (
     ChunkChoice,
     auto_chunk_limit,
     choose_prefill_chunk,
-    gib,
     workspace_allowance,
     workspace_estimate,
 )
+from moetier.units import gib
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.formats import format_for
 from moetier.weights.quant_experts import expert_layout_for

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from moetier.errors import ConfigError
+from moetier.units import gib
 
-GiB = 1 << 30
 # Activation workspace estimate: fp32 hidden-width rows alive at once per prefill token (residual,
 # norms, attention projections, gathered expert rows, partial sums), plus fp32 logits per stream.
 # Counted at ``hidden_size``, not DeepSeek-V4's ``hc_mult`` times wider residual (which overstated V4 ~7x):
@@ -116,9 +116,3 @@ def choose_prefill_chunk(estimate: Callable[[int], int], allowance: int, limit: 
     elif tokens == limit:
         why += "; no more prompt tokens fit context x streams"
     return ChunkChoice(tokens, workspace, allowance, why)
-
-
-def gib(nbytes: float) -> str:
-    """Bytes as GiB: two decimals, or six decimals below 0.01 GiB (tiny test models)."""
-    value = nbytes / GiB
-    return f"{value:.2f}" if value >= 0.01 or value == 0 else f"{value:.6f}"
