@@ -10,8 +10,9 @@ per-sequence cache work or host decisions start, and a step where every sequence
                       projections (q/k norms, rope of the new token)
       attend  eager   each sequence's cache write, then one attention over all sequences' (padded) keys
       post    graph   output projection, residual, post-attention norm, then the router and shared expert
-                      (a MoE layer) or the whole dense MLP and its residual (a dense layer)
-      experts eager   the dispatcher (its tiers decide on the host from the routing)
+                      (a MoE layer) or the whole dense MLP and its residual (a dense layer); for a dispatcher
+                      that wants hints, also the next MoE layer's predicted experts (below)
+      experts eager   the dispatcher (its tiers decide on the host from the routing), after the hint
     final     graph   the last MoE output added in, final norm
 
 through the model's :class:`~moetier.models.graph_segments.SegmentGraphs`, keyed by segment, layer and batch
@@ -23,6 +24,14 @@ one-call ``forward`` is the composition of the very methods the segments call, o
 paths give identical numbers (other batches run :class:`PreNormDecoderLayer`'s forward, per sequence, as
 before). Without CUDA, or with graphs off, the segments run eagerly: the CPU tests of this path test the
 graphed math.
+
+Expert hints (``ExpertDispatcher.wants_hints``): a MoE layer ``L`` followed by a MoE layer ``L'`` predicts
+``L'``'s experts with the standard next-layer predictor, ``L'``'s own post-attention norm and router applied to
+the residual at ``L``'s MoE input (``L'``'s attention and ``L``'s MoE output are not known yet), inside ``L``'s
+post segment (an extra output: no host sync), and hands them to ``dispatcher.hint(L', ids)`` before
+dispatching ``L``, so a tiered dispatcher can copy ``L'``'s missing experts while ``L`` and ``L'``'s attention
+run. Without hints the segments compute nothing extra; the graphs are captured for one choice at a time
+(:func:`decode_hints`).
 """
 
 from __future__ import annotations
@@ -92,12 +101,18 @@ class SplitAttention(Protocol):
 class RoutedMoE(nn.Module):
     """A MoE block: a router (and optional shared experts) on the device, routed experts through the dispatcher.
 
-    Subclasses set ``layer`` and ``dispatcher`` (a plain attribute, as :meth:`CausalLM.use_dispatcher` expects)
-    and implement :meth:`route`.
+    Subclasses set ``layer``, ``dispatcher`` (a plain attribute, as :meth:`CausalLM.use_dispatcher` expects) and
+    the router ``gate`` (``gate(x) -> (ids, weights)``), and implement :meth:`route`.
     """
 
     layer: int
     dispatcher: ExpertDispatcher
+    gate: nn.Module
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        """The expert ids ``[T, k]`` :meth:`route` picks for ``x``, without the shared experts (a hint's
+        prediction): the router's own selection, its correction bias included; capturable."""
+        return self.gate(x)[0]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, MaybeTensor]:
         """``x`` ``[T, H]`` -> expert ids ``[T, k]``, their weights ``[T, k]``, shared experts' output (or None).
@@ -149,6 +164,11 @@ class SegmentedDecoderLayer(PreNormDecoderLayer):
             return h, y, *self.mlp.route(y)
         return (h + self.mlp(y),)
 
+    def predict_experts(self, h: torch.Tensor) -> torch.Tensor:
+        """This MoE layer's expert ids ``[B, k]`` predicted from ``h``, the residual at an earlier MoE layer's MoE
+        input: this layer's post-attention norm and router selection applied to it (capturable)."""
+        return self.mlp.select(self.post_attention_layernorm(h))
+
 
 class PreNormModel(Protocol):
     """What :func:`prenorm_forward` needs of a family's model."""
@@ -160,6 +180,29 @@ class PreNormModel(Protocol):
     rope_factor: float
     graphs: SegmentGraphs
     segmented_decode: bool
+    dispatcher: ExpertDispatcher
+
+
+def decode_hints(graphs: SegmentGraphs, dispatcher: ExpertDispatcher) -> bool:
+    """Whether this decode step hands ``dispatcher`` next-layer expert hints (its ``wants_hints``, read per step:
+    benchmarks swap dispatchers). Graphs are captured for one choice: a change recaptures them
+    (:meth:`SegmentGraphs.use_variant`), so no graph computes, or skips, predictions stale."""
+    wanted = dispatcher.wants_hints
+    graphs.use_variant(("expert hints", wanted))
+    return wanted
+
+
+def hint_targets(layers: nn.ModuleList, enabled: bool) -> list[SegmentedDecoderLayer | None]:
+    """Per layer, the MoE layer whose experts it predicts: the next MoE layer after a MoE layer, None for dense
+    layers, the last MoE layer, and every layer when hints are off."""
+    targets: list[SegmentedDecoderLayer | None] = [None] * len(layers)
+    if not enabled:
+        return targets
+    ahead = None
+    for i in reversed(range(len(layers))):
+        if isinstance(layers[i].mlp, RoutedMoE):
+            targets[i], ahead = ahead, layers[i]
+    return targets
 
 
 def prenorm_forward(model: PreNormModel, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -178,25 +221,34 @@ def decode_step(model: PreNormModel, input_ids: torch.Tensor, batch: ForwardBatc
     """Final hidden states ``[B, H]`` (a fresh tensor) of ``B`` sequences bringing one token each; every layer's
     cache is appended to. The caller advances the caches."""
     graphs, size = model.graphs, len(batch.slices)
+    targets = hint_targets(model.layers, decode_hints(graphs, model.dispatcher))
     x, cos, sin = graphs.run(("inputs", size), partial(_inputs, model), input_ids, batch.positions)
     carry: Carry = (x,)
-    for layer in model.layers:
-        carry = _layer_step(graphs, layer, carry, (cos, sin), batch)
+    for layer, ahead in zip(model.layers, targets, strict=True):
+        carry = _layer_step(graphs, layer, ahead, carry, (cos, sin), batch)
     (hidden,) = graphs.run(("final", size), partial(_final, model), *carry)
     return graphs.fresh(hidden)
 
 
 def _layer_step(
-    graphs: SegmentGraphs, layer: SegmentedDecoderLayer, carry: Carry, rope: Rope, batch: ForwardBatch
+    graphs: SegmentGraphs,
+    layer: SegmentedDecoderLayer,
+    ahead: SegmentedDecoderLayer | None,
+    carry: Carry,
+    rope: Rope,
+    batch: ForwardBatch,
 ) -> Carry:
-    """One layer: pre (graph), attention over the caches (eager), post (graph), routed experts (eager)."""
+    """One layer: pre (graph), attention over the caches (eager), post (graph; with ``ahead``, the MoE layer it
+    predicts, its hint), routed experts (eager)."""
     size = len(batch.slices)
     x, *projected = graphs.run(("pre", layer.layer, size), partial(_pre, layer, len(carry)), *carry, *rope)
     out = layer.decode_attend(tuple(projected), batch)
-    post = graphs.run(("post", layer.layer, size), partial(_post, layer), x, out)
+    post = graphs.run(("post", layer.layer, size), partial(_post, layer, ahead), x, out)
     if len(post) == 1:  # a dense layer: its output is complete
         return post
-    h, y, ids, weights, shared = post
+    h, y, ids, weights, shared, *predicted = post
+    if ahead is not None:  # before this layer's dispatch: its copies can start while it computes
+        layer.mlp.dispatcher.hint(ahead.layer, predicted[0])
     return h, layer.mlp.experts(y, ids, weights), shared
 
 
@@ -220,9 +272,14 @@ def _pre(layer: SegmentedDecoderLayer, carried: int, *tensors: MaybeTensor) -> t
     return x, *layer.decode_pre_attention(x, (tensors[carried], tensors[carried + 1]))
 
 
-def _post(layer: SegmentedDecoderLayer, x: torch.Tensor, out: torch.Tensor) -> tuple[MaybeTensor, ...]:
-    """Segment: the attention output merged into the residual, then the MLP's capturable part."""
-    return layer.decode_mlp(*layer.decode_post_attention(x, out))
+def _post(
+    layer: SegmentedDecoderLayer, ahead: SegmentedDecoderLayer | None, x: torch.Tensor, out: torch.Tensor
+) -> tuple[MaybeTensor, ...]:
+    """Segment: the attention output merged into the residual, then the MLP's capturable part, then (with
+    ``ahead``) ``ahead``'s predicted expert ids."""
+    h, y = layer.decode_post_attention(x, out)
+    outputs = layer.decode_mlp(h, y)
+    return outputs if ahead is None else (*outputs, ahead.predict_experts(h))
 
 
 def _final(model: PreNormModel, *carry: MaybeTensor) -> torch.Tensor:

@@ -66,15 +66,24 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams`` ``[T, hc, H]`` -> ``post`` ``[T, hc]``, ``comb`` ``[T, hc, hc]``, sublayer input ``[T, H]``."""
         hc = self.hc
-        flat = rms_unweighted(streams.flatten(1), self.norm_eps, torch.float32)
-        # One affine for all three parts: logits * (pre | post | comb scale) + base.
-        scale = self.scale.float()[self._scale_index(streams.device)]
-        logits = torch.addcmul(self.base.float(), F.linear(flat, self.fn.float()), scale)
+        logits = self._logits(streams)
         gates = torch.sigmoid(logits[:, : 2 * hc])
         pre, post = gates[:, :hc] + self.hc_eps, gates[:, hc:] * 2
         comb = sinkhorn(logits[:, 2 * hc :].view(-1, hc, hc), self.iters, self.hc_eps)
         collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
+
+    def collapse(self, streams: torch.Tensor) -> torch.Tensor:
+        """Only the sublayer input of :meth:`forward` (``post`` and the Sinkhorn ``comb`` skipped), the same numbers."""
+        pre = torch.sigmoid(self._logits(streams)[:, : self.hc]) + self.hc_eps
+        return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+
+    def _logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """``[T, mix]`` float32 mixing logits of ``streams``: pre, post, then comb's."""
+        flat = rms_unweighted(streams.flatten(1), self.norm_eps, torch.float32)
+        # One affine for all three parts: logits * (pre | post | comb scale) + base.
+        scale = self.scale.float()[self._scale_index(streams.device)]
+        return torch.addcmul(self.base.float(), F.linear(flat, self.fn.float()), scale)
 
     def _scale_index(self, device: torch.device) -> torch.Tensor:
         """``[mix]`` indices into ``scale`` (0 for pre, 1 for post, 2 for comb logits), built once per device."""
@@ -133,14 +142,24 @@ class Router(nn.Module):
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.score_fn(F.linear(x.float(), self.weight.float()))
-        if self.hashed:
-            ids = self.tid2eid[input_ids].long()
-        else:
-            ids = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
+        scores = self._scores(x)
+        ids = self._pick(scores, input_ids)
         weights = scores.gather(1, ids)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
         return ids, weights.to(x.dtype)
+
+    def select(self, x: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
+        """The expert ids ``[T, k]`` (int64) :meth:`forward` picks, without their weights; a hashed router
+        reads only ``input_ids`` (``x`` may be None)."""
+        return self._pick(None if self.hashed else self._scores(x), input_ids)
+
+    def _scores(self, x: torch.Tensor) -> torch.Tensor:
+        return self.score_fn(F.linear(x.float(), self.weight.float()))
+
+    def _pick(self, scores: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.hashed:
+            return self.tid2eid[input_ids].long()
+        return torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
 
 
 class SharedExpert(DenseMLP):
@@ -247,6 +266,26 @@ class DeepseekV4DecoderLayer(nn.Module):
         ids, weights = self.ffn.gate(x, input_ids)
         return streams, post, comb, x, ids, weights, self.ffn.shared(x)
 
+    def predict_routing(
+        self,
+        streams: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        shared: torch.Tensor | None,
+        input_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """This layer's expert ids ``[B, k]`` predicted at the previous layer's dispatch, from that layer's
+        :meth:`decode_post` outputs (``streams``, its MoE's ``post`` and ``comb``, its shared expert's output).
+        Hash-routed: exact. Learned: this layer's MoE input estimated as this layer's ``ffn_hc`` collapse and
+        ``ffn_norm`` of the previous layer's output streams with only the routed experts' part left out (the
+        one part not computed yet; this layer's attention is skipped, as the pre-norm predictor skips it), then
+        this router's selection, bias included. Capturable."""
+        gate = self.ffn.gate
+        if gate.hashed:
+            return gate.select(None, input_ids)
+        estimate = _streams_without_routed(streams, post, comb, shared)
+        return gate.select(self.ffn_norm(self.ffn_hc.collapse(estimate)), input_ids)
+
     @staticmethod
     def finish_ffn(
         streams: torch.Tensor,
@@ -257,6 +296,16 @@ class DeepseekV4DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """The layer's output streams once the routed experts' output is in (the end of :meth:`forward`)."""
         return HyperConnection.merge(streams, DeepseekV4MoE.add_shared(routed, shared), post, comb)
+
+
+def _streams_without_routed(
+    streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, shared: torch.Tensor | None
+) -> torch.Tensor:
+    """:meth:`DeepseekV4DecoderLayer.finish_ffn` with a zero routed output: the streams mixed by ``comb``, plus
+    the shared expert's output placed by ``post`` where there is one."""
+    if shared is None:
+        return torch.bmm(comb.to(streams.dtype).transpose(-1, -2), streams)
+    return HyperConnection.merge(streams, shared, post, comb)
 
 
 _COMPRESSOR_LEAF = {"wkv": "kv_proj", "wgate": "gate_proj", "ape": "position_bias", "norm": "kv_norm"}

@@ -10,8 +10,10 @@ time for ~2 ms of GPU work on an H200, ~670 kernels plus their Python). A step r
                       indexer's head weights as it scores with them
       core    eager   each sequence's window and compressors' rows, then batched over the sequences: the
                       windows that close, the indexer's scores, the padded sink attention
-      post    graph   rotate back, output projection, mHC merge, ffn_hc + norm, router, shared expert
-      experts eager   the dispatcher (its tiers decide on the host from the routing)
+      post    graph   rotate back, output projection, mHC merge, ffn_hc + norm, router, shared expert; for a
+                      dispatcher that wants hints, the next layer's predicted experts
+                      (:meth:`DeepseekV4DecoderLayer.predict_routing`)
+      experts eager   the dispatcher (its tiers decide on the host from the routing), after the hint
     final     graph   the last MoE output merged in, hyper-head, final norm
 
 through :class:`~moetier.models.graph_segments.SegmentGraphs`, keyed by segment, layer and batch size: at
@@ -20,6 +22,11 @@ most one capture per (segment, layer, batch size). Segments hand their outputs s
 math is the layers' own (:meth:`DeepseekV4DecoderLayer.decode_pre` and ``decode_post``, the attention's
 ``decode_*`` methods), the same the one-call forward uses; without CUDA, or with graphs off, the segments
 run eagerly, so the CPU tests of this path test the graphed math.
+
+Expert hints, as in :mod:`moetier.models.decode_segments`: every V4 layer is a MoE layer, so each but the last
+hands ``dispatcher.hint(L + 1, ids)`` the next layer's predicted experts (exact for a hash-routed next layer)
+before its own dispatch; the graphs are captured with or without the predictions, never both
+(:func:`~moetier.models.decode_segments.decode_hints`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 from torch.profiler import record_function
 
 from moetier.models.base import ForwardBatch
+from moetier.models.decode_segments import decode_hints
 from moetier.models.deepseek_v4_attention import Projections
 from moetier.models.deepseek_v4_rope import StepRope, rotations_from
 from moetier.models.graph_segments import SegmentGraphs
@@ -45,11 +53,14 @@ def decode_step(model: DeepseekV4ForCausalLM, input_ids: torch.Tensor, batch: Fo
     """Final hidden states ``[B, H]`` (a fresh tensor) of ``batch``, whose ``B`` sequences bring one token each;
     every layer's state is appended to. The caller advances the caches."""
     graphs, size = model.graphs, len(batch.slices)
+    layers = list(model.layers)
+    # Each layer predicts the next one's experts (the last none), when the dispatcher wants hints.
+    targets = (layers[1:] + [None]) if decode_hints(graphs, model.dispatcher) else [None] * len(layers)
     ids, streams, *rope_tensors = graphs.run(("inputs", size), model.decode_inputs, input_ids, batch.positions)
     rope = StepRope(batch.positions, rotations_from(tuple(rope_tensors)), model.rope_tables["compress"])
     carry: Carry = (streams,)
-    for layer in model.layers:
-        carry = _layer_step(graphs, layer, carry, ids, tuple(rope_tensors), rope, batch)
+    for layer, ahead in zip(layers, targets, strict=True):
+        carry = _layer_step(graphs, layer, ahead, carry, ids, tuple(rope_tensors), rope, batch)
     (hidden,) = graphs.run(("final", size), partial(_final, model), *carry)
     return graphs.fresh(hidden)
 
@@ -57,23 +68,27 @@ def decode_step(model: DeepseekV4ForCausalLM, input_ids: torch.Tensor, batch: Fo
 def _layer_step(
     graphs: SegmentGraphs,
     layer: DeepseekV4DecoderLayer,
+    ahead: DeepseekV4DecoderLayer | None,
     carry: Carry,
     ids: torch.Tensor,
     rope_tensors: tuple[torch.Tensor, ...],
     rope: StepRope,
     batch: ForwardBatch,
 ) -> Carry:
-    """One layer: pre (graph), attention core (eager), post (graph), routed experts (eager) -> its carry."""
+    """One layer: pre (graph), attention core (eager), post (graph; with ``ahead``, the layer it predicts, its
+    hint), routed experts (eager) -> its carry."""
     index, size = layer.layer, len(batch.slices)
     pre = graphs.run(("pre", index, size), partial(_pre, layer, len(carry)), *carry, *rope_tensors)
     streams, post, comb, q, index_q = pre[:5]
     states = [s.cache.layers[index] for s in batch.slices]
     with record_function("v4.attend"):
         out = layer.attn.decode_attend(q, index_q, Projections(*pre[5:]), rope, states)
-    post_fn = partial(_post, layer)
-    streams, post, comb, x, topk_ids, weights, shared = graphs.run(
+    post_fn = partial(_post, layer, ahead)
+    streams, post, comb, x, topk_ids, weights, shared, *predicted = graphs.run(
         ("post", index, size), post_fn, out, streams, post, comb, ids, *rope_tensors
     )
+    if ahead is not None:  # before this layer's dispatch: the next layer's copies can start while it computes
+        layer.ffn.dispatcher.hint(ahead.layer, predicted[0])
     with record_function("v4.dispatch"):
         routed = layer.ffn.dispatcher.dispatch(index, x, topk_ids, weights)
     return streams, post, comb, routed, shared
@@ -95,6 +110,7 @@ def _pre(layer: DeepseekV4DecoderLayer, carried: int, *tensors: torch.Tensor | N
 
 def _post(
     layer: DeepseekV4DecoderLayer,
+    ahead: DeepseekV4DecoderLayer | None,
     out: torch.Tensor,
     streams: torch.Tensor,
     post: torch.Tensor,
@@ -102,8 +118,13 @@ def _post(
     ids: torch.Tensor,
     *rope_tensors: torch.Tensor,
 ) -> tuple:
-    """Segment: :meth:`DeepseekV4DecoderLayer.decode_post` with the rotations passed as tensors."""
-    return layer.decode_post(out, rotations_from(rope_tensors), streams, post, comb, ids)
+    """Segment: :meth:`DeepseekV4DecoderLayer.decode_post` with the rotations passed as tensors, then (with
+    ``ahead``) ``ahead``'s predicted expert ids."""
+    outputs = layer.decode_post(out, rotations_from(rope_tensors), streams, post, comb, ids)
+    if ahead is None:
+        return outputs
+    streams, post, comb, *_, shared = outputs
+    return *outputs, ahead.predict_routing(streams, post, comb, shared, ids)
 
 
 def _final(model: DeepseekV4ForCausalLM, *carry: torch.Tensor | None) -> torch.Tensor:

@@ -28,6 +28,8 @@ Contract for callers:
 - ``fn`` may update its inputs in place; on a replay that updates the static copy, not the caller's tensor.
 - A capture that fails logs one warning naming the key and the reason; that key runs eagerly from then
   on (a decode never fails because a segment cannot be captured).
+- A choice that changes what segment functions compute without changing their keys (e.g. whether they
+  predict the next layer's experts) is declared with :meth:`SegmentGraphs.use_variant` before the step.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class SegmentGraphs:
         self._pool: Any = None
         self._capture_stream: Any = None
         self._side_stream: Any = None
+        self._variant: Hashable = None
 
     def run(self, key: Hashable, fn: SegmentFn, *tensors: MaybeTensor) -> Tensors:
         """``fn(*tensors)`` as a tuple, from the key's CUDA graph where one applies (module doc)."""
@@ -115,6 +118,16 @@ class SegmentGraphs:
         self._entries.clear()
         self._outputs.clear()
         self._pool = None
+
+    def use_variant(self, variant: Hashable) -> None:
+        """Declare what shapes the coming step's segment functions beyond their keys. A change drops every graph
+        (:meth:`reset`), so none replays work captured for the other variant. Dropping all of them, not keying
+        on the variant, keeps the pool's rule: keys replay in the order they were captured, which graphs of
+        two variants captured at different times would break."""
+        if variant != self._variant:
+            if self._entries:
+                self.reset()
+            self._variant = variant
 
     # --- the CUDA steps (tests substitute these to exercise the bookkeeping on the CPU) ---
 

@@ -44,7 +44,9 @@ class ExpertDispatcher(ABC):
         """Advice for the next dispatch of MoE layer ``layer``: ``topk_ids`` ``[T, K]`` (int64, on the compute
         device, one row per token of that coming call) are the experts a prediction expects. A model makes
         it one layer early, before dispatching the current layer, so a tiered dispatcher can start copying
-        them while this layer and the next attention run. Results never depend on hints. Default: ignored."""
+        them while this layer and the next attention run. With CUDA graphs ``topk_ids`` is a graph output the next
+        replay overwrites: copy it (on its stream) before returning, never keep it. Results never depend on
+        hints. Default: ignored."""
 
 
 def expert_accumulator(hidden: torch.Tensor) -> torch.Tensor:
