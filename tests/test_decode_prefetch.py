@@ -20,7 +20,8 @@ LAYOUT = ExpertLayout((0, 1), num_experts=8, hidden_size=32, intermediate_size=1
 
 def _pair(**options):
     store = _random_store(LAYOUT, torch.float32)
-    options = {"miss_route": "copy", "staging_slots": 4, "cache_slots": 0, **options}
+    # hint_min_precision 0: every predicted expert is prefetched (the gate has its own tests)
+    options = {"miss_route": "copy", "staging_slots": 4, "cache_slots": 0, "hint_min_precision": 0.0, **options}
     return ResidentDispatcher(store), TieredDispatcher(store, **options)
 
 
@@ -111,3 +112,38 @@ def test_hint_buffer_ranks_by_predictions_and_scores_once():
     assert hints.take(2) == []  # a hint for another layer
     assert hints.take(3) == [5, 2, 7] and hints.take(3) == []  # consumed
     assert hints.score(3, [5, 9]) == (3, 1) and hints.score(3, [5]) == (0, 0)
+
+
+def test_only_ranks_that_proved_precise_are_trusted():
+    hints = HintBuffer(min_precision=0.8, min_samples=4, decay=1.0)
+    for _ in range(3):
+        hints.record(1, torch.tensor([[4, 5]]))
+        assert hints.trusted(hints.take(1)) == []  # too few scored calls yet
+        hints.score(1, [4, 6])  # rank 0 right, rank 1 wrong
+    hints.record(1, torch.tensor([[4, 5]]))
+    ranked = hints.take(1)
+    hints.score(1, [4])
+    assert hints.rank_precision() == [1.0, 0.0]
+    assert hints.trusted(ranked) == [4] and hints.trusted([7, 8, 9]) == [7]  # rank 0 only; rank 2 never scored
+
+
+def test_imprecise_hints_are_not_prefetched_but_still_scored():
+    resident, tiered = _pair(hint_min_precision=0.8)
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(24):  # every hint wrong: never trusted, so nothing is copied ahead
+        _step(tiered, resident, generator, tokens=1, hint_for_1=torch.tensor([[6, 7]]))
+    counters = tiered.metrics.layer(1)
+    assert counters.prefetch_bytes == 0 and counters.hint_experts == 48
+    assert max(tiered.hint_rank_precision) < 0.8
+    with pytest.raises(ConfigError, match="hint_min_precision"):
+        TieredDispatcher(tiered.store, cache_slots=1, hint_min_precision=1.5)
+
+
+def test_precise_hints_become_trusted_and_are_prefetched():
+    resident, tiered = _pair(hint_min_precision=0.8)
+    generator = torch.Generator().manual_seed(8)
+    for _ in range(30):  # the true ids as hints: precision 1 on every rank
+        _step(tiered, resident, generator, tokens=1)
+    counters = tiered.metrics.layer(1)
+    assert counters.prefetch_used > 0 and counters.prefetch_wasted == 0
+    assert min(tiered.hint_rank_precision) == 1.0

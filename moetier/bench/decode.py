@@ -254,6 +254,7 @@ def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams
         "prefetch_wasted_per_step": total.prefetch_wasted / steps,
         "hint_precision": snap["totals"]["hint_precision"],
         "hint_recall": snap["totals"]["hint_recall"],
+        "hint_rank_precision": list(getattr(dispatcher, "hint_rank_precision", [])),
         "distinct_experts_per_layer": {str(k): len(v) for k, v in sorted(metrics.routing_counts().items())},
         # Measured / start-up cost of each miss route while decoding (tiers.route_costs.RouteAdapter).
         "route_cost_scales": dict(getattr(getattr(dispatcher, "adapter", None), "scales", {})),

@@ -47,7 +47,8 @@ class TieredConfig:
     wall-clock timings, so it is not reproducible run to run (the math is the same either way).
     A decode call copies up to ``decode_prefetch`` of the experts the model hinted for the next MoE
     layer (:meth:`ExpertDispatcher.hint`) into free staging slots once its own copies are enqueued
-    (0: hints are not asked for).
+    (0: hints are not asked for), and only the ranks of the prediction whose measured precision reaches
+    ``hint_min_precision`` (:mod:`moetier.tiers.hints`; 0: every predicted expert).
     """
 
     cache_slots: int | None = None
@@ -66,6 +67,7 @@ class TieredConfig:
     gpu_waits_for_cpu: bool = True  # where the driver allows it (moetier.tiers.gpu_wait); else the host waits
     adapt_costs: bool | None = None
     decode_prefetch: int = 4
+    hint_min_precision: float = 0.8
 
     def __post_init__(self) -> None:
         if (self.cache_slots is None) == (self.cache_bytes is None):
@@ -82,6 +84,8 @@ class TieredConfig:
             raise ConfigError(f"lend_slots must be >= 0, got {self.lend_slots}")
         if self.decode_prefetch < 0:
             raise ConfigError(f"decode_prefetch must be >= 0, got {self.decode_prefetch}")
+        if not 0.0 <= self.hint_min_precision <= 1.0:
+            raise ConfigError(f"hint_min_precision must be in [0, 1], got {self.hint_min_precision}")
         if self.fat_threshold < 1 or self.stream_min_tokens < 1:
             raise ConfigError(
                 f"fat_threshold and stream_min_tokens must be >= 1, got {self.fat_threshold}, {self.stream_min_tokens}"

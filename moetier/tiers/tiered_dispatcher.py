@@ -81,7 +81,7 @@ class TieredDispatcher(ExpertDispatcher):
         self.adapter = RouteAdapter()
         self.metrics.route_cost_scales = self.adapter.scales  # the same dict: /metrics reads it live
         self._copy_timings: list[tuple[float, Any, Any]] = []  # (predicted seconds, start, end) of a call's copies
-        self._hints = HintBuffer()
+        self._hints = HintBuffer(min_precision=self.config.hint_min_precision)
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -112,6 +112,11 @@ class TieredDispatcher(ExpertDispatcher):
             cfg.policy,
             self.costs,
         )
+
+    @property
+    def hint_rank_precision(self) -> list[float]:
+        """The hints' measured precision per rank (what decides which predicted experts are prefetched)."""
+        return self._hints.rank_precision()
 
     @property
     def wants_hints(self) -> bool:
@@ -411,7 +416,7 @@ class TieredDispatcher(ExpertDispatcher):
         """Copy the next MoE layer's hinted experts that are not resident into free staging slots (decode)."""
         nxt = self._next_layer[layer]
         counters, started = self.metrics.layer(nxt), 0
-        for expert in self._hints.take(nxt):
+        for expert in self._hints.trusted(self._hints.take(nxt)):
             if started == self.config.decode_prefetch or self.cache.free_staging == 0:
                 return
             if self.cache.prefetch((nxt, expert)):
