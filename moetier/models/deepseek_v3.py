@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.errors import ConfigError
+from moetier.kernels.paged_attention import paged_attention_usable, try_paged_attention
 from moetier.models.base import (
     CausalLM,
     ExpertTarget,
@@ -254,14 +255,28 @@ class DeepseekV3Attention(nn.Module):
     def decode_attend(
         self, q: torch.Tensor, latent: torch.Tensor, caches: list[LatentKVCache], positions: torch.Tensor
     ) -> torch.Tensor:
-        """Row ``i`` of ``latent`` appended to ``caches[i]``; each query row attends over its sequence's latents,
-        all sequences in one padded computation -> the latent-space output ``[B, heads, r]``."""
-        written = [c.write(self.layer, latent[i : i + 1]) for i, c in enumerate(caches)]
+        """Row ``i`` of ``latent`` appended to ``caches[i]``; each query row attends over its sequence's latents
+        -> the latent-space output ``[B, heads, r]``. Paged caches of one pool are read in place (keys: the
+        whole latent rows, values: their first ``r`` columns) where the kernel runs; otherwise all sequences'
+        latents are gathered into one padded computation."""
+        stores = [c.latents[self.layer] for c in caches]
+        rank = self.cfg.kv_lora_rank
+        if paged_attention_usable(q, stores, None, d1=rank):
+            lengths = [c.length + 1 for c in caches]
+            for i, (c, store) in enumerate(zip(caches, stores, strict=True)):  # LatentKVCache.write, no read
+                store.write(c.length, latent[i : i + 1])
+            # positions + 1 are the lengths on the device: no host-to-device copy.
+            out = try_paged_attention(q, stores, None, lengths, positions + 1, self.scale, d1=rank)
+            if out is not None:
+                return out.view(q.shape[0], q.shape[1], rank)
+            written = [s.read(n) for s, n in zip(stores, lengths, strict=True)]  # the kernel failed: gather
+        else:
+            written = [c.write(self.layer, latent[i : i + 1]) for i, c in enumerate(caches)]
         padding = padding_mask(positions, [w.shape[0] for w in written])
         hidden = None if padding is None else padding[:, None, :]  # over every head
         latents = stack_padded(written)  # [B, S, r + rope]
         probs = self._softmax(torch.bmm(q, latents.transpose(1, 2)), hidden, q.dtype)
-        return torch.bmm(probs, latents[..., : self.cfg.kv_lora_rank])
+        return torch.bmm(probs, latents[..., :rank])
 
     def decode_output(self, out_latent: torch.Tensor) -> torch.Tensor:
         """``[B, heads, r]`` -> ``[B, H]``."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.errors import ConfigError
+from moetier.kernels.paged_attention import paged_attention_usable, try_paged_attention
 from moetier.models.base import CausalLM, ExpertTarget, ForwardBatch, ParamTarget, WeightTarget, register_model
 from moetier.models.cache import ContiguousKVCache
 from moetier.models.decode_segments import (
@@ -74,6 +75,23 @@ def rope_settings(hf: dict[str, Any], default_theta: float) -> tuple[float, dict
     return float(theta), scaling
 
 
+def padded_decode_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query token per sequence (``q`` ``[B, heads, D]``) over its gathered keys/values (per sequence
+    ``[kv_heads, L_i, D]``), all sequences padded into one computation -> ``[B, heads * D]``. The gather path,
+    and the reference of :mod:`moetier.kernels.paged_attention`."""
+    padding = padding_mask(positions, [rows.shape[-2] for rows in keys])
+    keys, values = stack_padded(keys), stack_padded(values)  # [B, kv_heads, S, D]
+    # Query heads grouped by the KV head they share (repeat_interleave's order): no expanded keys needed.
+    tokens, kv_heads = q.shape[0], keys.shape[1]
+    scores = torch.matmul(q.view(tokens, kv_heads, -1, q.shape[-1]), keys.transpose(-1, -2)) * scale
+    if padding is not None:
+        scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values).reshape(tokens, -1)
+
+
 class Qwen3MoeAttention(nn.Module):
     def __init__(self, cfg: Qwen3MoeConfig, layer: int) -> None:
         super().__init__()
@@ -116,22 +134,30 @@ class Qwen3MoeAttention(nn.Module):
         caches: list[ContiguousKVCache],
         positions: torch.Tensor,
     ) -> torch.Tensor:
-        """Row ``i`` of ``k``/``v`` appended to ``caches[i]``; each query row attends over its sequence's keys,
-        all sequences in one padded computation -> ``[B, heads * D]``."""
-        written = [
-            c.write(self.layer, k[i : i + 1].transpose(0, 1), v[i : i + 1].transpose(0, 1))
-            for i, c in enumerate(caches)
-        ]
-        keys, values = (list(rows) for rows in zip(*written, strict=True))
-        padding = padding_mask(positions, [rows.shape[-2] for rows in keys])
-        keys, values = stack_padded(keys), stack_padded(values)  # [B, kv_heads, S, D]
-        # Query heads grouped by the KV head they share (repeat_interleave's order): no expanded keys needed.
-        tokens, kv_heads = q.shape[0], keys.shape[1]
-        scores = torch.matmul(q.view(tokens, kv_heads, -1, q.shape[-1]), keys.transpose(-1, -2)) * self.scale
-        if padding is not None:
-            scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, values).reshape(tokens, -1)
+        """Row ``i`` of ``k``/``v`` appended to ``caches[i]``; each query row attends over its sequence's keys
+        -> ``[B, heads * D]``. Paged caches of one pool are read in place (one kernel, no gather) where the
+        kernel runs; otherwise every sequence's rows are gathered into one padded computation."""
+        keys = [c.keys[self.layer] for c in caches]
+        values = [c.values[self.layer] for c in caches]
+        if not paged_attention_usable(q, keys, values):
+            written = [
+                c.write(self.layer, k[i : i + 1].transpose(0, 1), v[i : i + 1].transpose(0, 1))
+                for i, c in enumerate(caches)
+            ]
+            gathered_k, gathered_v = (list(rows) for rows in zip(*written, strict=True))
+            return padded_decode_attention(q, gathered_k, gathered_v, positions, self.scale)
+        lengths = [c.length + 1 for c in caches]
+        for i, c in enumerate(caches):  # ContiguousKVCache.write without the read (a store checks its capacity)
+            keys[i].write(c.length, k[i : i + 1].transpose(0, 1))
+            values[i].write(c.length, v[i : i + 1].transpose(0, 1))
+        # positions + 1 are the lengths on the device: no host-to-device copy.
+        out = try_paged_attention(q, keys, values, lengths, positions + 1, self.scale)
+        if out is None:  # the kernel failed (it stays off): gather the rows just written
+            gathered = [s.read(n) for s, n in zip(keys, lengths, strict=True)]
+            return padded_decode_attention(
+                q, gathered, [s.read(n) for s, n in zip(values, lengths, strict=True)], positions, self.scale
+            )
+        return out
 
     def decode_output(self, out: torch.Tensor) -> torch.Tensor:
         return self.o_proj(out)
