@@ -229,10 +229,11 @@ def _setup_serve(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-layout",
-        default="contiguous",
-        choices=["contiguous", "paged"],
-        help="KV cache rows: contiguous per sequence (default), or paged: blocks from shared pools, allocated as "
-        "tokens arrive and shared by prefix-cache hits instead of copied",
+        default="auto",
+        choices=["auto", "contiguous", "paged"],
+        help="KV cache rows: paged (blocks from shared pools, allocated as tokens arrive and shared by prefix-cache "
+        "hits instead of copied) or contiguous per sequence; auto (default): paged where decode attention reads "
+        "the blocks in place (Qwen3, DeepSeek-V3 on CUDA), contiguous otherwise",
     )
     parser.add_argument(
         "--no-warmup",

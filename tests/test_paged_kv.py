@@ -156,3 +156,21 @@ def test_layout_options_are_validated():
     with pytest.raises(ConfigError, match="kv_layout"):
         ServeConfig(kv_layout="ring")
     assert ServeConfig(kv_layout="paged").kv_layout == "paged"
+
+
+def test_auto_layout_is_paged_only_where_decode_reads_blocks_in_place():
+    import torch
+
+    from moetier.engine.kv_sizing import resolve_kv_layout
+    from moetier.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from moetier.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from moetier.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert EngineConfig().kv_layout == "auto" and ServeConfig().kv_layout == "auto"
+    for model in (Qwen3MoeForCausalLM, DeepseekV3ForCausalLM):
+        assert resolve_kv_layout("auto", model, cuda) == "paged"
+        assert resolve_kv_layout("auto", model, cpu) == "contiguous"  # the gather path: nothing gained
+    assert resolve_kv_layout("auto", DeepseekV4ForCausalLM, cuda) == "contiguous"  # V4 reads still gather
+    for layout in ("contiguous", "paged"):
+        assert resolve_kv_layout(layout, DeepseekV4ForCausalLM, cpu) == layout

@@ -42,7 +42,7 @@ import torch
 from moetier.config import ModelLoadConfig, default_device
 from moetier.engine.detokenizer import IncrementalText
 from moetier.engine.elastic import ElasticExpertBudget
-from moetier.engine.kv_sizing import size_kv
+from moetier.engine.kv_sizing import resolve_kv_layout, size_kv
 from moetier.engine.model_runner import ModelRunner
 from moetier.engine.prefill_meter import PrefillMeter
 from moetier.engine.prefix_cache import PrefixCache, chain_hashes
@@ -155,7 +155,8 @@ class Engine:
             headroom=self.config.kv_headroom_tokens,
         )
         self.scheduler.on_preempt = self._preempted
-        paged = self.config.kv_layout == "paged"
+        self.kv_layout = resolve_kv_layout(self.config.kv_layout, self.model, self.device)
+        paged = self.kv_layout == "paged"
         space = PagedKVSpace(self.device, self.config.kv_block_tokens) if paged else None
         self.runner = ModelRunner(self.model, kv_dtype=self.config.cache_kv_dtype, kv_space=space)
         self._setup_prefix_cache()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from moetier.engine.types import EngineConfig
 from moetier.tiers.kv_estimate import kv_budget_line
 
-__all__ = ["size_kv"]
+__all__ = ["resolve_kv_layout", "size_kv"]
 
 
 def size_kv(
@@ -41,3 +43,17 @@ def size_kv(
         hint = "--kv-reserve-streams"
     sizing = space.size_for(runner.new_cache, budget, streams, snapshot_reserve, hint)
     return f"KV cache ({label}): {sizing.describe(origin)}"
+
+
+def resolve_kv_layout(layout: str, model: Any, device: torch.device) -> str:
+    """``auto`` -> ``paged`` where the model's decode attention reads paged blocks in place (on CUDA,
+    ``CausalLM.reads_paged_kv_in_place``), else ``contiguous``; other layouts as given.
+
+    Measured on an H200 (Qwen3-235B attention widths, fp8 KV, 32k-token contexts): decode reading blocks
+    in place ran 1.28x / 1.60x the contiguous layout at 1 / 4 streams, whose padded batch and whole-context
+    dequantisation are copies; where reads still gather (DeepSeek-V4), paged cost ~5% in tiered decode.
+    """
+    if layout != "auto":
+        return layout
+    in_place = getattr(model, "reads_paged_kv_in_place", False) and torch.device(device).type == "cuda"
+    return "paged" if in_place else "contiguous"

@@ -64,9 +64,11 @@ class EngineConfig:
       prefilling it too (:mod:`moetier.engine.prefix_sharing`).
     - ``kv_dtype``: storage of the KV cache (the state that grows with the context): ``auto`` (the
       model dtype), ``bf16``, or ``fp8`` (e4m3 with per-token scales; :mod:`moetier.models.cache`).
-    - ``kv_layout``: ``"contiguous"`` (each sequence's rows preallocated for its reservation, copied when
-      it grows) or ``"paged"`` (blocks of ``kv_block_tokens`` rows from shared pools, taken as tokens
-      arrive and shared, not copied, by growth and prefix snapshots; :mod:`moetier.models.paged_kv`). The
+    - ``kv_layout``: ``"auto"`` (the default: paged where the model's decode attention reads blocks in
+      place, Qwen3 and DeepSeek-V3 on CUDA; contiguous otherwise), ``"contiguous"`` (each sequence's rows
+      preallocated for its reservation, copied when it grows) or ``"paged"`` (blocks of ``kv_block_tokens``
+      rows from shared pools, taken as tokens arrive and shared, not copied, by growth and prefix
+      snapshots; :mod:`moetier.models.paged_kv`). The
       pools are allocated at start-up for the KV-token budget (plus ``prefix_cache_reserve_bytes``);
       snapshots live in the blocks running sequences do not need, and a running sequence that finds no
       free block evicts least recently used snapshots before a pool grows.
@@ -89,7 +91,7 @@ class EngineConfig:
     prefix_share_min_blocks: int = 4
     prefix_share_max_wait_s: float = 60.0
     kv_dtype: str = "auto"
-    kv_layout: str = "contiguous"
+    kv_layout: str = "auto"
     kv_block_tokens: int = 16
     expert_format: str = "dense"
 
@@ -117,8 +119,8 @@ class EngineConfig:
                               f"got {reserve!r}")  # fmt: skip
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ConfigError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.kv_layout not in ("auto", *KV_LAYOUTS):
+            raise ConfigError(f"kv_layout must be one of auto, {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         _positive_int("kv_block_tokens", self.kv_block_tokens)
 
     def with_chunk_from(self, plan: Any) -> EngineConfig:

@@ -160,6 +160,9 @@ class CausalLM(nn.Module, ABC):
     # Parameters whose names contain one of these stay float32 whatever the load dtype
     # (the references keep router biases, mHC mixers and some norms in float32).
     keep_fp32: tuple[str, ...] = ()
+    # Whether decode attention reads paged KV blocks in place on CUDA (moetier.kernels.paged_attention);
+    # the engine's ``kv_layout="auto"`` picks the paged layout for such a model there.
+    reads_paged_kv_in_place: bool = False
 
     def __init__(self, config: Any, dispatcher: ExpertDispatcher) -> None:
         super().__init__()

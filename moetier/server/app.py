@@ -61,7 +61,7 @@ class ServeConfig:
     ``tiers``: a :class:`moetier.tiers.plan.TierOptions` (``--gpu-memory`` and friends) to load with
     tiered experts; its plan's table is logged at start-up and its counters appear in ``/metrics``.
     ``kv_dtype``: the KV cache's storage, ``auto`` (the model dtype), ``bf16`` or ``fp8``; ``kv_layout``:
-    ``contiguous`` or ``paged`` (:class:`moetier.engine.types.EngineConfig`).
+    ``auto``, ``contiguous`` or ``paged`` (:class:`moetier.engine.types.EngineConfig`).
     ``keepalive_seconds``: a streamed request still waiting for its first token (a long prefill) gets an
     SSE comment this often, with the prefill's progress when known; 0 sends none.
     ``prefill_chunk_tokens``: prefill tokens per engine step; ``None`` (auto): the placement plan's choice
@@ -85,7 +85,7 @@ class ServeConfig:
     log_level: str = "info"
     tiers: Any = None  # moetier.tiers.plan.TierOptions: serve with tiered experts (None: all resident)
     kv_dtype: str = "auto"
-    kv_layout: str = "contiguous"
+    kv_layout: str = "auto"
     keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS
     prefill_chunk_tokens: int | None = None
     warmup: bool = True
@@ -105,8 +105,8 @@ class ServeConfig:
             raise ConfigError("api_key must not be empty (leave it out to serve without a key)")
         if self.kv_dtype not in ("auto", "bf16", "fp8"):
             raise ConfigError(f"kv_dtype must be auto, bf16 or fp8, got {self.kv_dtype!r}")
-        if self.kv_layout not in ("contiguous", "paged"):
-            raise ConfigError(f"kv_layout must be contiguous or paged, got {self.kv_layout!r}")
+        if self.kv_layout not in ("auto", "contiguous", "paged"):
+            raise ConfigError(f"kv_layout must be auto, contiguous or paged, got {self.kv_layout!r}")
         chunk = self.prefill_chunk_tokens
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ConfigError(f"prefill_chunk_tokens must be an integer >= 1 (None: auto), got {chunk!r}")
