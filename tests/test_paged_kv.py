@@ -158,15 +158,17 @@ def test_layout_options_are_validated():
     assert ServeConfig(kv_layout="paged").kv_layout == "paged"
 
 
-def test_auto_layout_is_paged_only_where_decode_reads_blocks_in_place():
-    import torch
-
+def test_auto_layout_is_paged_only_where_decode_reads_blocks_in_place(monkeypatch):
+    from moetier.engine import kv_sizing
     from moetier.engine.kv_sizing import resolve_kv_layout
     from moetier.models.deepseek_v3 import DeepseekV3ForCausalLM
     from moetier.models.deepseek_v4 import DeepseekV4ForCausalLM
     from moetier.models.qwen3_moe import Qwen3MoeForCausalLM
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert not kv_sizing.kernels_run_on(cpu)
+    # CI has no GPU: Triton is taken as running on CUDA (the real check needs a device to ask).
+    monkeypatch.setattr(kv_sizing, "kernels_run_on", lambda device: device.type == "cuda")
     assert EngineConfig().kv_layout == "auto" and ServeConfig().kv_layout == "auto"
     for model in (Qwen3MoeForCausalLM, DeepseekV3ForCausalLM):
         assert resolve_kv_layout("auto", model, cuda) == "paged"

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from moetier.engine.types import EngineConfig
+from moetier.kernels.rmsnorm import triton_usable
 from moetier.tiers.kv_estimate import kv_budget_line
 
 __all__ = ["resolve_kv_layout", "size_kv"]
@@ -46,8 +47,8 @@ def size_kv(
 
 
 def resolve_kv_layout(layout: str, model: Any, device: torch.device) -> str:
-    """``auto`` -> ``paged`` where the model's decode attention reads paged blocks in place (on CUDA,
-    ``CausalLM.reads_paged_kv_in_place``), else ``contiguous``; other layouts as given.
+    """``auto`` -> ``paged`` where the model's decode attention reads paged blocks in place (on CUDA with
+    Triton, ``CausalLM.reads_paged_kv_in_place``), else ``contiguous``; other layouts as given.
 
     Measured on an H200 (Qwen3-235B attention widths, fp8 KV, 32k-token contexts): decode reading blocks
     in place ran 1.28x / 1.60x the contiguous layout at 1 / 4 streams, whose padded batch and whole-context
@@ -55,5 +56,11 @@ def resolve_kv_layout(layout: str, model: Any, device: torch.device) -> str:
     """
     if layout != "auto":
         return layout
-    in_place = getattr(model, "reads_paged_kv_in_place", False) and torch.device(device).type == "cuda"
+    in_place = getattr(model, "reads_paged_kv_in_place", False) and kernels_run_on(torch.device(device))
     return "paged" if in_place else "contiguous"
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether the Triton kernels run on ``device``: CUDA with Triton importable and ``MOETIER_TRITON`` not 0
+    (the same switch the paged attention kernel obeys)."""
+    return device.type == "cuda" and triton_usable(torch.empty(0, device=device))

@@ -400,8 +400,9 @@ _PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "gate_up_pro
 
 @register_model("DeepseekV3ForCausalLM")
 class DeepseekV3ForCausalLM(CausalLM):
-    reads_paged_kv_in_place = True
     """DeepSeek-V3 / R1 / V3.1 (671B) and smaller models of the same architecture."""
+
+    reads_paged_kv_in_place = True  # decode attention on paged caches: kernels/paged_attention.py
 
     keep_fp32 = ("e_score_correction_bias",)
     # Decode steps (one token per sequence) run as segments (:mod:`decode_segments`), CUDA graphs where

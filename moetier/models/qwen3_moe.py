@@ -209,8 +209,9 @@ _PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "gate_up_pro
 
 @register_model("Qwen3MoeForCausalLM")
 class Qwen3MoeForCausalLM(CausalLM):
-    reads_paged_kv_in_place = True
     """Qwen3-MoE (e.g. Qwen3-30B-A3B, Qwen3-235B-A22B)."""
+
+    reads_paged_kv_in_place = True  # decode attention on paged caches: kernels/paged_attention.py
 
     # Decode steps (one token per sequence) run as segments (:mod:`decode_segments`), CUDA graphs where
     # ``graphs`` allows; False runs them through the layers' one-call forward, as prefill does.
