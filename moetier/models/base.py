@@ -86,6 +86,11 @@ class SequenceCache:
         """Bytes of tensor memory the cache holds (prefix-cache accounting)."""
         return 0
 
+    def row_stores(self) -> list[Any]:
+        """Every row store (:class:`~moetier.models.cache.KVRows`) of the state that grows with the context:
+        what a paged layout keeps in pool blocks (a prefix snapshot's blocks are found here). Default: none."""
+        return []
+
 
 @dataclass
 class SequenceSlice:

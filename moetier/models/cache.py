@@ -221,3 +221,6 @@ class ContiguousKVCache(SequenceCache):
     @property
     def nbytes(self) -> int:
         return sum(rows.nbytes for rows in self.keys + self.values)
+
+    def row_stores(self) -> list[KVRows]:
+        return [*self.keys, *self.values]

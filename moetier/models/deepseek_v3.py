@@ -181,6 +181,9 @@ class LatentKVCache(SequenceCache):
     def nbytes(self) -> int:
         return sum(rows.nbytes for rows in self.latents)
 
+    def row_stores(self) -> list:
+        return list(self.latents)
+
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """``(x0, x1, x2, x3, ...)`` -> ``(x0, x2, ..., x1, x3, ...)`` on the last dim.

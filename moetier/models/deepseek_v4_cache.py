@@ -299,3 +299,8 @@ class DeepseekV4Cache(SequenceCache):
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+    def row_stores(self) -> list:
+        """The compressors' and indexers' entries (the windows are a few fixed rows, never paged)."""
+        states = [s for layer in self.layers for s in (layer.compressor, layer.indexer) if s is not None]
+        return [state.entries for state in states]

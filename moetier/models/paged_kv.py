@@ -437,25 +437,10 @@ def active_space() -> PagedKVSpace | None:
     return _ACTIVE.get()
 
 
-def paged_holdings(cache: object) -> list[tuple[KVBlockPool, list[int], int]]:
-    """(pool, block table, ``nbytes``) of every paged row store reachable from ``cache`` through its
-    attributes, lists, tuples and dicts (tensors skipped): the blocks a prefix-cache snapshot holds. A
-    store found twice counts once."""
-    found, seen, stack = [], set(), [cache]
-    while stack:
-        obj = stack.pop()
-        if obj is None or isinstance(obj, torch.Tensor | str | bytes | int | float) or id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, PagedKVRows):
-            found.append((obj._pool, obj.blocks, obj.nbytes))
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, list | tuple):
-            stack.extend(obj)
-        elif hasattr(obj, "__dict__"):
-            stack.extend(vars(obj).values())
-    return found
+def paged_holdings(cache: Any) -> list[tuple[KVBlockPool, list[int], int]]:
+    """(pool, block table, ``nbytes``) of each paged row store of ``cache`` (its ``row_stores()``): the blocks
+    a prefix-cache snapshot holds."""
+    return [(s._pool, s.blocks, s.nbytes) for s in cache.row_stores() if isinstance(s, PagedKVRows)]
 
 
 class PagedKVRows(KVRows):
