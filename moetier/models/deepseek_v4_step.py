@@ -35,13 +35,13 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
-from torch.profiler import record_function
 
 from moetier.models.base import ForwardBatch
 from moetier.models.decode_segments import decode_hints
 from moetier.models.deepseek_v4_attention import Projections
 from moetier.models.deepseek_v4_rope import StepRope, rotations_from
 from moetier.models.graph_segments import SegmentGraphs
+from moetier.profiling import phase
 
 if TYPE_CHECKING:
     from moetier.models.deepseek_v4 import DeepseekV4DecoderLayer, DeepseekV4ForCausalLM
@@ -81,7 +81,7 @@ def _layer_step(
     pre = graphs.run(("pre", index, size), partial(_pre, layer, len(carry)), *carry, *rope_tensors)
     streams, post, comb, q, index_q = pre[:5]
     states = [s.cache.layers[index] for s in batch.slices]
-    with record_function("v4.attend"):
+    with phase("v4.attend"):
         out = layer.attn.decode_attend(q, index_q, Projections(*pre[5:]), rope, states)
     post_fn = partial(_post, layer, ahead)
     streams, post, comb, x, topk_ids, weights, shared, *predicted = graphs.run(
@@ -89,7 +89,7 @@ def _layer_step(
     )
     if ahead is not None:  # before this layer's dispatch: the next layer's copies can start while it computes
         layer.ffn.dispatcher.hint(ahead.layer, predicted[0])
-    with record_function("v4.dispatch"):
+    with phase("v4.dispatch"):
         routed = layer.ffn.dispatcher.dispatch(index, x, topk_ids, weights)
     return streams, post, comb, routed, shared
 

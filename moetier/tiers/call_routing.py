@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moetier.tiers.decode_inputs import HostInputs
 from moetier.tiers.expert_cache import Slot
 
 # Up to this many pairs (decode: a few streams x top-k) are sorted in plain Python.
@@ -34,12 +35,28 @@ class Group:
 
 @dataclass
 class Routing:
-    """The call's pairs sorted by expert, on the host and on the device."""
+    """The call's pairs sorted by expert, on the host and (once :meth:`to_device` ran) on the device.
+
+    A decode call also has its :class:`HostInputs`; its device tensors are made after its CPU job is
+    submitted (only the device's own experts read them).
+    """
 
     groups: list[Group]
+    order_host: torch.Tensor  # int64 [P]: the pair (in [token, k] order) at each sorted position
     tokens_host: torch.Tensor  # int64 [P]: token of each sorted pair
-    tokens_dev: torch.Tensor
-    gates_dev: torch.Tensor  # [P] routing weight of each sorted pair
+    host: HostInputs | None = None
+    tokens_dev: torch.Tensor | None = None
+    gates_dev: torch.Tensor | None = None  # [P] routing weight of each sorted pair
+
+    def to_device(self, device: torch.device, topk_weights: torch.Tensor) -> None:
+        """The sorted pairs' tokens and gates on ``device`` (one host-to-device copy and one gather)."""
+        order_dev, self.tokens_dev = torch.stack((self.order_host, self.tokens_host)).to(device, non_blocking=True)
+        self.gates_dev = topk_weights.reshape(-1)[order_dev]
+
+    def host_gates(self) -> torch.Tensor:
+        """A decode call's sorted pairs' routing weights on the host."""
+        assert self.host is not None
+        return self.host.weights[self.order_host]
 
 
 @dataclass

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from moetier.errors import ConfigError
 from moetier.kernels import cpu_experts
+from moetier.profiling import phase
 from moetier.tiers.experts import ExpertWeights, swiglu_expert
 
 TORCH_KERNEL = "torch"
@@ -126,7 +126,7 @@ class CpuExpertTier:
     def _compute(self, job: CpuJob) -> CpuResult:
         start = time.perf_counter()
         if job.ready is not None:
-            with record_function("tiers.cpu_wait_inputs"):
+            with phase("tiers.cpu_wait_inputs"):
                 job.ready.synchronize()
         waited = time.perf_counter() - start
         out = job.out
@@ -134,7 +134,7 @@ class CpuExpertTier:
             out = torch.empty(job.hidden.shape, dtype=torch.float32)
         # inference_mode is per thread: the caller's tensors may be inference tensors, which only an
         # inference-mode block may update in place.
-        with torch.inference_mode(), record_function("tiers.cpu_job"):
+        with torch.inference_mode(), phase("tiers.cpu_job"):
             compute = self._compute_c if self._kernel_fits(job, out) else self._compute_torch
             kernel = compute(job, out)
         self.last_kernel = kernel

@@ -1,13 +1,17 @@
 """The tiered dispatcher: VRAM-cache hits on the device, misses on the CPU tier and/or copied in.
 
 Per call:
-1. group the (token, expert) pairs by expert; a group is a hit when its expert is resident;
-2. tell the policy what the layer used, then split the misses between the CPU tier and the copy
-   path by a cost model (measured at start-up on CUDA, or a fixed ``cpu_share``): groups of at
-   least ``fat_threshold`` tokens always go to the device, the rest by longest-processing-time;
-3. reserve cache slots for the misses the policy admits (never evicting an expert this call reads);
-4. start the CPU worker, enqueue the copy-path copies (into their cache slot when admitted, into the
-   staging ring otherwise, prefetched ones first) on the copy stream, run hits then copied experts;
+1. read the routing on the host (one wait for the device; a decode call also reads its ids' weights
+   and its rows there, :mod:`moetier.tiers.decode_inputs`), group the (token, expert) pairs by
+   expert; a group is a hit when its expert is resident;
+2. split the misses between the CPU tier and the copy path by a cost model (measured at start-up on
+   CUDA and kept true while serving, or a fixed ``cpu_share``): groups of at least ``fat_threshold``
+   tokens always go to the device, the rest by longest-processing-time;
+3. start the longer route first: a decode call's CPU job is built from host tensors alone, so when
+   it is the long pole it runs before this thread has told the policy what the layer used and
+   reserved cache slots for the misses the policy admits (never evicting an expert this call reads);
+4. enqueue the copy-path copies (into their cache slot when admitted, into the staging ring
+   otherwise, prefetched ones first) on the copy stream, run hits then copied experts;
 5. copy the CPU-routed admitted experts into their slots off the critical path, add the CPU tier's
    fp32 partial sums on the device.
 
@@ -30,15 +34,17 @@ from concurrent import futures
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from moetier.errors import ConfigError
 from moetier.kernels.grouped_experts import run_experts
+from moetier.profiling import phase
+from moetier.tiers.calibration import calibrate_routes
 from moetier.tiers.call_routing import Copies, Group, Routing, add_rows, sort_pairs
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
+from moetier.tiers.decode_inputs import HostBuffers, read_host_inputs
 from moetier.tiers.dispatcher import ExpertDispatcher, expert_accumulator
 from moetier.tiers.expert_cache import ExpertCache, Slot
-from moetier.tiers.experts import ExpertStore, swiglu_expert
+from moetier.tiers.experts import ExpertStore
 from moetier.tiers.gpu_wait import HostFlag
 from moetier.tiers.hints import HintBuffer
 from moetier.tiers.metrics import TierMetrics
@@ -82,6 +88,7 @@ class TieredDispatcher(ExpertDispatcher):
         self.metrics.route_cost_scales = self.adapter.scales  # the same dict: /metrics reads it live
         self._copy_timings: list[tuple[float, Any, Any]] = []  # (predicted seconds, start, end) of a call's copies
         self._hints = HintBuffer(min_precision=self.config.hint_min_precision)
+        self._host_buffers = HostBuffers()  # a decode call's routing, rows and CPU sums on the host
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -104,7 +111,7 @@ class TieredDispatcher(ExpertDispatcher):
         if cfg.gpu_waits_for_cpu and device.type == "cuda":
             self._flag = HostFlag.create(device)
         if device.type == "cuda" and cfg.miss_route == "auto" and cfg.cpu_share is None and cfg.calibrate:
-            self.costs = self._calibrate()
+            self.costs = calibrate_routes(self.store, self.cache, self.cpu_tier, device, self._first_layer)
         log.info(
             "tiered experts: %d cache slots, %d staging slots, policy %s, route costs %s",
             n_slots,
@@ -171,28 +178,33 @@ class TieredDispatcher(ExpertDispatcher):
             self.step += 1
             self.metrics.tokens += hidden.shape[0]
             self._lend_or_reclaim(streaming)
-        with record_function("tiers.route"):  # the host waits here for the router's ids
+        with phase("tiers.route"):  # the host waits here for the router's ids
             routing = self._route(layer, hidden, topk_ids, topk_weights, streaming)
         adapt = self._adapting(streaming)
-        hits, cpu_groups, copy_groups = self._split(layer, routing, streaming, adapt)
-        # The copies go first: PCIe starts moving as soon as the routing is known, while this thread
-        # prepares the CPU job and launches the hits (on the H200 the copy path is the longer pole).
-        timer = self._start_copy_timer() if adapt and copy_groups else None
-        with record_function("tiers.copy_submit"):
-            copies = self._start_copies(layer, copy_groups)
+        hits, cpu_groups, copy_groups = self._split(layer, routing, adapt)
         # The GPU (not this thread) waits for a decode call's CPU sums, except at the last MoE layer,
         # so this thread goes on launching the next layer; the job's outcome is checked at the next call.
         release = None
         if cpu_groups and self._flag is not None and not streaming and layer != self._last_layer:
             release = self._flag.next_value()
+        # The longer route starts first; a decode call's CPU job needs nothing from the device any more,
+        # so when it is the long pole it is submitted before the bookkeeping and the copies.
+        cpu_first = routing.host is not None and self._cpu_is_longer(cpu_groups, copy_groups, adapt)
         started = None
         try:
-            with record_function("tiers.cpu_submit"):
-                started = self._start_cpu(layer, hidden, routing, cpu_groups, release) if cpu_groups else None
-            if adapt and started is not None:
-                # The start-up costs' seconds for this job, compared with its measured seconds when it is collected.
-                started[0].predicted_seconds = sum(self.costs.cpu(g.count) for g in cpu_groups)
-            with record_function("tiers.device"):
+            if cpu_first:
+                started = self._submit_cpu(layer, hidden, routing, cpu_groups, release, adapt)
+            self._record(layer, routing, streaming)
+            if not streaming:  # a prefill chunk never reshapes the decode cache
+                self._plan_admissions(layer, routing)
+            timer = self._start_copy_timer() if adapt and copy_groups else None
+            with phase("tiers.copy_submit"):
+                copies = self._start_copies(layer, copy_groups)
+            if cpu_groups and not cpu_first:
+                started = self._submit_cpu(layer, hidden, routing, cpu_groups, release, adapt)
+            if routing.tokens_dev is None:
+                routing.to_device(hidden.device, topk_weights)
+            with phase("tiers.device"):
                 read = self._compute_on_device(layer, out, hidden, routing, hits, copies, streaming)
             if timer is not None:
                 self._stop_copy_timer(timer, sum(self.costs.copy(g.count) for g in copy_groups))
@@ -210,25 +222,59 @@ class TieredDispatcher(ExpertDispatcher):
         self.cache.mark_released(read, self._compute_stream())
         return out.to(hidden.dtype)
 
-    def _split(self, layer: int, routing: Routing, streaming: bool, adapt: bool) -> tuple[list, list, list]:
-        """The call's hits, CPU-routed misses and copy-path misses; decode calls also plan admissions."""
+    def _split(self, layer: int, routing: Routing, adapt: bool) -> tuple[list, list, list]:
+        """The call's hits, CPU-routed misses and copy-path misses (prefetched misses are the copy path's)."""
         hits = [g for g in routing.groups if g.slot is not None]
         misses = [g for g in routing.groups if g.slot is None]
         self._count(layer, hits, misses)
-        if not streaming:
-            self._score_hint(layer, [g.expert for g in routing.groups])
         # A prefetched miss is already on its way to the device: it is not the CPU's any more.
         prefetched = [g for g in misses if self.cache.is_prefetched((layer, g.expert))]
         others = [g for g in misses if not self.cache.is_prefetched((layer, g.expert))]
-        costs = self.adapter.costs(self.costs) if adapt else self.costs
         cpu_idx, copy_idx = split_misses(
-            [g.count for g in others], self.config.miss_route, costs, self.config.fat_threshold
+            [g.count for g in others], self.config.miss_route, self._costs(adapt), self.config.fat_threshold
         )
-        if not streaming:  # a prefill chunk never reshapes the decode cache
-            protected = {(layer, g.expert) for g in routing.groups}
-            for group in sorted(misses, key=lambda g: -g.count):
-                group.slot = self.cache.plan_admission((layer, group.expert), protected)
         return hits, [others[i] for i in cpu_idx], prefetched + [others[i] for i in copy_idx]
+
+    def _costs(self, adapt: bool) -> RouteCosts:
+        return self.adapter.costs(self.costs) if adapt else self.costs
+
+    def _cpu_is_longer(self, cpu_groups: list[Group], copy_groups: list[Group], adapt: bool) -> bool:
+        """Whether the CPU tier's share is predicted to take at least as long as the copy path's."""
+        if not cpu_groups:
+            return False
+        costs = self._costs(adapt)
+        return sum(costs.cpu(g.count) for g in cpu_groups) >= sum(costs.copy(g.count) for g in copy_groups)
+
+    def _plan_admissions(self, layer: int, routing: Routing) -> None:
+        """Reserve cache slots for the misses the policy admits, most tokens first (never evicting an
+        expert this call reads)."""
+        protected = {(layer, g.expert) for g in routing.groups}
+        for group in sorted((g for g in routing.groups if g.slot is None), key=lambda g: -g.count):
+            group.slot = self.cache.plan_admission((layer, group.expert), protected)
+
+    def _record(self, layer: int, routing: Routing, streaming: bool) -> None:
+        """Tell the policy (decode) or the streaming history what the layer used; count it; score the hint."""
+        experts = [g.expert for g in routing.groups]
+        counts = [g.count for g in routing.groups]
+        if streaming:
+            self._remember_streamed(layer, experts, counts)
+        else:
+            self.policy.record(layer, experts, counts, self.step)
+            self._score_hint(layer, experts)
+        self.metrics.record_routing(layer, experts, counts)
+
+    def _submit_cpu(
+        self, layer: int, hidden: torch.Tensor, routing: Routing, groups: list[Group], release: int | None, adapt: bool
+    ) -> tuple:
+        with phase("tiers.cpu_submit"):
+            if routing.host is not None:
+                started = self._start_cpu_from_host(layer, routing, groups, release)
+            else:
+                started = self._start_cpu(layer, hidden, routing, groups, release)
+        if adapt:
+            # The start-up costs' seconds for this job, compared with its measured seconds when it is collected.
+            started[0].predicted_seconds = sum(self.costs.cpu(g.count) for g in groups)
+        return started
 
     def _admit_cpu_routed(self, layer: int, cpu_groups: list[Group]) -> None:
         """Admitted CPU-routed misses: copied into their slots behind the critical path (read next call)."""
@@ -260,30 +306,30 @@ class TieredDispatcher(ExpertDispatcher):
     def _route(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights, streaming: bool
     ) -> Routing:
-        """Sort pairs by expert on the host (one small copy), look each expert up, tell the policy."""
-        order_host, experts_l, counts_l = sort_pairs(topk_ids)
-        if self._pending:  # the copy above waited for the GPU, which waited for the pending CPU jobs
+        """Sort pairs by expert on the host (one wait for the device) and look each expert up.
+
+        A decode call reads its ids, weights and (when the CPU tier may take misses) rows to the host in
+        that wait (:mod:`moetier.tiers.decode_inputs`); a streaming call reads its ids and puts the sorted
+        pairs on the device at once (its CPU groups gather their rows there).
+        """
+        host = None
+        if streaming:
+            order_host, experts_l, counts_l = sort_pairs(topk_ids)
+        else:
+            rows = self.config.miss_route != "copy"
+            host = read_host_inputs(hidden, topk_ids, topk_weights, self._host_buffers, rows)
+            order_host, experts_l, counts_l = sort_pairs(host.ids)
+        if self._pending:  # the wait above waited for the GPU, which waited for the pending CPU jobs
             self._collect_pending()
         self._poll_copy_timings()
-        top_k = topk_ids.shape[1]
-        tokens_host = order_host // top_k
-        # One host-to-device copy for both index vectors (decode is bound by such small launches).
-        order_dev, tokens_dev = torch.stack((order_host, tokens_host)).to(hidden.device, non_blocking=True)
         groups, start = [], 0
         for expert, count in zip(experts_l, counts_l, strict=True):
             groups.append(Group(expert, start, count, self.cache.get((layer, expert))))
             start += count
+        routing = Routing(groups, order_host, order_host // topk_ids.shape[1], host)
         if streaming:
-            self._remember_streamed(layer, experts_l, counts_l)
-        else:
-            self.policy.record(layer, experts_l, counts_l, self.step)
-        self.metrics.record_routing(layer, experts_l, counts_l)
-        return Routing(
-            groups=groups,
-            tokens_host=tokens_host,
-            tokens_dev=tokens_dev,
-            gates_dev=topk_weights.reshape(-1)[order_dev],
-        )
+            routing.to_device(hidden.device, topk_weights)
+        return routing
 
     def _start_copies(self, layer: int, copy_groups: list[Group]) -> Copies:
         """Enqueue the copy path's copies on the copy stream, before any compute of this call.
@@ -440,8 +486,28 @@ class TieredDispatcher(ExpertDispatcher):
         counters.copy_bytes += self.block_bytes * len(work)
         counters.copy_pairs += sum(group.count for group, _ in work)
 
+    def _start_cpu_from_host(self, layer: int, routing: Routing, groups: list[Group], release: int | None):
+        """Submit a decode call's CPU job over its host inputs: every row of the call, each group's tokens
+        and gates sliced from the sorted pairs, the fp32 sums into a reused (pinned) buffer that is added to
+        every row (rows no group touched are zero). Returns what :meth:`_start_cpu` returns."""
+        host = routing.host
+        gates = routing.host_gates()
+        job_groups = [
+            CpuGroup(self.store.expert(layer, g.expert), routing.tokens_host[g.pairs], gates[g.pairs]) for g in groups
+        ]
+        cuda = self.device.type == "cuda"
+        out = self._host_buffers.take("cpu_out", tuple(host.hidden.shape), torch.float32, pinned=cuda)
+        self.metrics.layer(layer).cpu_pairs += sum(g.count for g in groups)
+        job = CpuJob(hidden=host.hidden, groups=job_groups, out=out, on_done=self._on_done(release))
+        return self.cpu_tier.submit(job), None, out, (gates, job_groups)
+
+    def _on_done(self, release: int | None) -> Any:
+        """What a job runs when it ends: with ``release``, set the host flag a GPU stream may wait for."""
+        flag = self._flag
+        return None if release is None else (lambda: flag.release(release))
+
     def _start_cpu(self, layer: int, hidden: torch.Tensor, routing: Routing, groups: list[Group], release: int | None):
-        """Gather the CPU-routed rows and gates to the host and submit the job.
+        """Gather a streaming call's CPU-routed rows and gates to the host and submit the job.
 
         Returns ``(future, rows on device, pinned fp32 result, buffers to keep alive)``; with ``release``
         the worker sets the host flag to it when done (a GPU stream may be waiting for it).
@@ -475,9 +541,7 @@ class TieredDispatcher(ExpertDispatcher):
         ]
         out = torch.empty((len(rows), hidden.shape[1]), dtype=torch.float32, pin_memory=cuda)
         self.metrics.layer(layer).cpu_pairs += sum(g.count for g in groups)
-        flag = self._flag
-        on_done = None if release is None else (lambda: flag.release(release))
-        job = CpuJob(hidden=host_hidden, groups=job_groups, ready=ready, out=out, on_done=on_done)
+        job = CpuJob(hidden=host_hidden, groups=job_groups, ready=ready, out=out, on_done=self._on_done(release))
         return self.cpu_tier.submit(job), rows_dev, out, (host_hidden, host_gates, out, rows_dev, job_groups)
 
     def _finish_cpu(self, layer: int, started) -> tuple[torch.Tensor, torch.Tensor]:
@@ -546,47 +610,3 @@ class TieredDispatcher(ExpertDispatcher):
         """The stream device work is enqueued on (None off CUDA)."""
         cuda = self.device is not None and self.device.type == "cuda"
         return torch.cuda.current_stream(self.device) if cuda else None
-
-    # --- start-up measurement ------------------------------------------------------------------
-
-    def _calibrate(self, experts: int = 4, tokens: tuple[int, int] = (1, 16)) -> RouteCosts:
-        """Time a few experts on each route at two token counts and fit ``fixed + per_token * n``."""
-        layer = self._first_layer
-        ids = list(range(min(experts, self.store.layout.num_experts)))
-        hidden_size = self.store.layout.hidden_size
-        samples = {}
-        for n in tokens:
-            x_dev = torch.randn(n, hidden_size, device=self.device).to(self.store.dtype)
-            x_host = x_dev.cpu()
-            gates = torch.ones(n)
-            rows = torch.arange(n)
-            self._time_cpu(layer, ids[:1], x_host, rows, gates)  # warm-up
-            self._time_copy(layer, ids[:1], x_dev)
-            samples[n] = (self._time_cpu(layer, ids, x_host, rows, gates), self._time_copy(layer, ids, x_dev))
-        (cpu1, copy1), (cpu2, copy2) = samples[tokens[0]], samples[tokens[1]]
-        span = tokens[1] - tokens[0]
-        cpu_slope, copy_slope = max(0.0, (cpu2 - cpu1) / span), max(0.0, (copy2 - copy1) / span)
-        return RouteCosts(
-            cpu_fixed=max(cpu1 - cpu_slope * tokens[0], 1e-9),
-            cpu_per_token=cpu_slope,
-            copy_fixed=max(copy1 - copy_slope * tokens[0], 1e-9),
-            copy_per_token=copy_slope,
-        )
-
-    def _time_cpu(self, layer, ids, x_host, rows, gates) -> float:
-        groups = [CpuGroup(self.store.expert(layer, e), rows, gates) for e in ids]
-        start = time.perf_counter()
-        self.cpu_tier.submit(CpuJob(hidden=x_host, groups=groups)).result()
-        return (time.perf_counter() - start) / len(ids)
-
-    def _time_copy(self, layer, ids, x_dev) -> float:
-        torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        for e in ids:
-            slot = self.cache.staging_slot()
-            self.cache.fill(slot, self.store.expert(layer, e).block)
-            self.cache.wait_ready(slot, self._compute_stream())
-            swiglu_expert(x_dev, slot.weights, self.store.layout.swiglu_limit)
-            self.cache.mark_released([slot], self._compute_stream())
-        torch.cuda.synchronize(self.device)
-        return (time.perf_counter() - start) / len(ids)

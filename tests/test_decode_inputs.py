@@ -1,0 +1,97 @@
+"""A decode call's host inputs (:mod:`moetier.tiers.decode_inputs`) and the order the tiered dispatcher
+starts its two miss routes in: the predicted longer one first, with results unchanged either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import relative_error
+from test_tiers_fidelity import _random_store, _routing
+
+from moetier.profiling import phase, profiling
+from moetier.tiers.decode_inputs import HostBuffers, read_host_inputs
+from moetier.tiers.dispatcher import ResidentDispatcher
+from moetier.tiers.experts import ExpertLayout
+from moetier.tiers.route_costs import RouteCosts
+from moetier.tiers.tiered_dispatcher import TieredDispatcher
+
+LAYOUT = ExpertLayout((0, 1), num_experts=8, hidden_size=32, intermediate_size=16, top_k=3, swiglu_limit=2.0)
+
+
+def test_host_buffers_are_reused_and_grow():
+    buffers = HostBuffers()
+    first = buffers.take("x", (2, 4), torch.float32, pinned=False)
+    smaller = buffers.take("x", (1, 4), torch.float32, pinned=False)
+    assert smaller.data_ptr() == first.data_ptr() and smaller.shape == (1, 4)
+    grown = buffers.take("x", (3, 4), torch.float32, pinned=False)
+    assert grown.shape == (3, 4) and grown.numel() == 12
+    other = buffers.take("x", (3, 4), torch.bfloat16, pinned=False)
+    assert other.dtype == torch.bfloat16
+    assert buffers.take("y", (3, 4), torch.float32, pinned=False).data_ptr() != grown.data_ptr()
+
+
+def test_host_inputs_on_the_cpu_are_the_call_tensors():
+    hidden, ids, weights = _routing(2, LAYOUT, torch.Generator().manual_seed(0), torch.float32)
+    inputs = read_host_inputs(hidden, ids, weights, HostBuffers(), rows=True)
+    assert inputs.hidden is hidden
+    assert inputs.ids.tolist() == ids.reshape(-1).tolist() and torch.equal(inputs.weights, weights.reshape(-1))
+    assert read_host_inputs(hidden, ids, weights, HostBuffers(), rows=False).hidden is None
+
+
+def _recorded(tiered: TieredDispatcher) -> list[str]:
+    """Which route each call started, in order ("cpu": the job submitted, "copy": copies enqueued)."""
+    events: list[str] = []
+    submit, fill_many = tiered.cpu_tier.submit, tiered.cache.fill_many
+    tiered.cpu_tier.submit = lambda job: events.append("cpu") or submit(job)
+    tiered.cache.fill_many = lambda work: events.append("copy") or fill_many(work)
+    return events
+
+
+@pytest.mark.parametrize(
+    ("copy_cost", "expected"),
+    # one token, three distinct misses, longest-processing-time split with ties to the CPU:
+    # equal costs -> CPU 2 experts, copy 1 (the CPU is longer); copy 0.6 -> CPU 1.0 s, copy 1.2 s
+    [(1.0, ["cpu", "copy"]), (0.6, ["copy", "cpu"])],
+)
+def test_the_predicted_longer_route_starts_first(copy_cost, expected):
+    store = _random_store(LAYOUT, torch.float32)
+    resident = ResidentDispatcher(store)
+    tiered = TieredDispatcher(store, cache_slots=0, staging_slots=4, decode_prefetch=0)
+    tiered.prepare("cpu")
+    tiered.costs = RouteCosts(cpu_fixed=1.0, copy_fixed=copy_cost)
+    events = _recorded(tiered)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        hidden, ids, weights = _routing(1, LAYOUT, generator, torch.float32)
+        events.clear()
+        ours = tiered.dispatch(0, hidden, ids, weights)
+        assert events == expected
+        assert relative_error(ours, resident.dispatch(0, hidden, ids, weights)) < 1e-6
+    tiered.close()
+
+
+def test_a_cpu_only_call_reads_its_rows_and_sums_every_row():
+    """Decode of several tokens on the CPU tier alone: the job reads the call's rows as they are and its
+    sums cover every row, including rows no CPU group touched (zero), across reused buffers."""
+    store = _random_store(LAYOUT, torch.float32)
+    resident = ResidentDispatcher(store)
+    tiered = TieredDispatcher(store, cache_slots=0, miss_route="cpu")
+    generator = torch.Generator().manual_seed(2)
+    for tokens in (3, 1, 4, 2):
+        hidden, ids, weights = _routing(tokens, LAYOUT, generator, torch.float32)
+        for layer in LAYOUT.moe_layers:
+            ours = tiered.dispatch(layer, hidden, ids, weights)
+            assert relative_error(ours, resident.dispatch(layer, hidden, ids, weights)) < 1e-6
+    assert tiered.metrics.total().cpu_pairs == 2 * (3 + 1 + 4 + 2) * LAYOUT.top_k
+    tiered.close()
+
+
+def test_phases_cost_nothing_without_a_profiler():
+    assert not profiling()
+    with phase("a") as first, phase("b") as second:
+        assert first is None and second is None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert profiling()
+        with phase("moetier.test_phase"):
+            torch.ones(1).add_(1)
+    assert any(event.name == "moetier.test_phase" for event in prof.events())
