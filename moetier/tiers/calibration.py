@@ -1,7 +1,10 @@
 """Start-up measurement of the two miss routes' costs (CUDA): the split's first cost model.
 
 A few experts are timed on each route alone, at two token counts, and each route's cost is fitted as
-``fixed + per_token * n`` (:class:`~moetier.tiers.route_costs.RouteCosts`). While serving, the
+``fixed + per_token * n`` (:class:`~moetier.tiers.route_costs.RouteCosts`). Each timing is the fastest of
+``repeats``: one slow outlier (the H200 host once timed a tiny test expert's CPU job at 3.4 ms, 24x its usual 0.14 ms)
+would otherwise make a route look so dear that the split never sends it work, and a route that gets no
+work is never observed, so its cost is never corrected. While serving, the
 :class:`~moetier.tiers.route_costs.RouteAdapter` rescales these to what the routes cost side by side.
 """
 
@@ -25,6 +28,7 @@ def calibrate_routes(
     layer: int,
     experts: int = 4,
     tokens: tuple[int, int] = (1, 16),
+    repeats: int = 3,
 ) -> RouteCosts:
     """Time ``experts`` of ``layer`` on each route at two token counts and fit ``fixed + per_token * n``."""
     ids = list(range(min(experts, store.layout.num_experts)))
@@ -36,8 +40,8 @@ def calibrate_routes(
         _time_cpu(store, cpu_tier, layer, ids[:1], x_host, rows, gates)  # warm-up
         _time_copy(store, cache, layer, ids[:1], x_dev)
         samples[n] = (
-            _time_cpu(store, cpu_tier, layer, ids, x_host, rows, gates),
-            _time_copy(store, cache, layer, ids, x_dev),
+            min(_time_cpu(store, cpu_tier, layer, ids, x_host, rows, gates) for _ in range(repeats)),
+            min(_time_copy(store, cache, layer, ids, x_dev) for _ in range(repeats)),
         )
     (cpu1, copy1), (cpu2, copy2) = samples[tokens[0]], samples[tokens[1]]
     span = tokens[1] - tokens[0]
