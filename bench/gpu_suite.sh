@@ -14,7 +14,8 @@
 # its extra flags). The serve stage starts `moetier serve` on the bench model with SERVE_GPU_MEMORY
 # (default 8GiB: backbone, KV, an auto 4096-token chunk and a few % of the experts) and drives it at 1/2/4 streams.
 # FP8_EXPERTS=1 writes the bench model's routed experts as fp8 + tile scales (DeepSeek's fp8 release format)
-# and runs decode/prefill with --expert-format fp8 (half the miss bytes).
+# and runs decode/prefill with --expert-format fp8 (half the miss bytes); FP4_EXPERTS=1 the same with packed
+# FP4 e2m1 + ue8m0 scales (DeepSeek-V4's release format, --expert-format fp4: 0.31x the miss bytes of bf16).
 # KV_LAYOUT_CHECK=1 adds two decode runs with fp8 KV, contiguous then paged (KV_LAYOUT_PROMPT: their prompt
 # length, default 64, e.g. 32768 for long-context decode; KV_LAYOUT_MODES, default resident,tiered; KV_LAYOUT_DTYPE).
 # CPU_TIER=1 adds the C kernel's tests on this host's ISAs and `moetier bench cpu-tier` (torch vs the C kernel at CPU_TIER_THREADS, default 8,14,16, for the
@@ -63,6 +64,9 @@ bench() {  # bench KIND SECONDS ARGS...: one benchmark, its log appended, its st
     if [ -n "${FP8_EXPERTS:-}" ] && { [ "$kind" = decode ] || [ "$kind" = prefill ]; }; then
         set -- "$@" --expert-format fp8
     fi
+    if [ -n "${FP4_EXPERTS:-}" ] && { [ "$kind" = decode ] || [ "$kind" = prefill ]; }; then
+        set -- "$@" --expert-format fp4
+    fi
     echo "=== bench $kind" >> "$LOG"
     timeout "$seconds" python3 -m moetier.cli bench "$kind" --model "$model" "$@" --out "$OUT" 2>&1 \
         | tr '\r' '\n' | grep -v '^\(pinning\|loading\)' | tee -a "$LOG"
@@ -84,10 +88,11 @@ if [ -n "${CPU_TIER:-}" ]; then  # the CPU tier's kernels alone (torch and C), n
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
     shape=${BENCH_SHAPE:-deepseek-v4-flash}
-    model=/tmp/moetier-bench/$shape-${BENCH_LAYERS:-3}l${ROUTING_SKEW:+-skew$ROUTING_SKEW}${FP8_EXPERTS:+-fp8}
+    model=/tmp/moetier-bench/$shape-${BENCH_LAYERS:-3}l${ROUTING_SKEW:+-skew$ROUTING_SKEW}${FP8_EXPERTS:+-fp8}${FP4_EXPERTS:+-fp4}
     skew=()
     [ -n "${ROUTING_SKEW:-}" ] && skew=(--routing-skew "$ROUTING_SKEW")
     [ -n "${FP8_EXPERTS:-}" ] && skew+=(--fp8-experts)
+    [ -n "${FP4_EXPERTS:-}" ] && skew+=(--fp4-experts)
     echo "=== make-bench-model" >> "$LOG"
     # Progress bars are dropped from the log (carriage returns).
     timeout 240 python3 -m moetier.cli make-bench-model --shape "$shape" --layers "${BENCH_LAYERS:-3}" \

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from moetier.config import ModelLoadConfig, default_device, parse_dtype
+from moetier.config import EXPERT_FORMATS, ModelLoadConfig, default_device, parse_dtype
 from moetier.errors import ConfigError
 from moetier.tiers.experts import ExpertStore, device_allocator
 from moetier.tiers.host_store import HostExpertArena
@@ -124,7 +124,7 @@ def add_placement_arguments(
         "--routing-trace", type=Path, default=None, metavar="PATH", help="route from this recorded trace of expert ids"
     )
     parser.add_argument(
-        "--expert-format", default="dense", choices=["dense", "fp8"], help="experts' home copy (fp8: as stored)"
+        "--expert-format", default="dense", choices=list(EXPERT_FORMATS), help="experts' home copy (fp8/fp4: as stored)"
     )
 
 

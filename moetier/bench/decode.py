@@ -90,7 +90,7 @@ class DecodeBenchConfig:
     host_memory: str | None = None
     hf_args: str = ""  # extra ``moetier bench hf`` flags
     routing_trace: Path | None = None  # replay this recorded routing (see moetier.bench.trace_routing)
-    expert_format: str = "dense"  # "fp8": the experts' home copy as an fp8 checkpoint stores them
+    expert_format: str = "dense"  # "fp8" / "fp4": the experts' home copy as the checkpoint stores them
     kv_layout: str = "contiguous"  # "paged": the streams' caches take blocks from a shared pool (models.paged_kv)
     kv_dtype: str | None = None  # None: the model dtype; "fp8" / "bf16" as the engine's kv_dtype
 

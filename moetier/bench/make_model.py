@@ -17,6 +17,10 @@ initialises it). They are drawn on the GPU when there is one (a seeded CUDA gene
 tensor), a chunk at a time, copied to pinned buffers and written by a background thread; on a
 CPU the same happens with torch's CPU generator. Nothing bigger than a chunk is held in memory.
 
+Routed experts can be written quantised as a release stores them: ``--fp8-experts`` (float8 + 128x128
+tile scales, DeepSeek-V3's, :mod:`moetier.bench.fp8_model`) or, for DeepSeek-V4 shapes,
+``--fp4-experts`` (packed e2m1 + a ue8m0 scale per 32 inputs, DeepSeek-V4's, :mod:`moetier.bench.fp4_model`).
+
     python -m moetier.bench.make_model --shape deepseek-v4-flash --layers 4 --out /data/v4-4l
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import shutil
 import sys
 import time
@@ -37,6 +42,17 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from moetier.bench.fp4_model import (
+    PACKED_DTYPE,
+    SCALE_DTYPE,
+    Fp4Codes,
+    Ue8m0Scales,
+    check_fp4_shape,
+    fill_fp4_codes,
+    fill_ue8m0,
+    fp4_config,
+    fp4_expert_specs,
+)
 from moetier.bench.fp8_model import FP8_DTYPE, Fp8Normal, fill_fp8, fp8_expert_specs, quantization_config
 from moetier.bench.routers import RouterFactory
 from moetier.bench.safetensors_out import (
@@ -67,6 +83,8 @@ _OUR_FILES = (
     "tokenizer_config.json",
 )
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+# Routed experts' tensors (weights and their scales) in the three families' names; not shared experts.
+_ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 @dataclass
@@ -84,9 +102,12 @@ class WriteOptions:
     sync: bool = True  # fsync each shard, so throughput numbers include the disk
     tokenizer: bool = True  # write a full-vocabulary tokenizer, so the folder can be served
     fp8_experts: bool = False  # routed experts as float8 + 128x128 tile scales (moetier.bench.fp8_model)
+    fp4_experts: bool = False  # routed experts as packed e2m1 + ue8m0 scales per 32 inputs (moetier.bench.fp4_model)
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
+        if self.fp8_experts and self.fp4_experts:
+            raise ConfigError("--fp8-experts and --fp4-experts are exclusive: routed experts have one stored format")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"--device must be auto, cuda or cpu, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -95,6 +116,11 @@ class WriteOptions:
             raise ConfigError(f"--routing-skew must be > 0, got {self.routing_skew}")
         if self.shard_bytes < 1 or self.chunk_bytes < 4096:
             raise ConfigError("shard size must be positive and chunk size at least 4 KiB")
+
+    @property
+    def expert_format(self) -> str:
+        """How routed experts are stored: "fp8", "fp4" or "dense" (the checkpoint's ``dtype``)."""
+        return "fp8" if self.fp8_experts else "fp4" if self.fp4_experts else "dense"
 
     @property
     def torch_device(self) -> torch.device:
@@ -110,6 +136,7 @@ class WriteSummary:
     path: Path
     total_bytes: int
     tensors: int
+    expert_bytes: int  # routed experts' weights and scales, as stored
     shards: list[str]
     seconds: float
     device: str
@@ -159,6 +186,10 @@ class ChunkFiller:
             yield from self._generated(stored, lambda view, gen: view.normal_(0.0, std, generator=gen))
         elif isinstance(spec.init, Fp8Normal):
             yield from self._generated(stored, lambda view, gen: fill_fp8(view, gen, spec.init))
+        elif isinstance(spec.init, Fp4Codes):
+            yield from self._generated(stored, fill_fp4_codes)
+        elif isinstance(spec.init, Ue8m0Scales):
+            yield from self._generated(stored, lambda view, gen: fill_ue8m0(view, gen, spec.init))
         else:
             raise TypeError(f"unknown init {spec.init!r}")
 
@@ -197,7 +228,44 @@ class ChunkFiller:
 
 
 def _stored_dtype(spec: TensorSpec, model_dtype: torch.dtype) -> torch.dtype:
-    return {"model": model_dtype, "F32": torch.float32, "I64": torch.int64, "F8": FP8_DTYPE}[spec.dtype]
+    fixed = {"F32": torch.float32, "I64": torch.int64, "F8": FP8_DTYPE, "I8": PACKED_DTYPE, "F8_E8M0": SCALE_DTYPE}
+    return model_dtype if spec.dtype == "model" else fixed[spec.dtype]
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """What a checkpoint will hold, before anything is written: its ``config.json`` and its tensors."""
+
+    cfg: dict[str, Any]  # with the expert format's declarations (quantization_config, expert_dtype)
+    specs: list[TensorSpec]
+    stored: list[StoredTensor]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.stored)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Routed experts' bytes as stored (weights plus scales)."""
+        return sum(t.nbytes for t in self.stored if _ROUTED_EXPERT.search(t.name))
+
+
+def plan_bench_model(cfg: dict[str, Any], options: WriteOptions | None = None) -> BenchPlan:
+    """The tensors and sizes :func:`write_bench_model` writes for ``cfg`` (reads and writes nothing).
+
+    Raises ConfigError when the expert format does not fit ``cfg`` (``--fp4-experts`` off DeepSeek-V4).
+    """
+    options = options or WriteOptions()
+    specs = tensor_plan(cfg)
+    if options.fp8_experts:
+        specs = fp8_expert_specs(specs)
+        cfg = {**cfg, "quantization_config": quantization_config()}
+    elif options.fp4_experts:
+        check_fp4_shape(cfg)
+        specs = fp4_expert_specs(specs)
+        cfg = fp4_config(cfg)
+    stored = [StoredTensor(s.name, _stored_dtype(s, options.dtype), s.shape) for s in specs]
+    return BenchPlan(cfg, specs, stored)
 
 
 def _prepare_folder(out: Path, total_bytes: int, force: bool) -> None:
@@ -244,12 +312,8 @@ def write_bench_model(cfg: dict[str, Any], out: str | Path, options: WriteOption
     """Write ``cfg``'s checkpoint (random weights, real names and shapes) into the folder ``out``."""
     options = options or WriteOptions()
     out, device = Path(out).expanduser(), options.torch_device
-    specs = tensor_plan(cfg)
-    if options.fp8_experts:
-        specs = fp8_expert_specs(specs)
-        cfg = {**cfg, "quantization_config": quantization_config()}
-    stored = [StoredTensor(s.name, _stored_dtype(s, options.dtype), s.shape) for s in specs]
-    total = sum(t.nbytes for t in stored)
+    plan = plan_bench_model(cfg, options)
+    cfg, specs, stored, total = plan.cfg, plan.specs, plan.stored, plan.total_bytes
     # Built before anything is written: a vocabulary too small for it fails fast.
     tokenizer, tokenizer_summary = build_bench_tokenizer(cfg) if options.tokenizer else (None, None)
     _prepare_folder(out, total, options.force)
@@ -291,7 +355,9 @@ def write_bench_model(cfg: dict[str, Any], out: str | Path, options: WriteOption
     skew_summary = routers.skew_summary() if options.routing_skew is not None else None
     if skew_summary is not None:
         _write_json(out / "routing_skew.json", skew_summary)
-    summary = WriteSummary(out, total, len(stored), names, seconds, device.type, skew_summary, tokenizer_summary)
+    summary = WriteSummary(
+        out, total, len(stored), plan.expert_bytes, names, seconds, device.type, skew_summary, tokenizer_summary
+    )
     _write_json(out / "bench_model.json", _receipt(cfg, options, summary))
     return summary
 
@@ -301,10 +367,12 @@ def _receipt(cfg: dict[str, Any], options: WriteOptions, summary: WriteSummary) 
         "architecture": cfg["architectures"][0],
         "num_hidden_layers": cfg["num_hidden_layers"],
         "dtype": _DTYPE_NAMES[options.dtype],
+        "expert_format": options.expert_format,
         "seed": options.seed,
         "routing_skew": options.routing_skew,
         "generator_device": summary.device,
         "total_bytes": summary.total_bytes,
+        "routed_expert_bytes": summary.expert_bytes,
         "tensors": summary.tensors,
         "shards": summary.shards,
         "seconds": round(summary.seconds, 3),
@@ -366,6 +434,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="routed experts as float8 e4m3 + 128x128 tile scales, as DeepSeek's fp8 releases store them",
     )
+    parser.add_argument(
+        "--fp4-experts",
+        action="store_true",
+        help="routed experts as packed FP4 e2m1 + a ue8m0 scale per 32 inputs, as DeepSeek-V4's release stores "
+        "them (deepseek-v4 shapes only)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -391,6 +465,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             tokenizer=args.tokenizer,
             fp8_experts=args.fp8_experts,
+            fp4_experts=args.fp4_experts,
         )
         summary = write_bench_model(cfg, args.out, options)
     except MoetierError as exc:
@@ -400,6 +475,8 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {summary.total_bytes / 1e9:.2f} GB ({summary.tensors} tensors, {len(summary.shards)} shards) "
         f"to {summary.path} in {summary.seconds:.1f} s ({summary.gb_per_s:.2f} GB/s, weights drawn on {summary.device})"
     )
+    stored_as = _DTYPE_NAMES[options.dtype] if options.expert_format == "dense" else options.expert_format
+    print(f"routed experts: {summary.expert_bytes / 1e9:.2f} GB as stored ({stored_as})")
     if summary.tokenizer is not None:
         tok = summary.tokenizer
         print(

@@ -33,6 +33,8 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.int64: "I64",
     torch.int32: "I32",
     torch.float8_e4m3fn: "F8_E4M3",
+    torch.int8: "I8",  # packed FP4 e2m1 codes, as DeepSeek-V4's release stores them
+    torch.float8_e8m0fnu: "F8_E8M0",  # their ue8m0 scales
 }
 
 

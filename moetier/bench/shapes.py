@@ -45,7 +45,7 @@ class Router:
 Init = Normal | Fill | Router
 
 # "model" means the checkpoint's --dtype; the others are stored as named whatever --dtype is.
-StoredDtype = Literal["model", "F32", "I64", "F8"]
+StoredDtype = Literal["model", "F32", "I64", "F8", "I8", "F8_E8M0"]
 
 
 @dataclass(frozen=True)
