@@ -1,5 +1,5 @@
-"""A decode call's host inputs (:mod:`moetier.tiers.decode_inputs`) and the order the tiered dispatcher
-starts its two miss routes in: the predicted longer one first, with results unchanged either way."""
+"""A decode call's host inputs (:mod:`moetier.tiers.decode_inputs`): the CPU job built from host tensors
+alone, the order the tiered dispatcher starts its two miss routes in, and the profiler phases' cost."""
 
 from __future__ import annotations
 
@@ -47,13 +47,11 @@ def _recorded(tiered: TieredDispatcher) -> list[str]:
     return events
 
 
-@pytest.mark.parametrize(
-    ("copy_cost", "expected"),
-    # one token, three distinct misses, longest-processing-time split with ties to the CPU:
-    # equal costs -> CPU 2 experts, copy 1 (the CPU is longer); copy 0.6 -> CPU 1.0 s, copy 1.2 s
-    [(1.0, ["cpu", "copy"]), (0.6, ["copy", "cpu"])],
-)
-def test_the_predicted_longer_route_starts_first(copy_cost, expected):
+@pytest.mark.parametrize("copy_cost", [1.0, 0.6])
+def test_copies_start_first_then_the_cpu_job(copy_cost):
+    """Whichever route is predicted longer (one token, three distinct misses, longest-processing-time split
+    with ties to the CPU: equal costs give the CPU two experts, copy cost 0.6 gives the copy path two), the
+    copies are enqueued first and the CPU job is submitted right after; results equal the resident path."""
     store = _random_store(LAYOUT, torch.float32)
     resident = ResidentDispatcher(store)
     tiered = TieredDispatcher(store, cache_slots=0, staging_slots=4, decode_prefetch=0)
@@ -65,8 +63,10 @@ def test_the_predicted_longer_route_starts_first(copy_cost, expected):
         hidden, ids, weights = _routing(1, LAYOUT, generator, torch.float32)
         events.clear()
         ours = tiered.dispatch(0, hidden, ids, weights)
-        assert events == expected
+        assert events == ["copy", "cpu"]
         assert relative_error(ours, resident.dispatch(0, hidden, ids, weights)) < 1e-6
+    cpu_pairs, copy_pairs = tiered.metrics.total().cpu_pairs, tiered.metrics.total().copy_pairs
+    assert (cpu_pairs, copy_pairs) == ((6, 3) if copy_cost == 1.0 else (3, 6))
     tiered.close()
 
 
