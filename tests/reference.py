@@ -85,6 +85,14 @@ def moetier_run(
     return prefill, step_logits, tokens
 
 
+def assert_same_run(run: tuple, reference: tuple, rel: float = 1e-6) -> None:
+    """Two :func:`moetier_run` results agree: the same greedy tokens, prefill and every step's logits within ``rel``."""
+    (prefill, steps, tokens), (ref_prefill, ref_steps, ref_tokens) = run, reference
+    assert tokens == ref_tokens
+    assert relative_error(prefill, ref_prefill) < rel
+    assert max(relative_error(a, b) for a, b in zip(steps, ref_steps, strict=True)) < rel
+
+
 def compare_with_transformers(
     hf_model, path: Path, dtype=torch.float32, prompt_len=48, steps=32, seed=1, device="cpu"
 ) -> Comparison:
