@@ -16,6 +16,7 @@ import logging
 import platform
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -580,6 +581,128 @@ def test_fp4_power_of_two_and_special_scales_stay_exact(variant):
     dequantised = [CpuGroup(g.weights.dequantized(torch.bfloat16), g.rows, g.gates) for g in groups]
     ours = _run_fp4(lib, x, groups, None, threads=2)
     assert torch.equal(ours, _run(lib, x, dequantised, None, threads=2)), lib.isa
+
+
+# The fused fp4 path (cpu_experts_fp4.c): 32-value tiles whose scale is +-2^k, k in [-125, 125], are decoded in
+# registers; every other tile (and a partial last tile) from the first such one on goes through the row buffer.
+# The scales below put tiles on both sides of that line, in rows where the two kinds mix. Gate/up columns of
+# tiny or huge scales meet hidden columns scaled the other way, so their products count in the sums.
+HUGE_EXPONENTS = (118, 122, 124, 125)
+OVERFLOW_EXPONENTS = (126, 127)  # some products inf (buffer path)
+TINY_EXPONENTS = (-149, -140, -134, -127, -126, -125, -120)  # below -125: subnormal products (buffer path)
+ODD_SCALES = (0.0, 0.3 * 2.0**-6, -(2.0**-7), -0.3 * 2.0**-7)  # zero, not powers of two, a negative power of two
+FUSED_SHAPES = [((1, 32), 544, 96), ((2, 32), 200, 72), ((3, 32), 98, 34)]  # 200, 72, 98, 34: a partial last tile
+
+
+def _pow2(shape: tuple[int, ...], exponents, gen: torch.Generator) -> torch.Tensor:
+    choice = torch.tensor(exponents)[torch.randint(0, len(exponents), shape, generator=gen)]
+    return torch.ldexp(torch.ones(shape), choice)
+
+
+def _extreme_fp4_job(lib, hidden, inter, tile, tokens, seed):
+    """Random fp4 experts (SimpleNamespace QuantExperts: ExpertLayout wants tiles that divide the sizes) with
+    power-of-two scales: per gate/up tile column a normal, huge or tiny class (the hidden columns of that tile
+    scaled by the inverse), odd scales sprinkled in the normal columns, and in the down rows (whose inputs are
+    the activations) a few overflowing tiles, which make only their own output columns inf or NaN. Returns
+    hidden, the groups and the same groups on the experts dequantised by the kernel's row dequantisation."""
+    _, x, dense = _job(hidden, inter, tokens, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    kinds = torch.arange(-(-hidden // 32)) % 3  # per tile column of gate/up: 0 normal, 1 huge, 2 tiny
+    x_scale = torch.tensor((1.0, 2.0**-124, 2.0**118))[kinds].repeat_interleave(32)[:hidden]
+    x = (x.float() * x_scale).bfloat16()
+    groups, dequantised = [], []
+    for g in dense:
+        expert = SimpleNamespace(tile=tile)
+        for name, (rows, cols) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+            grid = (-(-rows // tile[0]), -(-cols // tile[1]))
+            value = _pow2(grid, range(-9, -4), gen)
+            normal = torch.ones(grid, dtype=torch.bool)
+            if name != "down":
+                for t in kinds.nonzero().flatten().tolist():
+                    value[:, t] = _pow2(value[:, t].shape, HUGE_EXPONENTS if kinds[t] == 1 else TINY_EXPONENTS, gen)
+                normal = (kinds == 0).expand(grid)
+            else:
+                overflow = torch.rand(grid, generator=gen) < 0.01
+                value[overflow] = _pow2((int(overflow.sum()),), OVERFLOW_EXPONENTS, gen)
+            odd = (torch.rand(grid, generator=gen) < 0.1) & normal
+            value[odd] = torch.tensor(ODD_SCALES)[torch.randint(0, len(ODD_SCALES), (int(odd.sum()),), generator=gen)]
+            setattr(expert, f"{name}_q", torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=gen))
+            setattr(expert, f"{name}_scale", value)
+        deq = {n: lib.dequantize_e2m1(getattr(expert, f"{n}_q"), getattr(expert, f"{n}_scale"), tile) for n in
+               ("gate", "up", "down")}  # fmt: skip
+        bf16 = SimpleNamespace(gate_up=torch.cat([deq["gate"], deq["up"]]), down=deq["down"])
+        groups.append(CpuGroup(expert, g.rows, g.gates))
+        dequantised.append(CpuGroup(bf16, g.rows, g.gates))
+    return x, groups, dequantised
+
+
+def _same_outputs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, NaN for NaN (a NaN's payload is the FMA's own: both paths take the same ones)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("tile,hidden,inter", FUSED_SHAPES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fp4_fused_tiles_equal_bf16_path_at_every_scale(variant, tile, hidden, inter, threads):
+    """Experts of 1-4 tokens take the fused path, of 8 (two token blocks) the row buffer; both must give the
+    bf16 path's result on the dequantised experts, with huge, tiny, zero, negative and odd scales mixed."""
+    lib = _library(variant)
+    x, groups, dequantised = _extreme_fp4_job(lib, hidden, inter, tile, (1, 3, 4, 8, 2), seed=hidden + threads)
+    ours = _run_fp4(lib, x, groups, None, threads)
+    theirs = _run(lib, x, dequantised, None, threads)
+    assert _same_outputs(ours, theirs), lib.isa
+    assert ours.isfinite().float().mean() > 0.5  # the job is not all overflow
+    for kind, exponent in (("huge", 125), ("tiny", -125)):  # the extreme fused tiles do move the result
+        g = groups[0]
+        column = 1 if kind == "huge" else 2
+        saved = g.weights.gate_scale.clone()
+        g.weights.gate_scale[:, column] = 2.0**exponent
+        changed = _run_fp4(lib, x, groups, None, threads)
+        g.weights.gate_scale.copy_(saved)
+        assert not _same_outputs(changed, ours), kind
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fp4_fused_path_stops_where_products_leave_the_normal_range(variant):
+    """Every gate/up tile at scale +-2^k, the hidden values scaled by about 2^-k (within bf16's range), so the
+    sums are the products'. Only k in [-125, 125] is fused: below, products are subnormal (past about -133 their
+    bf16 rounds), above, some overflow; 17 tiles a row also take the 16-wide scale check of the AVX-512 builds."""
+    lib = _library(variant)
+    gen = torch.Generator().manual_seed(41)
+    for k in (-136, -134, -133, -127, -126, -125, -124, 124, 125, 126):
+        x, groups, dequantised = _extreme_fp4_job(lib, 544, 64, (1, 32), (1, 3), seed=40)
+        magnitude = (torch.rand(x.shape, generator=gen) + 0.5) * 2.0 ** max(-126, min(126, -k - 3))
+        x = (magnitude * torch.randn(x.shape, generator=gen).sign()).bfloat16()
+        for g, d in zip(groups, dequantised, strict=True):
+            w = g.weights
+            for name in ("gate", "up"):
+                scale = getattr(w, f"{name}_scale")
+                scale.copy_(2.0**k * (torch.randint(0, 2, scale.shape, generator=gen) * 2.0 - 1))
+            w.down_scale.copy_(_pow2(w.down_scale.shape, range(-9, -4), gen))
+            deq = {
+                n: lib.dequantize_e2m1(getattr(w, f"{n}_q"), getattr(w, f"{n}_scale"), (1, 32))
+                for n in ("gate", "up", "down")
+            }
+            d.weights.gate_up, d.weights.down = torch.cat([deq["gate"], deq["up"]]), deq["down"]
+        ours = _run_fp4(lib, x, groups, None, threads=2)
+        assert _same_outputs(ours, _run(lib, x, dequantised, None, threads=2)), (lib.isa, k)
+        if -134 <= k <= 125:  # the products do count
+            touched = ours[torch.unique(torch.cat([g.rows for g in groups]))]
+            assert touched.isfinite().all() and (touched != 0).float().mean() > 0.5, k
+
+
+def test_fp4_fused_path_over_several_token_blocks():
+    """Built to fuse experts of up to 16 tokens (two token blocks at 8): the same result again."""
+    _library()
+    lib = cpu_experts.library(("-DMOETIER_FP4_FUSED_TOKENS=16",))
+    assert lib is not None
+    x, groups, dequantised = _extreme_fp4_job(lib, 520, 96, (1, 32), (8, 6, 1), seed=31)
+    for threads in (1, 2):
+        ours = _run_fp4(lib, x, groups, 0.4, threads)
+        assert _same_outputs(ours, _run(lib, x, dequantised, 0.4, threads))
+        assert _same_outputs(ours, _run_fp4(_library(), x, groups, 0.4, threads))
 
 
 def test_fp4_bad_inputs_raise_clear_errors():

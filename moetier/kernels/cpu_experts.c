@@ -22,6 +22,8 @@
  * Quantised experts (float8 e4m3fn, DeepSeek-V3's release; packed fp4 e2m1, DeepSeek-V4's) are dequantised
  * one weight row at a time into a per-thread bf16 buffer, exactly as the loader dequantises them, and then
  * take the same bf16 dot products: the results are bit for bit the bf16 path's on the dequantised weights.
+ * FP4 tiles whose power-of-two scale makes every dequantised value exact skip the buffer: their codes are
+ * decoded in registers into the same values, which take the same dot-product steps (cpu_experts_fp4.c).
  */
 #include <math.h>
 #include <stdint.h>
@@ -75,7 +77,7 @@ ALWAYS_INLINE bf16_t f32_to_bf16(float f) {
 
 ALWAYS_INLINE float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-ALWAYS_INLINE void prefetch(const bf16_t *p) {
+ALWAYS_INLINE void prefetch(const void *p) {
 #if MOETIER_PREFETCH_BYTES > 0
     __builtin_prefetch((const char *)p + MOETIER_PREFETCH_BYTES, 0, 3);
 #else
@@ -164,60 +166,71 @@ ALWAYS_INLINE void dot_tail(const bf16_t *const *w, int R, const xval_t *const *
         }
 }
 
+#if defined(VLEN)
+
+/* A step of the dot products: STEP weights of each row times the same STEP values of each token, into one
+ * fp32 accumulator of VLEN lanes per (row, token). `wvec_t` holds one step's weights or token values. */
 #if defined(__AVX512BF16__)
 
 static const char ISA[] = "avx512_bf16";
 
-ALWAYS_INLINE void dot_rows(const bf16_t *const *w, int R, const xval_t *const *x, int NT, int64_t k,
-                            float res[MAX_ROWS][TOKEN_BLOCK]) {
-    __m512 acc[MAX_ROWS][TOKEN_BLOCK];
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 <= k; i += 32) {
-        __m512bh a[MAX_ROWS];
-        for (int r = 0; r < R; ++r) {
-            prefetch(w[r] + i);
-            a[r] = (__m512bh)_mm512_loadu_si512(w[r] + i);
-        }
-        for (int t = 0; t < NT; ++t) {
-            __m512bh b = (__m512bh)_mm512_loadu_si512(x[t] + i);
-            for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], a[r], b);
-        }
-    }
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) res[r][t] = _mm512_reduce_add_ps(acc[r][t]);
-    dot_tail(w, R, x, NT, i, k, res);
-}
+#define STEP 32 /* vdpbf16ps: 32 bf16 products, summed in pairs into 16 fp32 lanes */
+typedef __m512bh wvec_t;
+ALWAYS_INLINE wvec_t w_load(const bf16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+ALWAYS_INLINE wvec_t x_load(const xval_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+ALWAYS_INLINE vf32 w_fma(vf32 acc, wvec_t a, wvec_t b) { return _mm512_dpbf16_ps(acc, a, b); }
 
-#elif defined(VLEN)
+#else
 
 static const char ISA[] = VEC_ISA;
+
+#define STEP VLEN /* bf16 -> fp32 by a 16-bit shift, fp32 FMA */
+typedef vf32 wvec_t;
+ALWAYS_INLINE wvec_t w_load(const bf16_t *p) { return v_load_bf16(p); }
+ALWAYS_INLINE wvec_t x_load(const xval_t *p) { return v_load(p); }
+ALWAYS_INLINE vf32 w_fma(vf32 acc, wvec_t a, wvec_t b) { return v_fma(a, b, acc); }
+
+#endif
 
 /* One accumulator per (row, token): R x NT independent FMA chains (4 to 16; R is MAX_ROWS but for a
  * thread's last rows), which hide the FMA latency. On AVX2's 16 ymm registers 4 rows x 4 tokens spill a
  * few accumulators, and still beat token groups of 2 that fit (measured at 4 tokens, 4096 x 2048 experts,
  * one thread: 10.3 against 8.9 GB/s; equal at 1 token). */
-ALWAYS_INLINE void dot_rows(const bf16_t *const *w, int R, const xval_t *const *x, int NT, int64_t k,
-                            float res[MAX_ROWS][TOKEN_BLOCK]) {
-    vf32 acc[MAX_ROWS][TOKEN_BLOCK];
+ALWAYS_INLINE void dot_zero(int R, int NT, vf32 acc[MAX_ROWS][TOKEN_BLOCK]) {
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < NT; ++t) acc[r][t] = v_zero();
-    int64_t i = 0;
-    for (; i + VLEN <= k; i += VLEN) {
-        vf32 a[MAX_ROWS];
+}
+
+/* The steps of bf16 rows from element i on, while whole ones fit in k; returns where they stopped. */
+ALWAYS_INLINE int64_t dot_steps(const bf16_t *const *w, int R, const xval_t *const *x, int NT, int64_t i, int64_t k,
+                                vf32 acc[MAX_ROWS][TOKEN_BLOCK]) {
+    for (; i + STEP <= k; i += STEP) {
+        wvec_t a[MAX_ROWS];
         for (int r = 0; r < R; ++r) {
             prefetch(w[r] + i);
-            a[r] = v_load_bf16(w[r] + i);
+            a[r] = w_load(w[r] + i);
         }
         for (int t = 0; t < NT; ++t) {
-            vf32 b = v_load(x[t] + i);
-            for (int r = 0; r < R; ++r) acc[r][t] = v_fma(a[r], b, acc[r][t]);
+            const wvec_t b = x_load(x[t] + i);
+            for (int r = 0; r < R; ++r) acc[r][t] = w_fma(acc[r][t], a[r], b);
         }
     }
+    return i;
+}
+
+/* res = the accumulators' sums, then the scalar tail of the bf16 rows from element i. */
+ALWAYS_INLINE void dot_finish(const bf16_t *const *w, int R, const xval_t *const *x, int NT, int64_t i, int64_t k,
+                              vf32 acc[MAX_ROWS][TOKEN_BLOCK], float res[MAX_ROWS][TOKEN_BLOCK]) {
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < NT; ++t) res[r][t] = v_sum(acc[r][t]);
     dot_tail(w, R, x, NT, i, k, res);
+}
+
+ALWAYS_INLINE void dot_rows(const bf16_t *const *w, int R, const xval_t *const *x, int NT, int64_t k,
+                            float res[MAX_ROWS][TOKEN_BLOCK]) {
+    vf32 acc[MAX_ROWS][TOKEN_BLOCK];
+    dot_zero(R, NT, acc);
+    dot_finish(w, R, x, NT, dot_steps(w, R, x, NT, 0, k, acc), k, acc, res);
 }
 
 #else
@@ -425,141 +438,36 @@ static void e4m3_row(const uint8_t *q, const float *scales, int64_t n, int64_t t
 }
 
 /* ------------------------------------------------------------------------------------------------------- */
-/* FP4 (e2m1, DeepSeek-V4's routed experts): rows of packed nibbles (value 2j is the LOW nibble of byte j,  */
-/* 2j + 1 the high one) with one float32 scale per tile_cols values. The reference (dequantize_fp4) computes */
-/* bf16(fp32(e2m1) * scale): one fp32 multiply, one rounding to nearest even. A tile's values take only 16  */
-/* codes, so each tile computes its 16 products (that same multiply and rounding) into a table and every    */
-/* value is a lookup: bit for bit the reference for any scale (subnormal, huge or not a power of two), with */
-/* the multiply and rounding paid per 16 codes instead of per value. Then the bf16 dot products run, as fp8. */
+/* Weight rows as the dot products read them                                                             */
 
-/* e2m1 code -> value: sign (bit 3), exponent (bits 2-1, bias 1), mantissa (bit 0); code 8 is -0.0. */
-static const float E2M1_F32[16] __attribute__((aligned(64))) = {
-    0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+/* The weight rows of one dot_block: bf16 values at w[r]; for packed e2m1 rows (`packed`), codes q[r] with
+ * one scale per 32 values s[r], and buf[r] (= w[r]) the buffer their columns past the fused tiles go to. */
+typedef struct {
+    const bf16_t *w[MAX_ROWS];
+    bf16_t *buf[MAX_ROWS];
+    const uint8_t *q[MAX_ROWS];
+    const float *s[MAX_ROWS];
+    int packed;
+} rows_t;
 
-/* Values [from, n) of one tile (from and n even) by a table in memory: the portable build's whole tile, a
- * non-finite scale's tile, and the short tail of the SIMD builds (tile widths not a multiple of 16). */
-static void e2m1_span_scalar(const uint8_t *q, float scale, int64_t from, int64_t n, bf16_t *dst) {
-    if (from >= n) return;
-    bf16_t table[16];
-    for (int c = 0; c < 16; ++c) table[c] = f32_to_bf16(E2M1_F32[c] * scale);
-    for (int64_t i = from; i < n; i += 2) {
-        dst[i] = table[q[i / 2] & 0xf];
-        dst[i + 1] = table[q[i / 2] >> 4];
-    }
-}
+/* FP4 (e2m1) weights: row dequantisation (e2m1_row) and the fused dot products (dot_rows_e2m1). */
+#include "cpu_experts_fp4.c"
 
-#if defined(VLEN) /* AVX2 and SSSE3 ops only: the same code in the AVX-512 builds */
-
-/* The table of a finite scale, as two pshufb tables: the low and the high bytes of bf16(E2M1_F32[c] * scale)
- * for c = 0..15. For a finite scale, IEEE multiplication and rounding are symmetric in sign: code c + 8
- * (value -v) gives exactly bf16(v * scale) ^ 0x8000, so only the 8 magnitudes are multiplied (a NaN scale
- * would break this: the product's NaN keeps the scale's sign). Each product is rounded in place, its bf16 in
- * the high half of its 32 bits (when every low half is zero, as with the release's power-of-two scales, the
- * products already are bf16 and rounding is the identity), and bytes 2 and 3 of each become the tables. */
-ALWAYS_INLINE void e2m1_tables(float scale, __m128i *lo, __m128i *hi) {
-    const __m256 p = _mm256_mul_ps(_mm256_load_ps(E2M1_F32), _mm256_set1_ps(scale));
-    __m256i bits = _mm256_castps_si256(p);
-    if (!_mm256_testz_si256(bits, _mm256_set1_epi32(0xffff))) bits = _mm256_slli_epi32(bf16_lanes8(p), 16);
-    /* each 128-bit half (4 products) -> [low bytes, high bytes, low bytes, high bytes] of its products */
-    const __m256i pick = _mm256_setr_epi8(2, 6, 10, 14, 3, 7, 11, 15, 2, 6, 10, 14, 3, 7, 11, 15, /* */
-                                          2, 6, 10, 14, 3, 7, 11, 15, 2, 6, 10, 14, 3, 7, 11, 15);
-    /* -> [low 0-3, low 4-7, low 0-3, low 4-7 | high 0-3, high 4-7, high 0-3, high 4-7]: codes 8-15 repeat 0-7 */
-    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(bits, pick),
-                                                      _mm256_setr_epi32(0, 4, 0, 4, 1, 5, 1, 5));
-    *lo = _mm256_castsi256_si128(bytes);
-    *hi = _mm_xor_si128(_mm256_extracti128_si256(bytes, 1), _mm_setr_epi32(0, 0, (int)0x80808080u, (int)0x80808080u));
-}
-
-/* 16 codes (one a byte, in value order) -> their 16 bf16 products at dst. */
-ALWAYS_INLINE void e2m1x16_lookup(__m128i codes, __m128i lo, __m128i hi, bf16_t *dst) {
-    const __m128i l = _mm_shuffle_epi8(lo, codes), h = _mm_shuffle_epi8(hi, codes);
-    _mm_storeu_si128((__m128i *)dst, _mm_unpacklo_epi8(l, h));
-    _mm_storeu_si128((__m128i *)(dst + 8), _mm_unpackhi_epi8(l, h));
-}
-
-/* The codes of packed bytes 0-7 (values 0-15) in value order, one a byte: each byte's low nibble, then its
- * high nibble. */
-ALWAYS_INLINE __m128i e2m1_codes_lo8(__m128i bytes) {
-    const __m128i nib = _mm_set1_epi8(0x0f);
-    return _mm_unpacklo_epi8(_mm_and_si128(bytes, nib), _mm_and_si128(_mm_srli_epi16(bytes, 4), nib));
-}
-
-/* The same for packed bytes 8-15 (values 16-31). */
-ALWAYS_INLINE __m128i e2m1_codes_hi8(__m128i bytes) {
-    const __m128i nib = _mm_set1_epi8(0x0f);
-    return _mm_unpackhi_epi8(_mm_and_si128(bytes, nib), _mm_and_si128(_mm_srli_epi16(bytes, 4), nib));
-}
-
-/* 32 values (16 packed bytes) through the tables. */
-ALWAYS_INLINE void e2m1x32(const uint8_t *q, __m128i lo, __m128i hi, bf16_t *dst) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)q);
-    e2m1x16_lookup(e2m1_codes_lo8(bytes), lo, hi, dst);
-    e2m1x16_lookup(e2m1_codes_hi8(bytes), lo, hi, dst + 16);
-}
-
-/* dst[i] = bf16(e2m1(value i) * scale) for i in [0, n) of one tile, 32 then 16 at a time; returns how many
- * were done (the rest, fewer than 16, is the scalar tail's; all of it for a non-finite scale). */
-ALWAYS_INLINE int64_t e2m1_span_simd(const uint8_t *q, float scale, int64_t n, bf16_t *dst) {
-    if (n < 16 || !isfinite(scale)) return 0;
-    __m128i lo, hi;
-    e2m1_tables(scale, &lo, &hi);
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) e2m1x32(q + i / 2, lo, hi, dst + i);
-    if (i + 16 <= n) {
-        e2m1x16_lookup(e2m1_codes_lo8(_mm_loadl_epi64((const __m128i *)(q + i / 2))), lo, hi, dst + i);
-        i += 16;
-    }
-    return i;
-}
-
-/* The release's 32-value tiles from the start of a row: one table and one e2m1x32 each, without the general
- * loop's per-tile bookkeeping (measured: 31.5 -> 27.8 ms per 6-expert 4096 x 2048 job, one thread). Stops
- * at a non-finite scale or a partial last tile; returns the tiles done. */
-ALWAYS_INLINE int64_t e2m1_tiles32(const uint8_t *q, const float *scales, int64_t n, bf16_t *dst) {
-    int64_t t = 0;
-    for (; 32 * t + 32 <= n && isfinite(scales[t]); ++t) {
-        __m128i lo, hi;
-        e2m1_tables(scales[t], &lo, &hi);
-        e2m1x32(q + 16 * t, lo, hi, dst + 32 * t);
-    }
-    return t;
-}
-
-#else
-
-ALWAYS_INLINE int64_t e2m1_span_simd(const uint8_t *q, float scale, int64_t n, bf16_t *dst) {
-    (void)q, (void)scale, (void)n, (void)dst;
-    return 0;
-}
-
-ALWAYS_INLINE int64_t e2m1_tiles32(const uint8_t *q, const float *scales, int64_t n, bf16_t *dst) {
-    (void)q, (void)scales, (void)n, (void)dst;
-    return 0;
-}
-
-#endif
-
-/* One packed weight row of n values (n and tile_cols even): tile t of `tile_cols` values is scaled by scales[t]. */
-static void e2m1_row(const uint8_t *q, const float *scales, int64_t n, int64_t tile_cols, bf16_t *dst) {
-    int64_t t = tile_cols == 32 ? e2m1_tiles32(q, scales, n, dst) : 0;
-    for (int64_t c0 = t * tile_cols; c0 < n; c0 += tile_cols, ++t) {
-        const int64_t len = n - c0 < tile_cols ? n - c0 : tile_cols;
-        const int64_t done = e2m1_span_simd(q + c0 / 2, scales[t], len, dst + c0);
-        e2m1_span_scalar(q + c0 / 2, scales[t], done, len, dst + c0);
-    }
-}
-
-/* One specialised dot_rows per (rows, tokens): a runtime (r, nt) picks a fully unrolled body. */
-#define DOT_CASE(R, NT)                \
-    case NT:                           \
-        dot_rows(w, R, x, NT, k, res); \
+/* One specialised dot_rows (or dot_rows_e2m1) per (rows, tokens): a runtime (r, nt) picks a fully unrolled
+ * body. */
+#define DOT_CASE(R, NT)                            \
+    case NT:                                       \
+        if (rows->packed)                          \
+            dot_rows_e2m1(rows, R, x, NT, k, res); \
+        else                                       \
+            dot_rows(rows->w, R, x, NT, k, res);   \
         return;
 #define DOT_ROWS(R)                                                                  \
     case R:                                                                          \
         switch (nt) { DOT_CASE(R, 1) DOT_CASE(R, 2) DOT_CASE(R, 3) DOT_CASE(R, 4) } \
         return;
 
-static void dot_block(const bf16_t *const *w, int r, const xval_t *const *x, int nt, int64_t k,
+static void dot_block(const rows_t *rows, int r, const xval_t *const *x, int nt, int64_t k,
                       float res[MAX_ROWS][TOKEN_BLOCK]) {
     switch (r) { DOT_ROWS(1) DOT_ROWS(2) DOT_ROWS(3) DOT_ROWS(4) }
 }
@@ -604,22 +512,32 @@ ALWAYS_INLINE bf16_t *thread_rows(const job_t *job, int tid) {
     return job->row_buf == NULL ? NULL : job->row_buf + (int64_t)tid * MAX_ROWS * job->row_stride;
 }
 
-/* Row `row` of matrix m of expert e as bf16: a pointer into the weights, or (quantised) the row
- * dequantised into `slot` of this thread's buffers. */
-static const bf16_t *weight_row(const job_t *job, int m, int64_t e, int64_t row, bf16_t *bufs, int slot) {
+/* Whether the dot products read this expert's rows packed (rows_t.packed, dot_rows_e2m1): e2m1 rows in the
+ * release's 32-value tiles, for experts of at most MOETIER_FP4_FUSED_TOKENS tokens. */
+ALWAYS_INLINE int packed_rows(const job_t *job, int64_t tokens) {
+    return job->quant == QUANT_E2M1 && job->tile_cols == 32 && tokens <= MOETIER_FP4_FUSED_TOKENS;
+}
+
+/* Row `row` of matrix m of expert e into `slot` of `rows`: a pointer into the weights (bf16), or the row
+ * dequantised into `slot` of this thread's buffers (quantised), or for packed rows its codes and scales
+ * (dot_rows_e2m1 dequantises what it does not read packed). */
+static void weight_row(const job_t *job, int m, int64_t e, int64_t row, bf16_t *bufs, int slot, rows_t *rows) {
     const int64_t H = job->hidden_size, I = job->inter;
     if (!is_quantised(job)) {
-        if (m == DOWN) return job->down[e] + row * I;
-        return job->gate_up[e] + (m == UP ? I + row : row) * H;
+        rows->w[slot] = m == DOWN ? job->down[e] + row * I : job->gate_up[e] + (m == UP ? I + row : row) * H;
+        return;
     }
     const int64_t cols = m == DOWN ? I : H, grid_cols = (cols + job->tile_cols - 1) / job->tile_cols;
     const float *scales = job->scales[m][e] + (row / job->tile_rows) * grid_cols;
     bf16_t *dst = bufs + slot * job->row_stride;
-    if (job->quant == QUANT_E2M1)
-        e2m1_row(job->codes[m][e] + row * (cols / 2), scales, cols, job->tile_cols, dst);
-    else
+    rows->w[slot] = rows->buf[slot] = dst;
+    if (job->quant == QUANT_E4M3) {
         e4m3_row(job->codes[m][e] + row * cols, scales, cols, job->tile_cols, dst);
-    return dst;
+        return;
+    }
+    rows->q[slot] = job->codes[m][e] + row * (cols / 2);
+    rows->s[slot] = scales;
+    if (!rows->packed) e2m1_row(rows->q[slot], scales, cols, job->tile_cols, dst);
 }
 
 /* silu(gate) * up on the bf16-rounded projections, with DeepSeek-V4's optional clamp; rounded to bf16. */
@@ -661,17 +579,17 @@ static void gate_up_rows(const job_t *job, int64_t e, int64_t j0, int64_t j1, bf
     for (int64_t i = 0; i < half; ++i) {
         const int64_t j[2] = {j0 + i, j0 + half + i};
         const int units = j[1] < j1 ? 2 : 1;
-        const bf16_t *w[MAX_ROWS];
+        rows_t w = {.packed = packed_rows(job, count)};
         for (int u = 0; u < units; ++u) {
-            w[2 * u] = weight_row(job, GATE, e, j[u], bufs, 2 * u);
-            w[2 * u + 1] = weight_row(job, UP, e, j[u], bufs, 2 * u + 1);
+            weight_row(job, GATE, e, j[u], bufs, 2 * u, &w);
+            weight_row(job, UP, e, j[u], bufs, 2 * u + 1, &w);
         }
         for (int64_t tb = 0; tb < count; tb += TOKEN_BLOCK) {
             const int nt = token_block(job, e, tb);
             const xval_t *x[TOKEN_BLOCK];
             for (int t = 0; t < nt; ++t) x[t] = job->x + job->rows[first + tb + t] * H;
             float res[MAX_ROWS][TOKEN_BLOCK];
-            dot_block(w, 2 * units, x, nt, H, res);
+            dot_block(&w, 2 * units, x, nt, H, res);
             for (int t = 0; t < nt; ++t)
                 for (int u = 0; u < units; ++u)
                     job->act[(first + tb + t) * I + j[u]] = swiglu(job, res[2 * u][t], res[2 * u + 1][t]);
@@ -699,18 +617,18 @@ static void down_rows(const job_t *job, int64_t e, int64_t h0, int64_t h1, bf16_
     const int64_t count = job->offsets[e + 1] - first, part = (h1 - h0 + MAX_ROWS - 1) / MAX_ROWS;
     for (int64_t i = 0; i < part; ++i) {
         int64_t h[MAX_ROWS];
-        const bf16_t *w[MAX_ROWS];
+        rows_t w = {.packed = packed_rows(job, count)};
         int r = 0;
         for (; r < MAX_ROWS && h0 + r * part + i < h1; ++r) {
             h[r] = h0 + r * part + i;
-            w[r] = weight_row(job, DOWN, e, h[r], bufs, r);
+            weight_row(job, DOWN, e, h[r], bufs, r, &w);
         }
         for (int64_t tb = 0; tb < count; tb += TOKEN_BLOCK) {
             const int nt = token_block(job, e, tb);
             const xval_t *x[TOKEN_BLOCK];
             for (int t = 0; t < nt; ++t) x[t] = job->act + (first + tb + t) * I;
             float res[MAX_ROWS][TOKEN_BLOCK];
-            dot_block(w, r, x, nt, I, res);
+            dot_block(&w, r, x, nt, I, res);
             for (int t = 0; t < nt; ++t) {
                 const int64_t p = first + tb + t;
                 float *dst = job->out + job->rows[p] * H;

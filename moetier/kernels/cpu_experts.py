@@ -5,13 +5,16 @@ Experts kept as float8 e4m3fn with float32 tile scales (DeepSeek-V3's release fo
 (DeepSeek-V4's) through :meth:`CpuExpertsLibrary.run_fp4`: each weight row is dequantised into a bf16
 buffer exactly as the loader does (:func:`moetier.weights.fp8.dequantize_blocks`,
 :func:`moetier.weights.fp4.dequantize_fp4`), so the result is bit for bit the bf16 path's on the
-dequantised weights, reading half (fp8) or 0.31x (fp4, with its scales) the bytes.
+dequantised weights, reading half (fp8) or 0.31x (fp4, with its scales) the bytes. fp4 tiles whose
+power-of-two scale makes every dequantised value exact (the release's) are decoded in registers instead,
+into the same values, straight into the dot products (``cpu_experts_fp4.c``).
 
-The source ships with the package and is compiled on first use with the system C compiler
-(``$CC``, else Python's configured compiler, else ``cc``/``gcc``) with ``-O3 -march=native -fopenmp``
-into ``$XDG_CACHE_HOME/moetier/kernels`` (default ``~/.cache/moetier/kernels``). The file name hashes
-the source, the flags, the compiler and the CPU, so a changed source or another host never loads a
-stale build; the build writes a temporary file and renames it, so concurrent builders are safe.
+The source (``cpu_experts.c`` and the ``cpu_experts_fp4.c`` it includes) ships with the package and
+is compiled on first use with the system C compiler (``$CC``, else Python's configured compiler, else
+``cc``/``gcc``) with ``-O3 -march=native -fopenmp`` into ``$XDG_CACHE_HOME/moetier/kernels`` (default
+``~/.cache/moetier/kernels``). The file name hashes the sources, the flags, the compiler and the CPU,
+so a changed source or another host never loads a stale build; the build writes a temporary file and
+renames it, so concurrent builders are safe.
 
 Without a compiler, or when the build fails, one warning says why and :func:`available` is False:
 the CPU tier then runs torch. ``MOETIER_CPU_KERNEL`` selects: unset (or ``auto``) uses the kernel when
@@ -44,6 +47,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_experts.c")
+# The files SOURCE #includes (one translation unit): a build depends on them too.
+INCLUDED = (SOURCE.with_name("cpu_experts_fp4.c"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
 # The builds the tier uses by default: each beat torch on the CPU tier's jobs. avx2 (moetier bench cpu-tier,
@@ -443,9 +448,11 @@ def _cpu_identity() -> str:
 
 
 def build_key(cc: list[str], flags: tuple[str, ...]) -> str:
-    """Hash of everything the built file depends on: source, flags, compiler (and its version), machine."""
+    """Hash of everything the built file depends on: sources, flags, compiler (and its version), machine."""
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256(SOURCE.read_bytes())
+    for included in INCLUDED:
+        digest.update(b"\0" + included.read_bytes())
     for part in (" ".join(flags), " ".join(cc), version, platform.machine(), _cpu_identity()):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:20]
