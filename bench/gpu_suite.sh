@@ -95,8 +95,11 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     [ -n "${FP4_EXPERTS:-}" ] && skew+=(--fp4-experts)
     echo "=== make-bench-model" >> "$LOG"
     # Progress bars are dropped from the log (carriage returns).
-    timeout 240 python3 -m moetier.cli make-bench-model --shape "$shape" --layers "${BENCH_LAYERS:-3}" \
-        "${skew[@]}" --out "$model" --device cuda --force 2>&1 | tr '\r' '\n' | grep -v '^writing' | tee -a "$LOG"
+    make_model() {  # make_model DEVICE: the weights drawn on DEVICE
+        timeout 240 python3 -m moetier.cli make-bench-model --shape "$shape" --layers "${BENCH_LAYERS:-3}" \
+            "${skew[@]}" --out "$model" --device "$1" --force 2>&1 | tr '\r' '\n' | grep -v '^writing' | tee -a "$LOG"
+    }
+    make_model cuda || { echo "make-bench-model on cuda failed: drawing on the CPU" | tee -a "$LOG"; make_model cpu; }
     if [ -z "${SKIP_DECODE:-}" ]; then
         hf=()
         [ -n "${HF_BASELINE:-}" ] && hf=(--hf-baseline --hf-args "${HF_ARGS---fallback autocast --steps 3 --max-seconds 60}")
