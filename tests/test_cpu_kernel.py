@@ -688,7 +688,10 @@ def test_fp4_fused_path_stops_where_products_leave_the_normal_range(variant):
             d.weights.gate_up, d.weights.down = torch.cat([deq["gate"], deq["up"]]), deq["down"]
         ours = _run_fp4(lib, x, groups, None, threads=2)
         assert _same_outputs(ours, _run(lib, x, dequantised, None, threads=2)), (lib.isa, k)
-        if -134 <= k <= 125:  # the products do count
+        # The products do count, down to subnormal weights, except on AVX512-BF16: its dot product instruction
+        # takes subnormal bf16 inputs as zero (both paths alike, as the comparison above checked; the H200 host).
+        lowest = -126 if lib.isa == "avx512_bf16" else -134
+        if lowest <= k <= 125:
             touched = ours[torch.unique(torch.cat([g.rows for g in groups]))]
             assert touched.isfinite().all() and (touched != 0).float().mean() > 0.5, k
 
