@@ -54,7 +54,15 @@ def calibrate_routes(
     )
 
 
-def _time_cpu(store, cpu_tier, layer, ids, x_host, rows, gates) -> float:
+def _time_cpu(
+    store: ExpertStore,
+    cpu_tier: CpuExpertTier,
+    layer: int,
+    ids: list[int],
+    x_host: torch.Tensor,
+    rows: torch.Tensor,
+    gates: torch.Tensor,
+) -> float:
     """Seconds per expert of one CPU-tier job over ``ids``."""
     groups = [CpuGroup(store.expert(layer, e), rows, gates) for e in ids]
     start = time.perf_counter()
@@ -62,7 +70,7 @@ def _time_cpu(store, cpu_tier, layer, ids, x_host, rows, gates) -> float:
     return (time.perf_counter() - start) / len(ids)
 
 
-def _time_copy(store, cache, layer, ids, x_dev) -> float:
+def _time_copy(store: ExpertStore, cache: ExpertCache, layer: int, ids: list[int], x_dev: torch.Tensor) -> float:
     """Seconds per expert to copy each of ``ids`` into a staging slot and compute it there."""
     stream = torch.cuda.current_stream(x_dev.device)
     torch.cuda.synchronize(x_dev.device)

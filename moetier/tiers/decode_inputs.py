@@ -16,6 +16,7 @@ recorded on it have completed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +39,7 @@ class HostBuffers:
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         """A ``shape`` view of the buffer ``name`` (replaced by a larger one when it is too small)."""
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         buffer = self._buffers.get(name)
         if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
             buffer = self._buffers[name] = torch.empty(numel, dtype=dtype, pin_memory=pinned)
