@@ -20,6 +20,8 @@
 # length, default 64, e.g. 32768 for long-context decode; KV_LAYOUT_MODES, default resident,tiered; KV_LAYOUT_DTYPE).
 # CPU_TIER=1 adds the C kernel's tests on this host's ISAs and `moetier bench cpu-tier` (torch vs the C kernel at CPU_TIER_THREADS, default 8,14,16, for the
 # expert formats in CPU_TIER_FORMATS, default bf16,fp8,fp4).
+# GPU_EXPERTS=1 adds `moetier bench gpu-experts` (the device's routed-expert kernels alone, bf16/fp8/fp4,
+# grouped Triton against per-expert; GPU_EXPERTS_ARGS: its extra flags).
 # TRACE=modes (e.g. "tiered") saves those modes' profiled 1-stream decode steps as gzipped Chrome traces.
 # GRAPHS_CHECK=1 adds two decode runs (resident and tiered, 1 and 4 streams) with MOETIER_CUDA_GRAPHS=0, then =1.
 # The bench model is deleted at the end (KEEP_MODEL=1 keeps it): a second suite in the same call may need the disk.
@@ -84,6 +86,12 @@ if [ -n "${CPU_TIER:-}" ]; then  # the CPU tier's kernels alone (torch and C), n
     timeout 240 python3 -m moetier.cli bench cpu-tier --threads "${CPU_TIER_THREADS:-8,14,16}" \
         --formats "${CPU_TIER_FORMATS:-bf16,fp8,fp4}" --out "$OUT" 2>&1 \
         | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ -n "${GPU_EXPERTS:-}" ]; then  # the device's expert kernels alone, per format, no model needed
+    echo "=== bench gpu-experts" >> "$LOG"
+    eval "gpu_experts_args=(${GPU_EXPERTS_ARGS:-})"
+    timeout 240 python3 -m moetier.cli bench gpu-experts "${gpu_experts_args[@]}" --out "$OUT" 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,12 +23,13 @@ from moetier import cli
 from moetier.config import ModelLoadConfig
 from moetier.errors import CheckpointError, ConfigError
 from moetier.kernels import cpu_experts
-from moetier.kernels.grouped_experts import _block_fits
+from moetier.kernels.grouped_experts import _layout_fits
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights, swiglu_expert
 from moetier.tiers.host_store import HostExpertArena
 from moetier.tiers.plan import PlanBudget, make_plan
 from moetier.weights.loader import load_model
+from moetier.weights.quant_experts import all_powers_of_two, copy_quant_expert
 
 PROMPT_LEN, STEPS = 20, 8
 HIDDEN, INTER = 64, 32
@@ -137,9 +139,9 @@ def test_grouped_kernel_refuses_fp4_experts_and_the_cpu_tier_runs_them():
     hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1)).bfloat16()
     with pytest.MonkeyPatch.context() as env:  # grouped (Triton) kernel: fp4 unless MOETIER_FP4_GROUPED=0
         env.delenv("MOETIER_FP4_GROUPED", raising=False)
-        assert _block_fits(weights, hidden)  # on by default since its GPU test passed
+        assert _layout_fits(weights, hidden.dtype)  # on by default since its GPU test passed
         env.setenv("MOETIER_FP4_GROUPED", "0")
-        assert not _block_fits(weights, hidden)
+        assert not _layout_fits(weights, hidden.dtype)
     rows, gates = torch.arange(5), torch.ones(5)
     job = CpuJob(hidden=hidden, groups=[CpuGroup(weights, rows, gates)])
     torch_tier = CpuExpertTier(swiglu_limit=10.0, threads=1, use_kernel=False)
@@ -188,7 +190,8 @@ def test_tiered_bf16_fp4_experts_run_the_c_kernel_bit_for_bit(checkpoints, promp
 def test_resident_fp4_experts_equal_dequantised_at_load(checkpoints, prompt, dtype):
     dense = _load(checkpoints[1], dtype, "dense")
     fp4 = _load(checkpoints[1], dtype, "fp4")
-    assert fp4.store.layout.quant == FP4 and fp4.store.block_dtype == torch.uint8
+    # The release's config declares ue8m0 scales: the layout promises powers of two (the loader checked them).
+    assert fp4.store.layout.quant == replace(FP4, pow2_scales=True) and fp4.store.block_dtype == torch.uint8
     for expert in (0, 1, 2):  # ue8m0, uint8 and float32 scales
         kept = fp4.store.expert(2, expert)
         assert kept.quantized and kept.gate_q.dtype == torch.uint8
@@ -259,3 +262,18 @@ def test_errors_are_one_line_and_name_the_fix(checkpoints, tmp_path):
     _write(checkpoints[0], fused, fused=True, config_update=FP4_CONFIG)
     with pytest.raises(CheckpointError, match="holds all experts fused; expert_format 'fp4'.*--expert-format dense"):
         _load(fused, torch.float32, "fp4")
+
+
+def test_ue8m0_layouts_refuse_scales_that_are_not_powers_of_two():
+    """``pow2_scales`` lets the GPU kernels scale sums, not weights: the loader must not let a wrong config
+    through, and says which fix applies."""
+    layout = ExpertLayout((0,), 1, HIDDEN, INTER, 1, quant=replace(FP4, pow2_scales=True))
+    weights = ExpertWeights.from_block(torch.zeros(layout.block_numel, dtype=torch.uint8), layout)
+    packed = torch.randint(0, 256, weights.gate_q.shape, dtype=torch.uint8)
+    pow2 = torch.exp2(torch.randint(-12, 3, weights.gate_scale.shape).float())
+    copy_quant_expert(weights, "gate", packed, pow2.to(torch.float8_e8m0fnu))
+    assert torch.equal(weights.gate_scale, pow2) and torch.equal(weights.gate_q, packed)
+    with pytest.raises(ValueError, match="not powers of two.*scale_fmt"):
+        copy_quant_expert(weights, "up", packed, pow2 * 1.5)
+    assert all_powers_of_two(torch.tensor([0.0, 2.0**-126, 0.5, 1.0, 2.0**100]))
+    assert not any(all_powers_of_two(torch.tensor([v])) for v in (0.75, 3.0, 2.0**-127, float("inf"), float("nan")))

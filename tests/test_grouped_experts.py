@@ -199,11 +199,15 @@ CASES = [
     ("bfloat16", 64, 32, 6, [1, 2], 0.5),  # tokens with no pair in this call
 ]
 results = []
-for seed, (dt, hidden, inter, tokens, counts, limit) in enumerate(CASES):
+# Each case twice: float scales (each weight rounded as the loader does) and powers of two (ue8m0: the kernels
+# scale each 32-value sum instead).
+RUNS = [(pow2, case) for pow2 in (False, True) for case in CASES]
+for seed, (pow2, (dt, hidden, inter, tokens, counts, limit)) in enumerate(RUNS):
     dtype = getattr(torch, dt)
     g = torch.Generator().manual_seed(100 + seed)
+    quant = ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=pow2)
     layout = ExpertLayout(moe_layers=(0,), num_experts=len(counts), hidden_size=hidden, intermediate_size=inter,
-                          top_k=2, swiglu_limit=limit, quant=ExpertQuant(kind="fp4-block", tile=(1, 32)))
+                          top_k=2, swiglu_limit=limit, quant=quant)
     weights = []
     for _ in counts:
         w = ExpertWeights.from_block(torch.empty(layout.block_numel, dtype=torch.uint8, device=DEVICE), layout)
@@ -212,6 +216,8 @@ for seed, (dt, hidden, inter, tokens, counts, limit) in enumerate(CASES):
             values.copy_(torch.randint(0, 256, values.shape, dtype=torch.uint8, generator=g).to(DEVICE))
             scale = getattr(w, name + "_scale")  # not powers of two: the product's rounding to bf16 counts
             scale.copy_((torch.rand(scale.shape, generator=g) + 0.5).to(DEVICE) * fan_in ** -0.5 / 3)
+            if pow2:
+                scale.copy_(torch.exp2(torch.round(torch.log2(scale))))
         weights.append(w)
     starts = [sum(counts[:i]) for i in range(len(counts))]
     groups = [(w, s, c) for w, s, c in zip(weights, starts, counts)]
@@ -237,7 +243,7 @@ for seed, (dt, hidden, inter, tokens, counts, limit) in enumerate(CASES):
     os.environ["MOETIER_FP4_GROUPED"] = "0"
     off = k.grouped_usable(x.to(DEVICE), groups)  # switched off: the per-expert path
     os.environ.pop("MOETIER_FP4_GROUPED")
-    results.append({{"dtype": dt, "counts": counts, "usable": on, "usable_switched_off": off,
+    results.append({{"dtype": dt, "pow2": pow2, "counts": counts, "usable": on, "usable_switched_off": off,
                     "broken": list(k._BROKEN), "kernel_vs_torch": rel(out["kernel"], out["torch"]),
                     "kernel_vs_ref": rel(out["kernel"], ref), "torch_vs_ref": rel(out["torch"], ref)}})
 print(json.dumps(results))
@@ -249,7 +255,7 @@ def _run_fp4(device: str) -> list[dict]:
 
 
 def _check_fp4(results: list[dict], on_cuda: bool) -> None:
-    assert len(results) == 5
+    assert len(results) == 10 and sum(r["pow2"] for r in results) == 5
     for r in results:
         assert r["usable"] and not r["usable_switched_off"] and not r["broken"], r
         if r["dtype"] == "float32":
@@ -279,11 +285,11 @@ def test_fp4_experts_take_the_per_expert_path_when_switched_off(monkeypatch):
     weights = ExpertWeights.from_block(torch.zeros(layout.block_numel, dtype=torch.uint8), layout)
     x = torch.randn(2, 64)
     monkeypatch.setenv("MOETIER_FP4_GROUPED", "0")
-    assert not k._block_fits(weights, x)
+    assert not k._layout_fits(weights, x.dtype)
     for value in (None, "1"):
         if value is None:
             monkeypatch.delenv("MOETIER_FP4_GROUPED", raising=False)
         else:
             monkeypatch.setenv("MOETIER_FP4_GROUPED", value)
-        assert k._block_fits(weights, x)
-    assert k._placement(weights)[0] == 2 and k._placement(weights)[-2:] == (1, 32)
+        assert k._layout_fits(weights, x.dtype)
+    assert k._placement(weights)[0] == 2 and k._placement(weights)[-3:] == (1, 32, False)

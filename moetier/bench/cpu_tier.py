@@ -41,7 +41,12 @@ from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights
 KIND = "cpu-tier"
 PATHS = ("torch", "c")
 # How the experts are stored (as --expert-format keeps them), and the suffix of the tier's C kernel label.
-FORMATS = {"bf16": None, "fp8": ExpertQuant("fp8-block", (128, 128)), "fp4": ExpertQuant("fp4-block", (1, 32))}
+# fp4's scales are the release's powers of two (_fill_quantised), as a ue8m0 checkpoint declares.
+FORMATS = {
+    "bf16": None,
+    "fp8": ExpertQuant("fp8-block", (128, 128)),
+    "fp4": ExpertQuant("fp4-block", (1, 32), pow2_scales=True),
+}
 KERNEL_SUFFIX = {"bf16": "", "fp8": "-fp8", "fp4": "-fp4"}
 
 

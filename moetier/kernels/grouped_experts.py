@@ -3,13 +3,13 @@
 Eager, one expert costs ~12 small ops (gather its tokens, gate/up GEMM, split, clamps, SiLU, product,
 down GEMM, casts, gate scaling, scatter-add); a decode step of DeepSeek-V4-Flash runs six or more
 experts per layer, so the step is bound by their launches, not by reading the weights. Here the
-experts are described by a small table (each expert block's device address, and the run of
-expert-sorted pairs it serves), so one launch computes every expert's gate/up projection and
-activation, a second every (token, expert) pair's down projection scaled by its routing weight, and
-a third adds each token's pairs, in a fixed order, into the float32 accumulator. Every loop has a
+experts are described by a small table (each expert block's byte offset from one base pointer, and
+the run of expert-sorted pairs it serves), so one launch computes every expert's gate/up projection
+and activation, a second every (token, expert) pair's down projection scaled by its routing weight,
+and a third adds each token's pairs, in a fixed order, into the float32 accumulator. Every loop has a
 trip count fixed per model, so each kernel compiles once (Triton compiles per constant: a count that
 varied per call would compile mid-decode). The blocks may be anywhere in device memory (resident store,
-cache slots, staging slots): the kernel reads them through their addresses.
+cache slots, staging slots).
 
 Roundings follow :func:`moetier.tiers.experts.swiglu_expert` in the weights' dtype: gate and up are
 rounded to it after their float32 dot products, as are SiLU(gate), the activation and the expert's
@@ -19,14 +19,19 @@ tensor cores better; the choice is made per group, so a group computes the same 
 Used on CUDA when Triton is importable (``MOETIER_TRITON=0`` turns it off); after one failure the
 per-expert path runs from then on.
 
-Expert blocks may be dense (the activations' dtype), fp8-block (e4m3 values and float32 tile scales) or
-fp4-block (packed e2m1 nibbles, low nibble first, and float32 tile scales); quantised weights are
-dequantised in the kernel exactly as the loader does. ``MOETIER_FP4_GROUPED=0`` (read per call) sends
-fp4 experts to the per-expert path instead (the fp4 path passed its GPU test on an H200 on 2026-12-01).
+Expert blocks may be dense (the activations' dtype: gate/up on the tensor cores), fp8-block (e4m3
+values and float32 tile scales) or fp4-block (packed e2m1 nibbles, low nibble first, and float32 tile
+scales). Quantised gate/up run as matrix-vector products per token (``_gate_up_quant_kernel``): at
+decode a group has a token or a few, and dequantising the weights is the work. Weights are dequantised
+exactly as the loader does; with power-of-two scales (ue8m0, ``ExpertQuant.pow2_scales``) the fp4
+kernels scale each 32-value sum instead, the same number for less work (:mod:`moetier.kernels.expert_tiles`).
+``MOETIER_FP4_GROUPED=0`` (read per call) sends fp4 experts to the per-expert path instead.
+The host side runs per MoE layer of every step, so it is kept to list work and one pinned table copy.
 """
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 from collections.abc import Sequence
@@ -46,6 +51,8 @@ except ImportError:  # pragma: no cover - depends on the installation
 
 MAX_GROUP_TOKENS = 16  # the token tile of the gate/up kernel; tl.dot needs at least 16 rows
 _BLOCK_I, _BLOCK_H, _BLOCK_K, _SUM_BLOCK = 32, 32, 128, 1024
+# Quantised gate/up: rows per program; fp4's column step (8 scale units of 32 values: 128 bytes a row).
+_QUANT_BLOCK_N, _FP4_BLOCK_K = 16, 256
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # One (expert block, run of sorted pairs) per group: what the per-expert path loops over.
@@ -53,53 +60,13 @@ Group = tuple[ExpertWeights, int, int]  # (weights, first pair, pair count)
 
 
 if triton is not None:
-
-    @triton.jit
-    def _weight_tile(
-        block,
-        part,
-        scales,
-        rows,
-        cols,
-        mask,
-        width: tl.constexpr,
-        dtype: tl.constexpr,
-        QUANT: tl.constexpr,
-        TILE_R: tl.constexpr,
-        TILE_C: tl.constexpr,
-    ):
-        """Rows x cols of one matrix of an expert block, in ``dtype``. Dense (``QUANT`` 0): ``part`` is the
-        matrix's first element. Quantised: ``part``/``scales`` are byte offsets of its stored values and its
-        float32 tile scales, one per ``TILE_R x TILE_C`` tile; ``QUANT`` 1 stores e4m3 values, 2 packed e2m1
-        (column ``c`` is byte ``c // 2`` of the row, low nibble when ``c`` is even). Each value is dequantised
-        as the loader does, ``(float(v) * scale).to(dtype)``."""
-        if QUANT == 0:
-            base = block.to(tl.pointer_type(dtype))
-            return tl.load(base + part + rows[:, None] * width + cols[None, :], mask=mask, other=0.0)
-        else:
-            base = block.to(tl.pointer_type(tl.uint8))
-            grid = (width + TILE_C - 1) // TILE_C
-            scale_at = (rows // TILE_R)[:, None] * grid + (cols // TILE_C)[None, :]
-            scale = tl.load((base + scales).to(tl.pointer_type(tl.float32)) + scale_at, mask=mask, other=0.0)
-            if QUANT == 1:
-                raw = tl.load(base + part + rows[:, None] * width + cols[None, :], mask=mask, other=0)
-                value = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                raw = tl.load(base + part + rows[:, None] * (width // 2) + (cols // 2)[None, :], mask=mask, other=0)
-                code = tl.where((cols % 2 == 1)[None, :], raw >> 4, raw & 0xF)
-                # e2m1: sign (bit 3), exponent (bits 2-1, bias 1), mantissa (bit 0); exponent 0 is subnormal.
-                # Magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6, each exact in float32 (moetier.weights.fp4's table).
-                half = (code & 1).to(tl.float32) * 0.5
-                exponent = (code >> 1) & 3
-                power = tl.where(exponent == 3, 4.0, tl.where(exponent == 2, 2.0, 1.0))
-                magnitude = tl.where(exponent == 0, half, (1.0 + half) * power)
-                value = tl.where((code & 8) != 0, -magnitude, magnitude)
-            return (value * scale).to(dtype)
+    from moetier.kernels.expert_tiles import activation, block_offset, even_odd, fp4_row_dot, weight_tile
 
     @triton.jit
     def _gate_up_kernel(
         x_ptr,
         table_ptr,
+        blocks_ptr,
         pair_token_ptr,
         act_ptr,
         stride_x,
@@ -111,19 +78,15 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
         BLOCK_I: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        QUANT: tl.constexpr,
         GATE: tl.constexpr,
         UP: tl.constexpr,
-        GATE_SCALE: tl.constexpr,
-        UP_SCALE: tl.constexpr,
-        TILE_R: tl.constexpr,
-        TILE_C: tl.constexpr,
+        ALIGN: tl.constexpr,
     ):
-        # One program per (group, block of intermediate channels), for all of the group's tokens at once.
-        # GATE/UP (and their scales) locate the two matrices in a block: elements dense, bytes quantised.
+        # Dense blocks, one program per (group, block of intermediate channels), for all of the group's tokens
+        # at once on the tensor cores. GATE/UP are the element offsets of the two matrices in a block.
         group, block = tl.program_id(0), tl.program_id(1)
         dtype = x_ptr.dtype.element_ty
-        weights = tl.load(table_ptr + 3 * group)
+        weights = blocks_ptr + block_offset(table_ptr + 3 * group, ALIGN)
         start = tl.load(table_ptr + 3 * group + 1)
         count = tl.load(table_ptr + 3 * group + 2)
         t = tl.arange(0, BLOCK_T)
@@ -138,8 +101,8 @@ if triton is not None:
             k_ok = k < hidden
             x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
             w_mask = i_ok[:, None] & k_ok[None, :]
-            w_gate = _weight_tile(weights, GATE, GATE_SCALE, i, k, w_mask, hidden, dtype, QUANT, TILE_R, TILE_C)
-            w_up = _weight_tile(weights, UP, UP_SCALE, i, k, w_mask, hidden, dtype, QUANT, TILE_R, TILE_C)
+            w_gate = weight_tile(weights, GATE, 0, i, k, w_mask, hidden, dtype, 0, 1, 1)
+            w_up = weight_tile(weights, UP, 0, i, k, w_mask, hidden, dtype, 0, 1, 1)
             if IEEE:  # float32 (or bf16 under the interpreter, whose bf16 dot is wrong): exact products
                 x = x.to(tl.float32)
                 acc_gate += tl.dot(x, tl.trans(w_gate.to(tl.float32)), input_precision="ieee")
@@ -147,19 +110,104 @@ if triton is not None:
             else:
                 acc_gate += tl.dot(x, tl.trans(w_gate))
                 acc_up += tl.dot(x, tl.trans(w_up))
-        gate = acc_gate.to(dtype).to(tl.float32)
-        up = acc_up.to(dtype).to(tl.float32)
-        if HAS_LIMIT:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        act = (silu * up).to(dtype)
+        act = activation(acc_gate, acc_up, limit, dtype, HAS_LIMIT)
         tl.store(act_ptr + (start + t)[:, None] * inter + i[None, :], act, mask=t_ok[:, None] & i_ok[None, :])
+
+    @triton.jit
+    def _gate_up_row(
+        x_ptr,
+        pair_token_ptr,
+        act_ptr,
+        stride_x,
+        limit,
+        weights,
+        pair,
+        n,
+        n_ok,
+        hidden: tl.constexpr,
+        inter: tl.constexpr,
+        HAS_LIMIT: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        QUANT: tl.constexpr,
+        GATE: tl.constexpr,
+        UP: tl.constexpr,
+        GATE_SCALE: tl.constexpr,
+        UP_SCALE: tl.constexpr,
+        TILE_R: tl.constexpr,
+        TILE_C: tl.constexpr,
+        UNIT: tl.constexpr,
+        POW2: tl.constexpr,
+    ):
+        """One pair's activations ``act[pair, n]`` from a quantised block (see _gate_up_quant_kernel)."""
+        dtype = x_ptr.dtype.element_ty
+        x_row = x_ptr + tl.load(pair_token_ptr + pair) * stride_x
+        acc_gate = tl.zeros(n.shape, dtype=tl.float32)
+        acc_up = tl.zeros(n.shape, dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            if QUANT == 2:
+                x_even, x_odd = even_odd(x_row, k0, hidden, UNIT, BLOCK_K // UNIT)
+                acc_gate += fp4_row_dot(weights, GATE, GATE_SCALE, n, n_ok, k0, x_even, x_odd, hidden, dtype,
+                                         TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2)  # fmt: skip
+                acc_up += fp4_row_dot(weights, UP, UP_SCALE, n, n_ok, k0, x_even, x_odd, hidden, dtype,
+                                       TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2)  # fmt: skip
+            else:
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < hidden
+                x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+                mask = n_ok[:, None] & k_ok[None, :]
+                w_gate = weight_tile(weights, GATE, GATE_SCALE, n, k, mask, hidden, dtype, QUANT, TILE_R, TILE_C)
+                w_up = weight_tile(weights, UP, UP_SCALE, n, k, mask, hidden, dtype, QUANT, TILE_R, TILE_C)
+                acc_gate += tl.sum(w_gate.to(tl.float32) * x[None, :], axis=1)
+                acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+        act = activation(acc_gate, acc_up, limit, dtype, HAS_LIMIT)
+        tl.store(act_ptr + pair * inter + n, act, mask=n_ok)
+
+    @triton.jit
+    def _gate_up_quant_kernel(
+        x_ptr,
+        table_ptr,
+        blocks_ptr,
+        pair_token_ptr,
+        act_ptr,
+        stride_x,
+        limit,
+        hidden: tl.constexpr,
+        inter: tl.constexpr,
+        HAS_LIMIT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        QUANT: tl.constexpr,
+        GATE: tl.constexpr,
+        UP: tl.constexpr,
+        GATE_SCALE: tl.constexpr,
+        UP_SCALE: tl.constexpr,
+        TILE_R: tl.constexpr,
+        TILE_C: tl.constexpr,
+        UNIT: tl.constexpr,
+        POW2: tl.constexpr,
+        ALIGN: tl.constexpr,
+        MAX_TOKENS: tl.constexpr,
+    ):
+        # Quantised blocks, one program per (group, block of intermediate channels), a matrix-vector product
+        # per token of the group: decode rows carry one token or a few, so the weights' dequantisation, not
+        # the multiply, is the work, and tensor cores would need the dequantised tile moved into their layout.
+        group, block = tl.program_id(0), tl.program_id(1)
+        weights = blocks_ptr + block_offset(table_ptr + 3 * group, ALIGN)
+        start = tl.load(table_ptr + 3 * group + 1)
+        count = tl.load(table_ptr + 3 * group + 2)
+        n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < inter
+        for t in range(MAX_TOKENS):  # a fixed trip count: one compiled kernel whatever the group sizes
+            if t < count:
+                _gate_up_row(x_ptr, pair_token_ptr, act_ptr, stride_x, limit, weights, start + t, n, n_ok,
+                             hidden, inter, HAS_LIMIT, BLOCK_K, QUANT, GATE, UP, GATE_SCALE, UP_SCALE,
+                             TILE_R, TILE_C, UNIT, POW2)  # fmt: skip
 
     @triton.jit
     def _down_kernel(
         act_ptr,
         table_ptr,
+        blocks_ptr,
         pair_gate_ptr,
         y_ptr,
         hidden: tl.constexpr,
@@ -171,22 +219,30 @@ if triton is not None:
         DOWN_SCALE: tl.constexpr,
         TILE_R: tl.constexpr,
         TILE_C: tl.constexpr,
+        UNIT: tl.constexpr,
+        POW2: tl.constexpr,
+        ALIGN: tl.constexpr,
     ):
         # One program per (pair of this call, block of output channels): y = round(down @ act) * gate.
         row, block = tl.program_id(0), tl.program_id(1)
         dtype = act_ptr.dtype.element_ty
         pair = tl.load(table_ptr + 2 * row)
-        weights = tl.load(table_ptr + 2 * row + 1)
+        weights = blocks_ptr + block_offset(table_ptr + 2 * row + 1, ALIGN)
         h = block * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = h < hidden
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < inter
-            a = tl.load(act_ptr + pair * inter + k, mask=k_ok, other=0.0).to(tl.float32)
-            w_mask = h_ok[:, None] & k_ok[None, :]
-            w = _weight_tile(weights, DOWN, DOWN_SCALE, h, k, w_mask, inter, dtype, QUANT, TILE_R, TILE_C)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            if QUANT == 2:
+                a_even, a_odd = even_odd(act_ptr + pair * inter, k0, inter, UNIT, BLOCK_K // UNIT)
+                acc += fp4_row_dot(weights, DOWN, DOWN_SCALE, h, h_ok, k0, a_even, a_odd, inter, dtype,
+                                    TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2)  # fmt: skip
+            else:
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < inter
+                a = tl.load(act_ptr + pair * inter + k, mask=k_ok, other=0.0).to(tl.float32)
+                w_mask = h_ok[:, None] & k_ok[None, :]
+                w = weight_tile(weights, DOWN, DOWN_SCALE, h, k, w_mask, inter, dtype, QUANT, TILE_R, TILE_C)
+                acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         gate = tl.load(pair_gate_ptr + pair).to(dtype).to(tl.float32)
         tl.store(y_ptr + row * hidden + h, acc.to(dtype).to(tl.float32) * gate, mask=h_ok)
 
@@ -212,27 +268,55 @@ _BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on
 
 def grouped_usable(hidden: torch.Tensor, groups: Sequence[Group]) -> bool:
     """Whether :func:`run_experts` would take the grouped path for these (thin) groups."""
-    return (
-        not _BROKEN
-        and bool(groups)
-        and triton_usable(hidden)
-        and hidden.dtype in _DTYPES
-        and all(_block_fits(w, hidden) for w, _, _ in groups)
-        and len({_placement(w) for w, _, _ in groups}) == 1  # one kernel: every block laid out alike
-        and max(count for _, _, count in groups) <= MAX_GROUP_TOKENS
-    )
+    return _grouped_placement(hidden, groups) is not None
 
 
-def _block_fits(weights: ExpertWeights, hidden: torch.Tensor) -> bool:
+def _grouped_placement(hidden: torch.Tensor, groups: Sequence[Group]) -> tuple | None:
+    """The kernels' constants (:func:`_placement`) when the grouped path takes these groups, else None.
+
+    Runs per MoE layer of every decode step, so the per-group work is a few attribute reads: every
+    block must be on the activations' device and laid out alike (one kernel), and the layout is judged
+    once (:func:`_layout_fits`) and its constants cached per layout.
+    """
+    if _BROKEN or not groups or hidden.dtype not in _DTYPES or not triton_usable(hidden):
+        return None
+    if max(count for _, _, count in groups) > MAX_GROUP_TOKENS:
+        return None
+    device, key = hidden.device, _layout_key(groups[0][0])
+    if any(w.block.device != device or _layout_key(w) != key for w, _, _ in groups):
+        return None
+    if not _layout_fits(groups[0][0], hidden.dtype):
+        return None
+    if (placement := _PLACEMENTS.get(key)) is None:
+        placement = _PLACEMENTS.setdefault(key, _placement(groups[0][0]))
+    return placement
+
+
+_PLACEMENTS: dict[tuple, tuple] = {}  # layout key -> the kernels' constants
+
+
+def _layout_key(weights: ExpertWeights) -> tuple:
+    """What fixes where a block's matrices lie: its dtype, quantisation, and the down matrix's shape
+    (hidden x intermediate, or its packed bytes) — equal keys, equal :func:`_placement`."""
+    down = weights.down_q if weights.quantized else weights.down
+    return (weights.block.dtype, weights.quant_kind, weights.tile, weights.pow2_scales, down.shape, down.dtype)
+
+
+def _layout_fits(weights: ExpertWeights, dtype: torch.dtype) -> bool:
     """Dense blocks in the activations' dtype, e4m3 fp8-block ones, or (unless ``MOETIER_FP4_GROUPED=0``)
-    packed fp4-block ones, on the activations' device."""
-    if weights.block.device != hidden.device:
-        return False
+    packed fp4-block ones whose scale tile the kernels read (:func:`_fp4_unit`)."""
     if weights.quantized:
         if weights.quant_kind == "fp4-block":
-            return fp4_grouped_enabled() and weights.down_q.dtype == torch.uint8
+            return fp4_grouped_enabled() and weights.down_q.dtype == torch.uint8 and _fp4_unit(weights.tile[1]) > 0
         return weights.quant_kind == "fp8-block" and weights.down_q.dtype == torch.float8_e4m3fn
-    return weights.block.dtype == hidden.dtype
+    return weights.block.dtype == dtype
+
+
+def _fp4_unit(tile_c: int) -> int:
+    """Columns the fp4 kernels read under one scale: 32 when the tile is a multiple of 32 (the release's
+    32), else the tile itself; a power of two (``tl.arange``), else 0 (the grouped path does not take it)."""
+    unit = 32 if tile_c % 32 == 0 else tile_c
+    return unit if unit >= 2 and unit & (unit - 1) == 0 else 0
 
 
 def fp4_grouped_enabled() -> bool:
@@ -242,42 +326,50 @@ def fp4_grouped_enabled() -> bool:
 
 def _placement(weights: ExpertWeights) -> tuple:
     """The kernels' constants for a block: its ``QUANT`` (0 dense, 1 fp8, 2 fp4), where its matrices lie,
-    the tile.
+    the tile, whether its scales are all powers of two.
 
     Dense: element offsets of gate, up and down in ``[gate; up; down]``. Quantised: byte offsets of the
     three float8 (or packed e2m1) matrices and their scale grids (the layout's ``quant_parts``), and the tile.
     """
     if not weights.quantized:
         inter, size = weights.down.shape[1], weights.down.shape[0]
-        return (0, 0, inter * size, 2 * inter * size, 0, 0, 0, 1, 1)
+        return (0, 0, inter * size, 2 * inter * size, 0, 0, 0, 1, 1, False)
     block = weights.block.data_ptr()
     offset = lambda view: view.data_ptr() - block  # noqa: E731 - a local shorthand
     views = (weights.gate_q, weights.up_q, weights.down_q, weights.gate_scale, weights.up_scale, weights.down_scale)
     quant = 2 if weights.quant_kind == "fp4-block" else 1
-    return (quant, *(offset(v) for v in views), *weights.tile)
+    return (quant, *(offset(v) for v in views), *weights.tile, weights.pow2_scales)
 
 
 def _tables(groups: Sequence[Group], pair_tokens_host: torch.Tensor, per_token: int) -> tuple:
     """The three launch tables in one int64 tensor (one host-to-device copy) and where each starts.
 
-    Per group ``(block address, first pair, pair count)``; per pair of this call ``(pair, block address)``;
-    per token the groups touch, the token and its ``per_token`` rows of the pair list (-1 where it has
-    fewer), in the call's pair order. Only touched tokens get a row: a streamed prefill expert serves a
-    few of a chunk's thousands of tokens, and the host work must follow its pairs, not the chunk.
+    Blocks are given as byte offsets from the first group's block (the kernels' ``blocks_ptr``). Per
+    group ``(block offset, first pair, pair count)``; per pair of this call ``(pair, block offset)``; per
+    token the groups touch, the token and its ``per_token`` rows of the pair list (-1 where it has fewer),
+    in the call's pair order. Only touched tokens get a row: a streamed prefill expert serves a few of a
+    chunk's thousands of tokens, and the host work must follow its pairs, not the chunk. Also returned:
+    the alignment (16 or 1 bytes) that every block address has.
     """
-    by_group = [v for w, s, c in groups for v in (w.block.data_ptr(), s, c)]
+    base = groups[0][0].block.data_ptr()
+    offsets = [w.block.data_ptr() - base for w, _, _ in groups]
+    by_group = [v for (_, s, c), offset in zip(groups, offsets, strict=True) for v in (offset, s, c)]
     by_pair: list[int] = []
     by_token: dict[int, list[int]] = {}
-    for weights, start, count in groups:
-        address = weights.block.data_ptr()
-        owners = pair_tokens_host[start : start + count].tolist()
-        for pair, owner in zip(range(start, start + count), owners, strict=True):
+    owner_of_pair = pair_tokens_host.tolist()
+    for (_, start, count), offset in zip(groups, offsets, strict=True):
+        for pair in range(start, start + count):
+            owner = owner_of_pair[pair]
             by_token.setdefault(owner, []).append(len(by_pair) // 2)
-            by_pair += (pair, address)
+            by_pair += (pair, offset)
     width = max(per_token, max((len(rows) for rows in by_token.values()), default=1))
     padded = [v for token, rows in by_token.items() for v in (token, *rows, *[-1] * (width - len(rows)))]
-    table = torch.tensor(by_group + by_pair + padded, dtype=torch.int64)
-    return table, len(by_group), len(by_group) + len(by_pair), len(by_pair) // 2, width, len(by_token)
+    # From an array (torch.tensor of a list converts element by element, ~3x slower); pinned (torch's caching
+    # host allocator) so the copy to the device is a true async DMA.
+    table = torch.frombuffer(array.array("q", by_group + by_pair + padded), dtype=torch.int64)
+    table = table.pin_memory() if torch.cuda.is_available() else table
+    align = 16 if base % 16 == 0 and all(offset % 16 == 0 for offset in offsets) else 1
+    return table, len(by_group), len(by_group) + len(by_pair), len(by_pair) // 2, width, len(by_token), align
 
 
 def run_grouped(
@@ -289,30 +381,42 @@ def run_grouped(
     swiglu_limit: float | None,
     pair_tokens_host: torch.Tensor | None = None,
     per_token: int = 1,
+    placement: tuple | None = None,
 ) -> None:
-    """The Triton path of :func:`run_experts` (no checks: see :func:`grouped_usable`)."""
+    """The Triton path of :func:`run_experts` (no checks: see :func:`grouped_usable`); ``placement`` is the
+    groups' :func:`_placement` when the caller has it."""
     first = groups[0][0]
     # gate is [I, H] (fp4: [I, H/2] bytes), down [H, I]: the intermediate size is gate's rows.
     inter, size = (first.gate_q.shape[0] if first.quantized else first.down.shape[1]), hidden.shape[1]
-    quant, gate, up, down, gate_scale, up_scale, down_scale, tile_r, tile_c = _placement(first)
-    tile = {"QUANT": quant, "TILE_R": tile_r, "TILE_C": tile_c}
+    placement = _placement(first) if placement is None else placement
+    quant, gate, up, down, gate_scale, up_scale, down_scale, tile_r, tile_c, pow2 = placement
     host = pair_tokens.cpu() if pair_tokens_host is None else pair_tokens_host
-    table, pair_at, token_at, pairs, width, touched = _tables(groups, host, triton.next_power_of_2(per_token))
+    table, pair_at, token_at, pairs, width, touched, align = _tables(groups, host, triton.next_power_of_2(per_token))
     table = table.to(hidden.device, non_blocking=True)
     pair_tokens = pair_tokens.contiguous()
     act = torch.empty((pair_tokens.shape[0], inter), dtype=hidden.dtype, device=hidden.device)
     y = torch.empty((pairs, size), dtype=torch.float32, device=hidden.device)
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-    _gate_up_kernel[(len(groups), triton.cdiv(inter, _BLOCK_I))](
-        x, table, pair_tokens, act, x.stride(0), float(swiglu_limit or 0.0), size, inter,
-        HAS_LIMIT=swiglu_limit is not None,
-        IEEE=hidden.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-        BLOCK_T=MAX_GROUP_TOKENS, BLOCK_I=_BLOCK_I, BLOCK_K=_BLOCK_K,
-        GATE=gate, UP=up, GATE_SCALE=gate_scale, UP_SCALE=up_scale, **tile,
-    )  # fmt: skip
+    blocks = first.block.view(torch.uint8)  # the table's offsets count from here
+    limits = {"limit": float(swiglu_limit or 0.0), "HAS_LIMIT": swiglu_limit is not None}
+    quantised = {"QUANT": quant, "TILE_R": tile_r, "TILE_C": tile_c, "UNIT": _fp4_unit(tile_c), "POW2": pow2}
+    quantised["ALIGN"] = align
+    block_k = _FP4_BLOCK_K if quant == 2 else _BLOCK_K
+    if quant == 0:
+        _gate_up_kernel[(len(groups), triton.cdiv(inter, _BLOCK_I))](
+            x, table, blocks, pair_tokens, act, x.stride(0), hidden=size, inter=inter, **limits,
+            IEEE=hidden.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+            BLOCK_T=MAX_GROUP_TOKENS, BLOCK_I=_BLOCK_I, BLOCK_K=_BLOCK_K, GATE=gate, UP=up, ALIGN=align,
+        )  # fmt: skip
+    else:
+        _gate_up_quant_kernel[(len(groups), triton.cdiv(inter, _QUANT_BLOCK_N))](
+            x, table, blocks, pair_tokens, act, x.stride(0), hidden=size, inter=inter, **limits,
+            BLOCK_N=_QUANT_BLOCK_N, BLOCK_K=block_k, MAX_TOKENS=MAX_GROUP_TOKENS,
+            GATE=gate, UP=up, GATE_SCALE=gate_scale, UP_SCALE=up_scale, **quantised,
+        )  # fmt: skip
     _down_kernel[(pairs, triton.cdiv(size, _BLOCK_H))](
-        act, table[pair_at:], pair_gates.contiguous(), y, size, inter, BLOCK_H=_BLOCK_H, BLOCK_K=_BLOCK_K,
-        DOWN=down, DOWN_SCALE=down_scale, **tile,
+        act, table[pair_at:], blocks, pair_gates.contiguous(), y, size, inter, BLOCK_H=_BLOCK_H, BLOCK_K=block_k,
+        DOWN=down, DOWN_SCALE=down_scale, **quantised,
     )  # fmt: skip
     _sum_kernel[(touched, triton.cdiv(size, _SUM_BLOCK))](
         y, table[token_at:], out, size, PER_TOKEN=width, BLOCK_H=_SUM_BLOCK
@@ -357,9 +461,10 @@ def run_experts(
     # Per group, not per call: a group of a given size takes the same kernel whichever call it is in
     # (a resident prefill, a streamed expert, a decode), so placements agree to the order of fp32 sums.
     thin = [g for g in groups if g[2] <= MAX_GROUP_TOKENS]
-    if grouped_usable(hidden, thin):
+    if (placement := _grouped_placement(hidden, thin)) is not None:
         try:
-            run_grouped(out, hidden, pair_tokens, pair_gates, thin, swiglu_limit, pair_tokens_host, per_token)
+            args = (out, hidden, pair_tokens, pair_gates, thin, swiglu_limit, pair_tokens_host, per_token, placement)
+            run_grouped(*args)
             groups = [g for g in groups if g[2] > MAX_GROUP_TOKENS]
         except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
             _BROKEN.append(str(exc))

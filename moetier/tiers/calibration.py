@@ -14,9 +14,10 @@ import time
 
 import torch
 
+from moetier.kernels.grouped_experts import run_experts
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.expert_cache import ExpertCache
-from moetier.tiers.experts import ExpertStore, swiglu_expert
+from moetier.tiers.experts import ExpertStore
 from moetier.tiers.route_costs import RouteCosts
 
 
@@ -71,15 +72,21 @@ def _time_cpu(
 
 
 def _time_copy(store: ExpertStore, cache: ExpertCache, layer: int, ids: list[int], x_dev: torch.Tensor) -> float:
-    """Seconds per expert to copy each of ``ids`` into a staging slot and compute it there."""
+    """Seconds per expert to copy each of ``ids`` into a staging slot and compute it there, as serving does."""
     stream = torch.cuda.current_stream(x_dev.device)
     torch.cuda.synchronize(x_dev.device)
+    n = x_dev.shape[0]
+    out = torch.zeros(x_dev.shape, dtype=torch.float32, device=x_dev.device)
+    rows_host, gates = torch.arange(n), torch.ones(n, dtype=x_dev.dtype, device=x_dev.device)
+    rows = rows_host.to(x_dev.device)
     start = time.perf_counter()
     for e in ids:
         slot = cache.staging_slot()
         cache.fill(slot, store.expert(layer, e).block)
         cache.wait_ready(slot, stream)
-        swiglu_expert(x_dev, slot.weights, store.layout.swiglu_limit)
+        # The kernels the dispatcher runs on a copied expert (grouped for decode-sized groups): per-expert
+        # GEMMs would price fp4 experts' dequantisation, ~3x the copy, and starve the copy route.
+        run_experts(out, x_dev, rows, gates, [(slot.weights, 0, n)], store.layout.swiglu_limit, rows_host, 1)
         cache.mark_released([slot], stream)
     torch.cuda.synchronize(x_dev.device)
     return (time.perf_counter() - start) / len(ids)

@@ -42,11 +42,14 @@ class ExpertQuant:
     (rows x cols) tile, DeepSeek-V3's release format (:mod:`moetier.weights.fp8`). ``"fp4-block"``:
     each ``[N, K]`` matrix as packed e2m1 bytes ``[N, K/2]`` plus one float32 scale per ``tile``
     (DeepSeek-V4's release: ``(1, 32)``, :mod:`moetier.weights.fp4`); ``fp8`` is unused there.
+    ``pow2_scales``: every scale is a power of two (the release's ue8m0 scales; the loader checks each
+    one), which lets the GPU's fp4 kernels scale a sum instead of every weight, for the same result.
     """
 
     kind: str = "fp8-block"
     tile: tuple[int, int] = (128, 128)
     fp8: torch.dtype = torch.float8_e4m3fn
+    pow2_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in QUANT_KINDS:
@@ -182,6 +185,7 @@ class ExpertWeights:
     down_scale: torch.Tensor | None = None
     tile: tuple[int, int] | None = None
     quant_kind: str | None = None  # an ExpertQuant kind when quantised
+    pow2_scales: bool = False  # ExpertQuant.pow2_scales: every scale a power of two
 
     @property
     def quantized(self) -> bool:
@@ -217,6 +221,7 @@ class ExpertWeights:
             down_scale=views["down_scale"],
             tile=quant.tile,
             quant_kind=quant.kind,
+            pow2_scales=quant.pow2_scales,
         )
 
     def dequantized(self, dtype: torch.dtype) -> ExpertWeights:

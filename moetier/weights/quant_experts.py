@@ -62,7 +62,9 @@ def fp4_expert_quant_of(hf_config: dict[str, Any], where: str) -> ExpertQuant:
             f"{where}: expert_format 'fp4' needs a checkpoint with FP4 routed experts "
             f"(expert_dtype 'fp4', as DeepSeek-V4 ships), but {said}; {_FIX}"
         )
-    return ExpertQuant(kind="fp4-block", tile=FP4_TILE)
+    quant = hf_config.get("quantization_config")
+    ue8m0 = isinstance(quant, dict) and quant.get("scale_fmt") == "ue8m0"  # powers of two, checked at load
+    return ExpertQuant(kind="fp4-block", tile=FP4_TILE, pow2_scales=ue8m0)
 
 
 def expert_layout_for(layout: ExpertLayout, hf_config: dict[str, Any], expert_format: str, where: str) -> ExpertLayout:
@@ -110,6 +112,18 @@ def copy_quant_expert(weights: ExpertWeights, part: str, stored: torch.Tensor, s
             f"has shape {list(stored.shape)} with scales {list(scale.shape)}, "
             f"but the config implies {list(dest.shape)} with scales {list(dest_scale.shape)}"
         )
+    scale = scale_to_float(scale)
+    if weights.pow2_scales and not all_powers_of_two(scale):
+        raise ValueError(
+            "has scales that are not powers of two, but the checkpoint's quantization_config.scale_fmt says "
+            "ue8m0; fix its config (drop scale_fmt) or its scales"
+        )
     # Raw bytes: a float8 -> float8 copy_ would go through float and is not needed.
     dest.view(torch.uint8).copy_(stored.view(torch.uint8))
-    dest_scale.copy_(scale_to_float(scale))
+    dest_scale.copy_(scale)
+
+
+def all_powers_of_two(scale: torch.Tensor) -> bool:
+    """Whether every value is zero or a normal power of two (what ``ExpertQuant.pow2_scales`` promises)."""
+    mantissa, _ = torch.frexp(scale)
+    return bool(((scale == 0) | ((mantissa.abs() == 0.5) & (scale.abs() >= 2.0**-126))).all())
