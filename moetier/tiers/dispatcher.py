@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from moetier.kernels.grouped_experts import run_experts
+from moetier.tiers.call_routing import sort_pairs
 from moetier.tiers.experts import ExpertStore
 
 
@@ -66,18 +67,19 @@ class ResidentDispatcher(ExpertDispatcher):
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         out = expert_accumulator(hidden)
-        flat_ids = topk_ids.reshape(-1)
-        # Sorting the (token, slot) pairs by expert gives each expert one contiguous run of tokens.
-        order = torch.argsort(flat_ids, stable=True)
-        experts, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
+        # Sorting the (token, slot) pairs by expert gives each expert one contiguous run of tokens. The
+        # sort runs on the host (the groups must be there anyway): one wait for the ids, one copy back.
+        order_host, experts, counts = sort_pairs(topk_ids)
         groups, start = [], 0
-        for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
+        for expert, count in zip(experts, counts, strict=True):
             groups.append((self.store.expert(layer, expert), start, count))
             start += count
         top_k = topk_ids.shape[1]
-        token_of_pair, weight_of_pair = order // top_k, topk_weights.reshape(-1)[order]
+        tokens_host = order_host // top_k
+        order, token_of_pair = torch.stack((order_host, tokens_host)).to(hidden.device, non_blocking=True)
+        weight_of_pair = topk_weights.reshape(-1)[order]
         limit = self.store.layout.swiglu_limit
-        run_experts(out, hidden, token_of_pair, weight_of_pair, groups, limit, token_of_pair.cpu(), top_k)
+        run_experts(out, hidden, token_of_pair, weight_of_pair, groups, limit, tokens_host, top_k)
         return out.to(hidden.dtype)
 
 
