@@ -120,3 +120,43 @@ def test_metrics_export_the_route_scales_live():
             if x.startswith(f'moetier:tier_route_cost_scale{{model_name="tiny",route="{route}"}}')
         )
         assert float(line.rsplit(" ", 1)[1]) == pytest.approx(dispatcher.adapter.scales[route])
+
+
+def test_a_starved_route_is_probed_with_the_smallest_thin_group():
+    costs = RouteCosts(cpu_fixed=100.0, copy_fixed=1.0)  # the CPU looks dear: the split gives it nothing
+    tokens = [3, 1, 2, 20]
+    assert split_misses(tokens, "auto", costs, fat_threshold=16) == ([], [0, 1, 2, 3])
+    assert split_misses(tokens, "auto", costs, fat_threshold=16, probe="cpu") == ([1], [0, 2, 3])
+    assert split_misses([5], "auto", costs, fat_threshold=4, probe="cpu") == ([], [0])  # a fat group never moves
+    cheap_cpu = RouteCosts(cpu_fixed=1.0, copy_fixed=100.0)
+    assert split_misses(tokens[:3], "auto", cheap_cpu, probe="copy") == ([0, 2], [1])
+    assert split_misses(tokens, "auto", RouteCosts(), probe="cpu")[0]  # already has work: unchanged
+    assert split_misses(tokens, "cpu", costs, probe="copy") == ([0, 1, 2, 3], [])  # pure routes ignore probes
+
+
+def test_adapter_asks_for_a_probe_after_a_route_starved_and_counts_afresh():
+    adapter = RouteAdapter(probe_after=3)
+    for _ in range(2):
+        adapter.note_split(0, 4)
+    adapter.note_split(0, 0)  # a call without misses says nothing
+    assert adapter.probe() is None
+    adapter.note_split(0, 2)
+    assert adapter.probe() == "cpu" and adapter.probe() is None  # one probe, then count again
+    adapter.note_split(1, 1)
+    assert adapter.idle_calls == {"cpu": 0, "copy": 0}
+    with pytest.raises(ValueError, match="probe_after"):
+        RouteAdapter(probe_after=0)
+
+
+def test_dispatcher_measures_a_route_again_after_starving_it():
+    """A CPU route once priced 1000x too dear gets no misses; after ``probe_after`` calls it gets one, the
+    adapter sees what it really costs, and the split uses it again."""
+    store = random_store()
+    options = {"cache_slots": 0, "miss_route": "auto", "calibrate": False, "policy": "lru", "adapt_costs": True}
+    dispatcher = TieredDispatcher(store, **options)
+    dispatcher.prepare("cpu")
+    dispatcher.adapter.probe_after = 4
+    dispatcher.costs = RouteCosts(cpu_fixed=1.0, copy_fixed=1e-3)  # the CPU tier's start-up timing an outlier
+    sent = _decode_calls(dispatcher, 12)
+    assert sent[:4] == [0, 0, 0, 0] and sum(sent[4:]) >= 1
+    assert dispatcher.adapter.scales["cpu"] < 0.1  # observed: far cheaper than the start-up cost said

@@ -45,7 +45,11 @@ class RouteCosts:
 
 
 def split_misses(
-    tokens: list[int], route: MissRoute, costs: RouteCosts, fat_threshold: int | None = None
+    tokens: list[int],
+    route: MissRoute,
+    costs: RouteCosts,
+    fat_threshold: int | None = None,
+    probe: str | None = None,
 ) -> tuple[list[int], list[int]]:
     """Indices of missed groups (``tokens[i]`` tokens each) for the CPU tier and for the copy path.
 
@@ -54,7 +58,9 @@ def split_misses(
     times longer), then assigns the others, most tokens first, to the route that would finish its
     queue sooner (longest-processing-time scheduling over two workers running concurrently, the
     copy queue starting with the fat groups' copies); ties go to the CPU. ``cpu`` and ``copy``
-    send everything one way (the pure routes the benchmarks compare against).
+    send everything one way (the pure routes the benchmarks compare against). ``probe`` (``auto`` only,
+    from :meth:`RouteAdapter.probe`) names a route that must get a group: when the split gave it none,
+    the other route's fewest-token thin group moves there, so the route's cost is measured again.
     """
     everyone = list(range(len(tokens)))
     if route == "cpu":
@@ -73,7 +79,20 @@ def split_misses(
         else:
             copy.append(i)
             copy_load = copy_finish
+    if probe is not None:
+        _probe(probe, cpu, copy, thin, tokens)
     return sorted(cpu), sorted(copy)
+
+
+def _probe(route: str, cpu: list[int], copy: list[int], thin: list[int], tokens: list[int]) -> None:
+    """Move the fewest-token thin group to ``route`` if it has none (in place)."""
+    target, other = (cpu, copy) if route == "cpu" else (copy, cpu)
+    movable = [i for i in other if i in thin]
+    if target or not movable:
+        return
+    smallest = min(movable, key=lambda i: tokens[i])
+    other.remove(smallest)
+    target.append(smallest)
 
 
 ROUTES = ("cpu", "copy")
@@ -89,16 +108,42 @@ class RouteAdapter:
     per route, the seconds its share took and the seconds the start-up costs predicted for it; the
     ratio's exponential average (``weight`` per observation, one observation moving it by at most
     ``max_step``x) rescales that route's costs. Until both routes have been observed the start-up
-    costs stand, so a split never compares a measured route with an unmeasured one.
+    costs stand, so a split never compares a measured route with an unmeasured one. A route left
+    without work for ``probe_after`` calls is given one group (:meth:`probe`) to be measured again.
     """
 
     weight: float = 0.25
     max_step: float = 4.0
+    probe_after: int = 64  # calls a route may go without work while the other has some, before a probe
     scales: dict[str, float] = field(default_factory=dict)
+    idle_calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROUTES, 0))
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.weight <= 1.0 or self.max_step < 1.0:
-            raise ValueError(f"route adapter needs 0 < weight <= 1 and max_step >= 1: {self.weight}, {self.max_step}")
+        if not 0.0 < self.weight <= 1.0 or self.max_step < 1.0 or self.probe_after < 1:
+            raise ValueError(
+                f"route adapter needs 0 < weight <= 1, max_step >= 1 and probe_after >= 1: "
+                f"{self.weight}, {self.max_step}, {self.probe_after}"
+            )
+
+    def note_split(self, cpu_groups: int, copy_groups: int) -> None:
+        """Count, per route, the calls in a row it got no work while the other got some."""
+        if cpu_groups and copy_groups:
+            self.idle_calls = dict.fromkeys(ROUTES, 0)
+        elif cpu_groups or copy_groups:
+            idle = "copy" if cpu_groups else "cpu"
+            self.idle_calls[idle] += 1
+
+    def probe(self) -> str | None:
+        """A route starved for ``probe_after`` calls: the next split gives it one group.
+
+        A route the split never uses is never observed, so a cost it was once wrongly given (a slow
+        start-up timing, a contended moment) would otherwise stand forever.
+        """
+        starved = [route for route in ROUTES if self.idle_calls[route] >= self.probe_after]
+        if not starved:
+            return None
+        self.idle_calls[starved[0]] = 0
+        return starved[0]
 
     def observe(self, route: str, predicted: float, seconds: float) -> None:
         """One call's share of ``route`` took ``seconds`` where the start-up costs said ``predicted``."""

@@ -228,9 +228,11 @@ class TieredDispatcher(ExpertDispatcher):
         # A prefetched miss is already on its way to the device: it is not the CPU's any more.
         prefetched = [g for g in misses if self.cache.is_prefetched((layer, g.expert))]
         others = [g for g in misses if not self.cache.is_prefetched((layer, g.expert))]
-        cpu_idx, copy_idx = split_misses(
-            [g.count for g in others], self.config.miss_route, self._costs(adapt), self.config.fat_threshold
-        )
+        probe = self.adapter.probe() if adapt else None  # a starved route gets one group, to be measured again
+        route, costs, fat = self.config.miss_route, self._costs(adapt), self.config.fat_threshold
+        cpu_idx, copy_idx = split_misses([g.count for g in others], route, costs, fat, probe)
+        if adapt:
+            self.adapter.note_split(len(cpu_idx), len(copy_idx))
         return hits, [others[i] for i in cpu_idx], prefetched + [others[i] for i in copy_idx]
 
     def _costs(self, adapt: bool) -> RouteCosts:
