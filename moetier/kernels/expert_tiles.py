@@ -4,9 +4,9 @@ functions the kernels inline, for reading expert blocks of every format and for 
 An expert block is reached as ``blocks_ptr`` (a uint8 pointer Triton knows to be 16-byte aligned) plus
 a byte offset from the launch table (:func:`block_offset`), never as a raw address: Triton cannot see
 the alignment of an address it loads, and without it every load is one element wide (the first fp4
-kernels ran 20x slower for it). Dense and fp8 matrices are read as ``rows x cols`` tiles
-(:func:`weight_tile`); packed fp4 ones as units of 32 values under one scale, both nibbles of each
-byte used (:func:`fp4_row_dot`).
+kernels ran 20x slower for it). Dense matrices are read as ``rows x cols`` tiles (:func:`dense_tile`);
+quantised ones as units of columns under one scale, so a scale is loaded per unit rather than per
+weight: fp8 (:func:`fp8_row_dot`) and packed fp4, both nibbles of each byte used (:func:`fp4_row_dot`).
 """
 
 from __future__ import annotations
@@ -35,34 +35,51 @@ if triton is not None:
         return pointer.to(tl.pointer_type(tl.float32), bitcast=True)
 
     @triton.jit
-    def weight_tile(
+    def dense_tile(block, part, rows, cols, mask, width: tl.constexpr, dtype: tl.constexpr):
+        """Rows x cols of one matrix of a dense expert block (elements in ``dtype``, the matrix from element
+        ``part``, ``width`` columns a row)."""
+        base = block.to(tl.pointer_type(dtype), bitcast=True)
+        return tl.load(base + part + rows[:, None] * width + cols[None, :], mask=mask, other=0.0)
+
+    @triton.jit
+    def fp8_row_dot(
         block,
         part,
         scales,
         rows,
-        cols,
-        mask,
+        rows_ok,
+        k0,
+        x,
         width: tl.constexpr,
         dtype: tl.constexpr,
-        QUANT: tl.constexpr,
         TILE_R: tl.constexpr,
         TILE_C: tl.constexpr,
+        UNIT: tl.constexpr,
+        UNITS: tl.constexpr,
     ):
-        """Rows x cols of one matrix of a dense (``QUANT`` 0) or fp8 (``QUANT`` 1) expert block, in ``dtype``.
-        Dense: ``part`` is the matrix's first element. fp8: ``part``/``scales`` are byte offsets of its e4m3
-        values and its float32 tile scales, one per ``TILE_R x TILE_C`` tile, each value dequantised as the
-        loader does, ``(float(v) * scale).to(dtype)``."""
-        if QUANT == 0:
-            base = block.to(tl.pointer_type(dtype), bitcast=True)
-            return tl.load(base + part + rows[:, None] * width + cols[None, :], mask=mask, other=0.0)
-        else:
-            base = block
-            grid = (width + TILE_C - 1) // TILE_C
-            scale_at = (rows // TILE_R)[:, None] * grid + (cols // TILE_C)[None, :]
-            scale = tl.load(as_f32(base + scales) + scale_at, mask=mask, other=0.0)
-            raw = tl.load(base + part + rows[:, None] * width + cols[None, :], mask=mask, other=0)
-            value = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            return (value * scale).to(dtype)
+        """``sum_k w[row, k] * x[k]`` over the ``UNITS * UNIT`` columns from ``k0`` of an e4m3 matrix, per row.
+
+        The matrix is ``[rows, width]`` bytes at byte ``part`` of ``block``, its float32 scales
+        ``[ceil(rows / TILE_R), ceil(width / TILE_C)]`` at byte ``scales`` (edge tiles may be partial). A
+        unit is ``UNIT`` columns (a power of two dividing ``TILE_C``) under one scale, read ``[rows, UNITS,
+        UNIT]``, so each scale is loaded once per unit, not per weight; ``x`` is the float32 inputs
+        ``[UNITS, UNIT]``. Each weight is the loader's ``(float(v) * scale).to(dtype)``."""
+        unit = k0 + tl.arange(0, UNITS) * UNIT  # each unit's first column
+        cols = unit[:, None] + tl.arange(0, UNIT)[None, :]
+        ok = rows_ok[:, None, None] & (cols < width)[None, :, :]
+        raw = tl.load(block + part + rows[:, None, None] * width + cols[None, :, :], mask=ok, other=0)
+        grid = (width + TILE_C - 1) // TILE_C
+        scale_at = (rows // TILE_R)[:, None] * grid + (unit // TILE_C)[None, :]
+        scale_ok = rows_ok[:, None] & (unit < width)[None, :]
+        scale = tl.load(as_f32(block + scales) + scale_at, mask=scale_ok, other=0.0)
+        w = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]).to(dtype).to(tl.float32)
+        return tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
+
+    @triton.jit
+    def units(row_ptr, k0, width: tl.constexpr, UNIT: tl.constexpr, UNITS: tl.constexpr):
+        """The float32 inputs of a ``UNITS * UNIT`` column step from ``k0``, ``[UNITS, UNIT]``."""
+        cols = k0 + tl.arange(0, UNITS)[:, None] * UNIT + tl.arange(0, UNIT)[None, :]
+        return tl.load(row_ptr + cols, mask=cols < width, other=0.0).to(tl.float32)
 
     @triton.jit
     def e2m1(code):

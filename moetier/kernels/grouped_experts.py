@@ -60,7 +60,15 @@ Group = tuple[ExpertWeights, int, int]  # (weights, first pair, pair count)
 
 
 if triton is not None:
-    from moetier.kernels.expert_tiles import activation, block_offset, even_odd, fp4_row_dot, weight_tile
+    from moetier.kernels.expert_tiles import (
+        activation,
+        block_offset,
+        dense_tile,
+        even_odd,
+        fp4_row_dot,
+        fp8_row_dot,
+        units,
+    )
 
     @triton.jit
     def _gate_up_kernel(
@@ -101,8 +109,8 @@ if triton is not None:
             k_ok = k < hidden
             x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
             w_mask = i_ok[:, None] & k_ok[None, :]
-            w_gate = weight_tile(weights, GATE, 0, i, k, w_mask, hidden, dtype, 0, 1, 1)
-            w_up = weight_tile(weights, UP, 0, i, k, w_mask, hidden, dtype, 0, 1, 1)
+            w_gate = dense_tile(weights, GATE, i, k, w_mask, hidden, dtype)
+            w_up = dense_tile(weights, UP, i, k, w_mask, hidden, dtype)
             if IEEE:  # float32 (or bf16 under the interpreter, whose bf16 dot is wrong): exact products
                 x = x.to(tl.float32)
                 acc_gate += tl.dot(x, tl.trans(w_gate.to(tl.float32)), input_precision="ieee")
@@ -151,14 +159,11 @@ if triton is not None:
                 acc_up += fp4_row_dot(weights, UP, UP_SCALE, n, n_ok, k0, x_even, x_odd, hidden, dtype,
                                        TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2)  # fmt: skip
             else:
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = k < hidden
-                x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-                mask = n_ok[:, None] & k_ok[None, :]
-                w_gate = weight_tile(weights, GATE, GATE_SCALE, n, k, mask, hidden, dtype, QUANT, TILE_R, TILE_C)
-                w_up = weight_tile(weights, UP, UP_SCALE, n, k, mask, hidden, dtype, QUANT, TILE_R, TILE_C)
-                acc_gate += tl.sum(w_gate.to(tl.float32) * x[None, :], axis=1)
-                acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+                x = units(x_row, k0, hidden, UNIT, BLOCK_K // UNIT)
+                acc_gate += fp8_row_dot(weights, GATE, GATE_SCALE, n, n_ok, k0, x, hidden, dtype,
+                                        TILE_R, TILE_C, UNIT, BLOCK_K // UNIT)  # fmt: skip
+                acc_up += fp8_row_dot(weights, UP, UP_SCALE, n, n_ok, k0, x, hidden, dtype,
+                                      TILE_R, TILE_C, UNIT, BLOCK_K // UNIT)  # fmt: skip
         act = activation(acc_gate, acc_up, limit, dtype, HAS_LIMIT)
         tl.store(act_ptr + pair * inter + n, act, mask=n_ok)
 
@@ -236,12 +241,15 @@ if triton is not None:
                 a_even, a_odd = even_odd(act_ptr + pair * inter, k0, inter, UNIT, BLOCK_K // UNIT)
                 acc += fp4_row_dot(weights, DOWN, DOWN_SCALE, h, h_ok, k0, a_even, a_odd, inter, dtype,
                                     TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2)  # fmt: skip
+            elif QUANT == 1:
+                a = units(act_ptr + pair * inter, k0, inter, UNIT, BLOCK_K // UNIT)
+                acc += fp8_row_dot(weights, DOWN, DOWN_SCALE, h, h_ok, k0, a, inter, dtype,
+                                   TILE_R, TILE_C, UNIT, BLOCK_K // UNIT)  # fmt: skip
             else:
                 k = k0 + tl.arange(0, BLOCK_K)
                 k_ok = k < inter
                 a = tl.load(act_ptr + pair * inter + k, mask=k_ok, other=0.0).to(tl.float32)
-                w_mask = h_ok[:, None] & k_ok[None, :]
-                w = weight_tile(weights, DOWN, DOWN_SCALE, h, k, w_mask, inter, dtype, QUANT, TILE_R, TILE_C)
+                w = dense_tile(weights, DOWN, h, k, h_ok[:, None] & k_ok[None, :], inter, dtype)
                 acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         gate = tl.load(pair_gate_ptr + pair).to(dtype).to(tl.float32)
         tl.store(y_ptr + row * hidden + h, acc.to(dtype).to(tl.float32) * gate, mask=h_ok)
@@ -317,6 +325,12 @@ def _fp4_unit(tile_c: int) -> int:
     32), else the tile itself; a power of two (``tl.arange``), else 0 (the grouped path does not take it)."""
     unit = 32 if tile_c % 32 == 0 else tile_c
     return unit if unit >= 2 and unit & (unit - 1) == 0 else 0
+
+
+def _fp8_unit(tile_c: int) -> int:
+    """Columns the fp8 kernels read under one scale: the largest power of two dividing the tile, at most
+    a column step (``_BLOCK_K``); dense blocks ignore it."""
+    return min(tile_c & -tile_c, _BLOCK_K)
 
 
 def fp4_grouped_enabled() -> bool:
@@ -399,7 +413,8 @@ def run_grouped(
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     blocks = first.block.view(torch.uint8)  # the table's offsets count from here
     limits = {"limit": float(swiglu_limit or 0.0), "HAS_LIMIT": swiglu_limit is not None}
-    quantised = {"QUANT": quant, "TILE_R": tile_r, "TILE_C": tile_c, "UNIT": _fp4_unit(tile_c), "POW2": pow2}
+    unit = _fp4_unit(tile_c) if quant == 2 else _fp8_unit(tile_c)
+    quantised = {"QUANT": quant, "TILE_R": tile_r, "TILE_C": tile_c, "UNIT": unit, "POW2": pow2}
     quantised["ALIGN"] = align
     block_k = _FP4_BLOCK_K if quant == 2 else _BLOCK_K
     if quant == 0:
