@@ -21,6 +21,8 @@ the CPU tier then runs torch. ``MOETIER_CPU_KERNEL`` selects: unset (or ``auto``
 its build has a SIMD path (:data:`FAST_ISAS`: ``avx512_bf16``, ``avx512f`` or ``avx2``; the portable
 build is slower than torch's kernels past 1-2 tokens), ``1`` uses any build, ``0`` turns it off.
 ``moetier bench cpu-tier`` measures any build against torch, which is how a path earns its place there.
+:meth:`CpuExpertsLibrary.run_checked` runs experts :func:`check_experts` passed, checking only the job's own
+rows, gates and buffers: the CPU tier's per-job path, for experts it saw pass before.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import ctypes
 import hashlib
 import itertools
 import logging
+import operator
 import os
 import platform
 import shlex
@@ -37,8 +40,9 @@ import subprocess
 import sysconfig
 import tempfile
 import threading
+from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -87,6 +91,49 @@ class _QuantFormat:
 
 _FP8 = _QuantFormat(QUANT_E4M3, torch.float8_e4m3fn, 1)
 _FP4 = _QuantFormat(QUANT_E2M1, torch.uint8, 2)
+_FORMATS = {"fp8": _FP8, "fp4": _FP4}
+# A quantised expert's tensors, in the order of moetier_cpu_experts_quantised's pointer arrays.
+QUANT_PARTS = ("gate_q", "up_q", "down_q", "gate_scale", "up_scale", "down_scale")
+quant_tensors = operator.attrgetter(*QUANT_PARTS)  # expert -> its QUANT_PARTS tensors, as a tuple
+_SMALL_PACK = 256  # pairs up to which a job's rows and gates go through Python lists (cheaper than torch.cat)
+_EXACT_GATES = frozenset((torch.float32, torch.bfloat16, torch.float16))  # gates fp32 holds exactly
+
+
+@dataclass(slots=True)
+class CheckedExperts:
+    """A job's experts as :func:`check_experts` passed them, for :meth:`CpuExpertsLibrary.run_checked`: ``key``
+    (:func:`job_key`), I, each expert's data pointers, and those as one C array part by part (never NULL)."""
+
+    key: tuple[Any, ...]
+    inter: int
+    pointers: list[tuple[int, ...]]
+    table: array = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.table = array("Q", itertools.chain.from_iterable(zip(*self.pointers, strict=True))) or array("Q", (0,))
+
+
+def job_key(name: str | None, hidden_size: int, tile: tuple[int, int] | None) -> tuple[Any, ...]:
+    """What a job's experts are checked for: bf16 (``name`` None) or "fp8"/"fp4" on ``tile``, and H."""
+    return (0, hidden_size) if name is None else (_FORMATS[_quant_name(name)].code, hidden_size, tile)
+
+
+def check_experts(
+    name: str | None, hidden: torch.Tensor, tile: tuple[int, int] | None, tensors: Sequence[tuple[Any, ...]]
+) -> CheckedExperts:
+    """Check ``hidden`` and a job's experts, each as ``(gate_up, down)`` (bf16, ``name`` None) or as its
+    :data:`QUANT_PARTS` ("fp8", "fp4" on ``tile``), as :meth:`~CpuExpertsLibrary.run` and ``run_fp8``/``run_fp4``
+    do: ValueError for any dtype, shape or layout they refuse."""
+    hidden_size = _check(hidden, torch.bfloat16, "hidden", ndim=2).shape[1]
+    if name is None:
+        inter = _check_experts(tensors, hidden_size)
+    else:
+        fmt = _FORMATS[_quant_name(name)]
+        tile = _check_tile(tile, fmt)  # type: ignore[arg-type]
+        inter = _check_quant_experts(tensors, hidden_size, tile, fmt)
+    return CheckedExperts(
+        job_key(name, hidden_size, tile), inter, [tuple(map(torch.Tensor.data_ptr, t)) for t in tensors]
+    )
 
 
 _lock = threading.Lock()
@@ -157,18 +204,8 @@ class CpuExpertsLibrary:
         """
         if not len(gate_up) == len(down) == len(rows) == len(gates):
             raise ValueError("cpu_experts: gate_up, down, rows and gates must have one entry per expert")
-        units, hidden_size = _check(hidden, torch.bfloat16, "hidden", ndim=2).shape
-        inter = _check_experts(gate_up, down, hidden_size)
-        out = _check_out(out, units, hidden_size)
-        flat_rows, flat_gates, offsets = _pack(rows, gates)
-        limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-        status = self._run(
-            len(gate_up), _pointers(gate_up), _pointers(down), offsets, flat_rows.data_ptr(), flat_gates.data_ptr(),
-            hidden.data_ptr(), units, hidden_size, inter, int(swiglu_limit is not None), limit, out.data_ptr(),
-            int(threads),
-        )  # fmt: skip
-        _raise_for(status)
-        return out
+        checked = check_experts(None, hidden, None, list(zip(gate_up, down, strict=True)))
+        return self.run_checked(checked, hidden, rows, gates, swiglu_limit, threads, out)
 
     def run_fp8(
         self,
@@ -187,7 +224,7 @@ class CpuExpertsLibrary:
         ``*_scale`` grids ``[ceil(R / tile[0]), ceil(C / tile[1])]`` (float32), all contiguous on the CPU.
         The result equals :meth:`run` on the weights dequantised to bf16 (``dequantize_blocks``), exactly.
         """
-        return self._run_quant(_FP8, hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
+        return self._run_quant("fp8", hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
 
     def run_fp4(
         self,
@@ -208,37 +245,50 @@ class CpuExpertsLibrary:
         CPU; ``H``, ``I`` and ``tile[1]`` even. The result equals :meth:`run` on the weights dequantised to
         bf16 (``dequantize_fp4``), exactly.
         """
-        return self._run_quant(_FP4, hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
+        return self._run_quant("fp4", hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
 
     def _run_quant(
+        self, name: str, hidden: torch.Tensor, experts: Sequence[QuantExpert], tile: tuple[int, int], *job: Any
+    ) -> torch.Tensor:
+        """``run_fp8``/``run_fp4`` (``name``); ``job`` is (rows, gates, swiglu_limit, threads, out)."""
+        self._require_quantised()
+        if not len(experts) == len(job[0]) == len(job[1]):
+            raise ValueError("cpu_experts: experts, rows and gates must have one entry per expert")
+        checked = check_experts(name, hidden, tile, [quant_tensors(e) for e in experts])
+        return self.run_checked(checked, hidden, *job)
+
+    def run_checked(
         self,
-        fmt: _QuantFormat,
+        experts: CheckedExperts,
         hidden: torch.Tensor,
-        experts: Sequence[QuantExpert],
-        tile: tuple[int, int],
         rows: Sequence[torch.Tensor],
         gates: Sequence[torch.Tensor],
         swiglu_limit: float | None,
         threads: int,
-        out: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        self._require_quantised()
-        if not len(experts) == len(rows) == len(gates):
+        """:meth:`run` (or ``run_fp8``/``run_fp4``) on experts :func:`check_experts` passed, whose tensors live on
+        unmoved (the CPU tier remembers which did): only ``hidden``, ``rows``, ``gates`` and ``out`` are checked."""
+        if not len(experts.pointers) == len(rows) == len(gates):
             raise ValueError("cpu_experts: experts, rows and gates must have one entry per expert")
         units, hidden_size = _check(hidden, torch.bfloat16, "hidden", ndim=2).shape
-        tile = _check_tile(tile, fmt)
-        inter = _check_quant_experts(experts, hidden_size, tile, fmt)
+        if hidden_size != experts.key[1]:
+            raise ValueError(f"cpu_experts: hidden {tuple(hidden.shape)} is not of the experts' H {experts.key[1]}")
         out = _check_out(out, units, hidden_size)
-        flat_rows, flat_gates, offsets = _pack(rows, gates)
-        names = ("gate_q", "up_q", "down_q", "gate_scale", "up_scale", "down_scale")
-        arrays = [_pointers([getattr(e, name) for e in experts]) for name in names]
-        limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-        status = self._run_quantised(
-            fmt.code, len(experts), *arrays, tile[0], tile[1], offsets, flat_rows.data_ptr(), flat_gates.data_ptr(),
-            hidden.data_ptr(), units, hidden_size, inter, int(swiglu_limit is not None), limit, out.data_ptr(),
-            int(threads),
-        )  # fmt: skip
-        _raise_for(status)
+        keep, flat_rows, flat_gates, offsets = _pack(rows, gates)
+        code, n, limit = experts.key[0], len(experts.pointers), 0.0 if swiglu_limit is None else float(swiglu_limit)
+        tail = (offsets, flat_rows, flat_gates, hidden.data_ptr(), units, hidden_size, experts.inter)
+        tail += (int(swiglu_limit is not None), limit, out.data_ptr(), int(threads))
+        table, stride = experts.table.buffer_info()[0], 8 * n  # each part's run of n pointers
+        if code == 0:
+            status = self._run(n, table, table + stride, *tail)
+        else:
+            self._require_quantised()
+            arrays = range(table, table + len(QUANT_PARTS) * stride, stride) if n else (table,) * len(QUANT_PARTS)
+            status = self._run_quantised(code, n, *arrays, *experts.key[2], *tail)
+        del keep  # alive until here: the C call read them
+        if status:
+            _raise_for(status)
         return out
 
     def _require_quantised(self) -> None:
@@ -278,11 +328,6 @@ class CpuExpertsLibrary:
         return out
 
 
-def _pointers(tensors: Sequence[torch.Tensor]) -> Any:
-    """A C array of the tensors' data pointers (one slot at least: C never reads it when empty)."""
-    return (ctypes.c_void_p * max(1, len(tensors)))(*[t.data_ptr() for t in tensors])
-
-
 def _raise_for(status: int) -> None:
     if status != 0:
         raise ValueError(f"cpu_experts: {_ERRORS.get(status, f'error {status}')}")
@@ -291,7 +336,7 @@ def _raise_for(status: int) -> None:
 def _check_out(out: torch.Tensor | None, units: int, hidden_size: int) -> torch.Tensor:
     if out is None:
         return torch.empty((units, hidden_size), dtype=torch.float32)
-    if tuple(out.shape) != (units, hidden_size):
+    if out.shape != (units, hidden_size):
         raise ValueError(f"cpu_experts: out has shape {tuple(out.shape)}, expected {(units, hidden_size)}")
     return _check(out, torch.float32, "out", ndim=2)
 
@@ -305,17 +350,17 @@ def _check_tile(tile: tuple[int, int], fmt: _QuantFormat) -> tuple[int, int]:
 
 
 def _check_quant_experts(
-    experts: Sequence[QuantExpert], hidden_size: int, tile: tuple[int, int], fmt: _QuantFormat
+    experts: Sequence[tuple[Any, ...]], hidden_size: int, tile: tuple[int, int], fmt: _QuantFormat
 ) -> int:
-    """The intermediate size I shared by every quantised expert (1 when there are none); ValueError on any
-    mismatch. Shapes are in values (fp4 stores half as many bytes per row)."""
-    inter = experts[0].down_q.shape[-1] * fmt.per_byte if experts and experts[0].down_q is not None else 0
+    """The intermediate size I shared by every quantised expert (each given as its :data:`QUANT_PARTS`; 1 when
+    there are none); ValueError on any mismatch. Shapes are in values (fp4 stores half as many bytes per row)."""
+    inter = experts[0][2].shape[-1] * fmt.per_byte if experts and experts[0][2] is not None else 0
     if hidden_size % fmt.per_byte:
         raise ValueError(f"cpu_experts: packed fp4 needs an even hidden size, got {hidden_size}")
     shapes = {"gate": (inter, hidden_size), "up": (inter, hidden_size), "down": (hidden_size, inter)}
-    for e, expert in enumerate(experts):
-        for name, shape in shapes.items():
-            q, scale = getattr(expert, f"{name}_q"), getattr(expert, f"{name}_scale")
+    for e, parts in enumerate(experts):
+        for i, (name, shape) in enumerate(shapes.items()):
+            q, scale = parts[i], parts[i + 3]  # QUANT_PARTS: the values, then their scales
             if q is None or scale is None:
                 raise ValueError(f"cpu_experts: expert {e} has no {name}_q / {name}_scale (not quantised)")
             _check(q, fmt.dtype, f"expert {e} {name}_q", ndim=2)
@@ -330,7 +375,7 @@ def _check_quant_experts(
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, name: str, ndim: int) -> torch.Tensor:
-    if t.dtype != dtype or t.dim() != ndim or t.device.type != "cpu" or not t.is_contiguous():
+    if t.dtype != dtype or t.dim() != ndim or not t.is_cpu or not t.is_contiguous():
         raise ValueError(
             f"cpu_experts: {name} must be a contiguous {ndim}-d {dtype} CPU tensor, "
             f"got {t.dtype} {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})"
@@ -338,10 +383,11 @@ def _check(t: torch.Tensor, dtype: torch.dtype, name: str, ndim: int) -> torch.T
     return t
 
 
-def _check_experts(gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor], hidden_size: int) -> int:
-    """The intermediate size I shared by every expert (1 when there are none); ValueError on any mismatch."""
-    inter = down[0].shape[-1] if down else 0
-    for e, (gu, dn) in enumerate(zip(gate_up, down, strict=True)):
+def _check_experts(experts: Sequence[tuple[Any, ...]], hidden_size: int) -> int:
+    """The intermediate size I shared by every ``(gate_up, down)`` expert (1 when there are none); ValueError on
+    any mismatch."""
+    inter = experts[0][1].shape[-1] if experts else 0
+    for e, (gu, dn) in enumerate(experts):
         _check(gu, torch.bfloat16, f"gate_up[{e}]", ndim=2)
         _check(dn, torch.bfloat16, f"down[{e}]", ndim=2)
         if tuple(gu.shape) != (2 * inter, hidden_size) or tuple(dn.shape) != (hidden_size, inter):
@@ -352,15 +398,42 @@ def _check_experts(gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor]
     return max(inter, 1)
 
 
-def _pack(rows: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """All experts' rows (int64) and gates (fp32) end to end, and the C array of offsets ``[0, n0, n0 + n1, ...]``."""
+def _pack(rows: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], int, int, int]:
+    """All experts' rows (int64) and gates (fp32) end to end, and the offsets ``[0, n0, n0 + n1, ...]``: what the
+    caller keeps alive across the C call, and the addresses of the rows, gates and offsets (CPU memory). Decode's
+    few pairs go through Python lists (cheaper than torch.cat), the same values: 1-d rows of integers, 1-d gates
+    of a dtype fp32 holds exactly; anything else raises TypeError or OverflowError there, and torch packs it."""
+    try:
+        row_lists = [r.tolist() for r in rows]
+        counts = list(map(len, row_lists))
+        if sum(counts) > _SMALL_PACK or not _EXACT_GATES.issuperset([g.dtype for g in gates]):
+            raise TypeError("many pairs, or gates of a dtype fp32 does not hold")
+        gate_lists = [g.tolist() for g in gates]
+        if list(map(len, gate_lists)) != counts:
+            raise TypeError("gates not 1-d, or not one per row")
+        offsets_rows = array("q", itertools.accumulate(counts, initial=0))  # then the rows: one array
+        offsets_rows.extend(itertools.chain.from_iterable(row_lists))
+        flat_gates = array("f", itertools.chain.from_iterable(gate_lists)) or array("f", (0.0,))  # never NULL
+        offsets_at = offsets_rows.buffer_info()[0]
+        return (offsets_rows, flat_gates), offsets_at + 8 * (len(counts) + 1), flat_gates.buffer_info()[0], offsets_at
+    except (TypeError, OverflowError):
+        flat_rows, flat_gates, counts = _pack_torch(rows, gates)
+    offsets = array("q", itertools.accumulate(counts, initial=0))
+    return (flat_rows, flat_gates, offsets), flat_rows.data_ptr(), flat_gates.data_ptr(), offsets.buffer_info()[0]
+
+
+def _pack_torch(rows: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> tuple[Any, Any, list[int]]:
+    """All experts' rows as int64 and gates as fp32, end to end (contiguous CPU tensors), and their counts."""
     counts = [int(r.numel()) for r in rows]
     if any(int(g.numel()) != c for g, c in zip(gates, counts, strict=True)):
         raise ValueError("cpu_experts: each expert needs one gate per row")
     flat_rows = torch.cat([r.reshape(-1).to(torch.int64) for r in rows]) if rows else torch.empty(0, dtype=torch.int64)
     flat_gates = torch.cat([g.reshape(-1).float() for g in gates]) if gates else torch.empty(0)
-    offsets = (ctypes.c_int64 * (len(counts) + 1))(0, *itertools.accumulate(counts))
-    return flat_rows.contiguous(), flat_gates.contiguous(), offsets
+    if not (flat_rows.is_cpu and flat_gates.is_cpu):
+        raise ValueError(
+            f"cpu_experts: rows and gates must be CPU tensors, got {flat_rows.device}, {flat_gates.device}"
+        )
+    return flat_rows.contiguous(), flat_gates.contiguous(), counts
 
 
 # --- building ------------------------------------------------------------------------------------------
@@ -374,17 +447,23 @@ def mode() -> str:
 
 def available() -> bool:
     """Whether the CPU tier should use the kernel: built (on the first call) and allowed by :func:`mode`."""
-    lib = library()
+    return usable_library() is not None
+
+
+def usable_library() -> CpuExpertsLibrary | None:
+    """The default build when :func:`available` (one read of the environment), else None."""
+    kind = mode()
+    lib = None if kind == "0" else _load(())
     if lib is None:
-        return False
-    if lib.isa in FAST_ISAS or mode() == "1":
-        return True
+        return None
+    if lib.isa in FAST_ISAS or kind == "1":
+        return lib
     _log_once(
         "portable",
         f"moetier CPU expert kernel built without a SIMD path ({lib.isa}): the CPU tier runs torch "
         "(MOETIER_CPU_KERNEL=1 uses it anyway)",
     )
-    return False
+    return None
 
 
 _logged: set[str] = set()
@@ -402,8 +481,14 @@ def library(extra_flags: tuple[str, ...] = ()) -> CpuExpertsLibrary | None:
     None when disabled by ``MOETIER_CPU_KERNEL=0`` (silently) or when it cannot be built or loaded
     (one warning per flag set, naming the reason).
     """
-    if mode() == "0":
-        return None
+    return None if mode() == "0" else _load(extra_flags)
+
+
+def _load(extra_flags: tuple[str, ...]) -> CpuExpertsLibrary | None:
+    """:func:`library` without the environment check; the lock only for the first build of a flag set."""
+    lib = _built.get(extra_flags, False)  # False: not built yet
+    if lib is not False:
+        return lib
     with _lock:
         if extra_flags not in _built:
             _built[extra_flags] = _build_and_load(extra_flags)

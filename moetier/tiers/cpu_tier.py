@@ -10,10 +10,15 @@ region for the whole job, every weight row read once for all of its expert's tok
 float8 e4m3fn experts (``expert_format="fp8"``) and packed fp4 e2m1 experts (``expert_format="fp4"``,
 DeepSeek-V4's release), dequantised row by row inside the kernel exactly as :func:`swiglu_expert`
 dequantises them; other dtypes (e5m2 included), and hosts where it cannot be built, run torch.
+
+A job's host work is small (it sits on the decode critical path and holds the GIL): the kernel checks an
+expert's tensors once (:func:`cpu_experts.check_experts`) and the tier remembers which passed, so later jobs
+compare their ids and data pointers only; ``MOETIER_CPU_KERNEL`` is read once per job.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 import weakref
@@ -132,61 +137,62 @@ class CpuExpertTier:
         out = job.out
         if out is None:
             out = torch.empty(job.hidden.shape, dtype=torch.float32)
-        # inference_mode is per thread: the caller's tensors may be inference tensors, which only an
-        # inference-mode block may update in place.
-        with torch.inference_mode(), phase("tiers.cpu_job"):
-            compute = self._compute_c if self._kernel_fits(job, out) else self._compute_torch
-            kernel = compute(job, out)
+        with phase("tiers.cpu_job"):
+            plan = self._kernel_for(job, out)
+            if plan is not None:  # raw pointers: no torch op updates a tensor in place, so no inference_mode
+                kernel = self._compute_c(job, out, plan)
+            else:
+                # inference_mode is per thread: the caller's tensors may be inference tensors, which only an
+                # inference-mode block may update in place.
+                with torch.inference_mode():
+                    kernel = self._compute_torch(job, out)
         self.last_kernel = kernel
-        pairs = sum(int(group.rows.numel()) for group in job.groups)
+        pairs = sum([group.rows.numel() for group in job.groups])
         seconds = time.perf_counter() - start
         return CpuResult(out=out, seconds=seconds, wait_seconds=waited, pairs=pairs, kernel=kernel)
 
     def _kernel_fits(self, job: CpuJob, out: torch.Tensor) -> bool:
-        """bf16 hidden, an fp32 contiguous out, and experts all bf16, or all of one quantised kind the kernel
-        runs (e4m3fn fp8-block, fp4-block) on one tile (contiguous)."""
-        if not self.use_kernel or job.hidden.dtype != torch.bfloat16 or job.hidden.device.type != "cpu":
-            return False
-        if out.dtype != torch.float32 or not out.is_contiguous():
-            return False
-        if _quantised_job(job):
-            first = job.groups[0].weights
-            if not all(_quant_fits(g.weights, first.quant_kind, first.tile) for g in job.groups):
-                return False
-            if not _KERNEL_QUANT[first.quant_kind].supported():
-                return False
-        elif not all(_bf16_fits(g.weights) for g in job.groups):
-            return False
-        return cpu_experts.available()  # re-read: MOETIER_CPU_KERNEL=0 turns it off at run time
+        """Whether the C kernel runs ``job`` into ``out`` (see :meth:`_kernel_for`)."""
+        return self._kernel_for(job, out) is not None
 
-    def _compute_c(self, job: CpuJob, out: torch.Tensor) -> str:
-        groups = job.groups
+    def _kernel_for(self, job: CpuJob, out: torch.Tensor) -> _Plan | None:
+        """How the kernel runs a job of bf16 hidden into an fp32 contiguous out whose experts are all bf16, or
+        all of one quantised kind the kernel runs (e4m3fn fp8-block, fp4-block) on one tile (contiguous); None
+        for torch. Experts that passed the kernel's checks before (:func:`_passed_before`) are not checked again."""
+        hidden = job.hidden
+        if not self.use_kernel or hidden.dtype != torch.bfloat16 or not hidden.is_cpu:
+            return None
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            return None
+        groups, quant, tile = job.groups, None, None
         if _quantised_job(job):
-            first = groups[0].weights
-            assert first.tile is not None and first.quant_kind is not None  # _kernel_fits checked every group
-            quant = _KERNEL_QUANT[first.quant_kind]
-            quant.run(
-                job.hidden.contiguous(),
-                [g.weights for g in groups],
-                first.tile,
-                [g.rows for g in groups],
-                [g.gates for g in groups],
-                self.swiglu_limit,
-                self.threads,
-                out=out,
-            )
-            return f"c-{cpu_experts.kernel_isa()}-{quant.name}"
-        cpu_experts.run_experts(
-            job.hidden.contiguous(),
-            [g.weights.gate_up for g in groups],
-            [g.weights.down for g in groups],
-            [g.rows for g in groups],
-            [g.gates for g in groups],
-            self.swiglu_limit,
-            self.threads,
-            out=out,
-        )
-        return f"c-{cpu_experts.kernel_isa()}"
+            kind, tile = _kind_and_tile(groups[0].weights)
+            quant = _KERNEL_QUANT.get(kind or "")
+            if quant is None or tile is None or (quant.even_tile_cols and tile[1] % 2):
+                return None
+            want = (kind, tile)
+            if not all([_kind_and_tile(g.weights) == want for g in groups]):
+                return None
+            tensors = [cpu_experts.quant_tensors(g.weights) for g in groups]
+        else:
+            tensors = [_dense_tensors(g.weights) for g in groups]
+        name = None if quant is None else quant.name
+        checked = _passed_before(name, hidden, tile, tensors)
+        if checked is None and not all(_tensors_fit(t, _BF16 if quant is None else quant.parts) for t in tensors):
+            return None
+        lib = cpu_experts.usable_library()  # re-read: MOETIER_CPU_KERNEL=0 turns it off at run time
+        if lib is None or (quant is not None and not quant.supported(lib)):
+            return None
+        return _Plan(lib, name, tile, tensors, checked)
+
+    def _compute_c(self, job: CpuJob, out: torch.Tensor, plan: _Plan) -> str:
+        hidden, checked = job.hidden.contiguous(), plan.checked
+        if checked is None:  # the kernel's checks (ValueError as its run would raise), remembered
+            checked = cpu_experts.check_experts(plan.name, hidden, plan.tile, plan.tensors)
+            _remember(plan.tensors, checked)
+        rows, gates = [g.rows for g in job.groups], [g.gates for g in job.groups]
+        plan.lib.run_checked(checked, hidden, rows, gates, self.swiglu_limit, self.threads, out)
+        return f"c-{plan.lib.isa}" if plan.name is None else f"c-{plan.lib.isa}-{plan.name}"
 
     def _compute_torch(self, job: CpuJob, out: torch.Tensor) -> str:
         out.zero_()
@@ -205,12 +211,68 @@ def _quantised_job(job: CpuJob) -> bool:
 
 
 def _cpu_contiguous(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
-    return t is not None and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+    return t is not None and t.dtype == dtype and t.is_cpu and t.is_contiguous()
+
+
+# Experts whose tensors passed the kernel's checks: the ids of an expert's tensors -> (what they were checked for
+# (cpu_experts.job_key), I, their data pointers, weakrefs whose callback forgets the entry when one of those
+# tensors dies, so an id never names another tensor). A tensor's dtype and device never change; a set_ or a
+# reallocation moves its data, which _passed_before compares. Single dict operations: threads may share it.
+_passed: dict[tuple[int, ...], tuple[tuple[Any, ...], int, tuple[int, ...], list[weakref.ref]]] = {}
+_PASSED_LIMIT = 1 << 16
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _passed_before(
+    name: str | None, hidden: torch.Tensor, tile: tuple[int, int] | None, tensors: list[tuple[Any, ...]]
+) -> cpu_experts.CheckedExperts | None:
+    """The job's experts as :func:`cpu_experts.check_experts` would pass them, when every one passed for this H
+    and tile before and still sits where it did (all of one I); else None."""
+    if not tensors or hidden.dim() != 2:
+        return None
+    key, inter, pointers = cpu_experts.job_key(name, hidden.shape[1], tile), 0, []
+    for parts in tensors:
+        entry = _passed.get(tuple(map(id, parts)))
+        if entry is None or entry[0] != key or (pointers and entry[1] != inter):
+            return None
+        here = tuple(map(_data_ptr, parts))
+        if here != entry[2]:
+            return None
+        inter = entry[1]
+        pointers.append(here)
+    return cpu_experts.CheckedExperts(key, inter, pointers)
+
+
+def _remember(tensors: list[tuple[Any, ...]], checked: cpu_experts.CheckedExperts) -> None:
+    """Note that each expert's tensors passed as ``checked`` says (forgotten when one of them dies)."""
+    if len(_passed) + len(tensors) > _PASSED_LIMIT:
+        _passed.clear()
+    for parts, here in zip(tensors, checked.pointers, strict=True):
+        ids = tuple(map(id, parts))
+
+        def forget(dead: weakref.ref, ids: tuple[int, ...] = ids) -> None:
+            entry = _passed.get(ids)
+            if entry is not None and any(ref is dead for ref in entry[3]):
+                _passed.pop(ids, None)
+
+        _passed[ids] = (checked.key, checked.inter, here, [weakref.ref(t, forget) for t in parts])
+
+
+_dense_tensors = operator.attrgetter("gate_up", "down")
+# The quantised kind the kernel must run (e4m3fn fp8-block, packed fp4-block; e5m2 runs torch, as _tensors_fit
+# finds) and the tile, which every expert of a job shares (packed fp4: of even width, whole bytes per tile).
+_kind_and_tile = operator.attrgetter("quant_kind", "tile")
+_BF16 = (torch.bfloat16, torch.bfloat16)
+
+
+def _tensors_fit(tensors: tuple[Any, ...], dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Every tensor of its dtype in ``dtypes``, contiguous on the CPU."""
+    return all(_cpu_contiguous(t, dtype) for t, dtype in zip(tensors, dtypes, strict=True))
 
 
 def _bf16_fits(weights: ExpertWeights) -> bool:
     """Dense bf16 weights, contiguous on the CPU (as every dense ExpertWeights is)."""
-    return all(_cpu_contiguous(w, torch.bfloat16) for w in (weights.gate_up, weights.down))
+    return _tensors_fit(_dense_tensors(weights), _BF16)
 
 
 @dataclass(frozen=True)
@@ -222,11 +284,13 @@ class _KernelQuant:
     name: str
     even_tile_cols: bool = False  # packed: two values a byte, so every tile must start on a whole byte
 
-    def supported(self) -> bool:
-        return cpu_experts.supports_quantised(self.name)
+    @property
+    def parts(self) -> tuple[torch.dtype, ...]:
+        """The dtypes of :data:`cpu_experts.QUANT_PARTS`: three of values, three float32 scale grids."""
+        return (self.values,) * 3 + (torch.float32,) * 3
 
-    def run(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return cpu_experts.run_quantised_experts(self.name, *args, **kwargs)
+    def supported(self, lib: cpu_experts.CpuExpertsLibrary) -> bool:
+        return bool(getattr(lib, f"supports_{self.name}"))
 
 
 _KERNEL_QUANT = {
@@ -235,17 +299,13 @@ _KERNEL_QUANT = {
 }
 
 
-def _quant_fits(weights: ExpertWeights, kind: str | None, tile: tuple[int, int] | None) -> bool:
-    """Weights of ``kind`` on ``tile`` (the job's first expert's) that the kernel decodes: e4m3fn fp8-block
-    (e5m2 runs torch) or packed fp4-block (DeepSeek-V4's (1, 32) tile, or any of even width), the values and
-    float32 scales contiguous on the CPU."""
-    quant = _KERNEL_QUANT.get(kind or "")
-    if quant is None or weights.quant_kind != kind or weights.tile != tile or tile is None:
-        return False
-    if quant.even_tile_cols and tile[1] % 2:
-        return False
-    values = (weights.gate_q, weights.up_q, weights.down_q)
-    scales = (weights.gate_scale, weights.up_scale, weights.down_scale)
-    return all(_cpu_contiguous(q, quant.values) for q in values) and all(
-        _cpu_contiguous(s, torch.float32) for s in scales
-    )
+@dataclass(slots=True)
+class _Plan:
+    """How the kernel runs a job: the build, the quantised format (None: bf16) and tile, each expert's tensors
+    (:data:`cpu_experts.QUANT_PARTS`, or gate_up and down), and those checked before (None: check them now)."""
+
+    lib: cpu_experts.CpuExpertsLibrary
+    name: str | None
+    tile: tuple[int, int] | None
+    tensors: list[tuple[Any, ...]]
+    checked: cpu_experts.CheckedExperts | None
