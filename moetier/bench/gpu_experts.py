@@ -103,28 +103,36 @@ def run_path(path: str, call: dict[str, Any]) -> torch.Tensor:
 
 
 def time_path(maker: CallMaker, path: str, tokens: int) -> dict[str, Any]:
-    """Device and host time of ``cfg.calls`` calls (arguments made beforehand).
+    """Device and host time of ``cfg.calls`` calls each (arguments made beforehand).
 
-    The stream is first held by a sleep kernel long enough for the host to queue every call, so each
-    call's pair of device events spans its kernels alone (not the host's launch gaps); the host time is
-    what queueing one call costs (Python, the launch tables, the launches), which decode pays per layer.
+    Device: the stream is first held by a sleep kernel long enough for the host to queue every call, so
+    each call's pair of device events spans its kernels alone (not the host's launch gaps). Host: what
+    queueing one call costs (Python, the launch tables, the launches), which decode pays per MoE layer,
+    timed in a second pass that waits for the device every few calls, as decode does (a stream held for
+    the whole pass would keep torch's pinned blocks from being reused, and time their allocation).
     """
     cfg = maker.cfg
-    calls = [maker.call(tokens) for _ in range(cfg.warmup + cfg.calls)]
-    for call in calls[: cfg.warmup]:  # compiled, and a first guess of the host time per call
+    calls = [maker.call(tokens) for _ in range(cfg.warmup + 2 * cfg.calls)]
+    for call in calls[: cfg.warmup]:  # compiled
         run_path(path, call)
     torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in calls]
+    timed, hosted = calls[cfg.warmup : cfg.warmup + cfg.calls], calls[cfg.warmup + cfg.calls :]
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in timed]
     torch.cuda._sleep(int(_SLEEP_CYCLES_PER_CALL * cfg.calls))
-    host = []
-    for call, (begin, end) in zip(calls[cfg.warmup :], events, strict=False):
-        started = time.perf_counter()
+    for call, (begin, end) in zip(timed, events, strict=True):
         begin.record()
         run_path(path, call)
         end.record()
-        host.append(1e6 * (time.perf_counter() - started))
     torch.cuda.synchronize()
-    us = stats([1e3 * b.elapsed_time(e) for b, e in events[: cfg.calls]])
+    host = []
+    for i, call in enumerate(hosted):
+        started = time.perf_counter()
+        run_path(path, call)
+        host.append(1e6 * (time.perf_counter() - started))
+        if i % 4 == 3:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    us = stats([1e3 * b.elapsed_time(e) for b, e in events])
     call_bytes = tokens * cfg.top_k * maker.expert_bytes
     return {
         "path": path,
@@ -233,7 +241,8 @@ def markdown_table(receipt: dict[str, Any]) -> str:
             lines.append(f"  - {t} tok, device us per call: {top}")
     lines += [
         "",
-        "Device us: the call's kernels alone (queued behind a sleep); host us: queueing the call.",
+        "Device us: the call's kernels alone (queued behind a sleep); host us: queueing the call (a pass that"
+        " waits for the device every 4 calls).",
         "",
         "| format | path | tokens | device us/call (median [min-max]) | host us/call | GB/s (median) | x HBM |",
         "|---|---|---|---|---|---|---|",
