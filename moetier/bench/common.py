@@ -48,6 +48,20 @@ def fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def parse_names(text: str) -> list[str]:
+    """``"bf16, fp4"`` -> ``["bf16", "fp4"]`` (blanks dropped; the caller's config validates the names)."""
+    return [item.strip() for item in str(text).split(",") if item.strip()]
+
+
+def add_expert_shape_arguments(parser: argparse.ArgumentParser, top_k_help: str) -> None:
+    """The random experts' shape, as the expert-kernel benches share it (DeepSeek-V4-Flash by default)."""
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--top-k", type=int, default=6, help=top_k_help)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON + Markdown receipt")
+
+
 def parse_int_list(text: str, flag: str) -> list[int]:
     """``"1,2,4"`` or ``"8k,32k"`` (k = 1024) -> ints; one-line ConfigError otherwise."""
     out = []

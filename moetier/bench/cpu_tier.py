@@ -25,13 +25,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from moetier.bench.bandwidth import host_read_gbps
-from moetier.bench.common import parse_int_list, stats, write_receipt_files
+from moetier.bench.common import add_expert_shape_arguments, parse_int_list, parse_names, stats, write_receipt_files
 from moetier.bench.environment import environment
 from moetier.errors import ConfigError
 from moetier.kernels import cpu_experts
@@ -319,9 +318,7 @@ def markdown_table(receipt: dict[str, Any]) -> str:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=int, default=64, help="experts cycled over (64 x 50 MB: far past L3)")
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--top-k", type=int, default=6, help="experts per job")
+    add_expert_shape_arguments(parser, top_k_help="experts per job")
     parser.add_argument("--tokens", default="1,4", help="comma-separated token rows per job")
     parser.add_argument("--threads", default=None, help="comma-separated thread counts (default 4,8,14,all cores)")
     parser.add_argument("--paths", default=",".join(PATHS), help="torch, c or both")
@@ -331,8 +328,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=20, help="timed jobs per (path, threads, tokens)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--swiglu-limit", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON + Markdown receipt")
     parser.set_defaults(handler=run)
 
 
@@ -344,8 +339,8 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         tokens=parse_int_list(args.tokens, "--tokens"),
         threads=parse_int_list(args.threads, "--threads") if args.threads else default_threads(),
-        paths=[p.strip() for p in args.paths.split(",") if p.strip()],
-        formats=[f.strip() for f in args.formats.split(",") if f.strip()],
+        paths=parse_names(args.paths),
+        formats=parse_names(args.formats),
         jobs=args.jobs,
         warmup=args.warmup,
         swiglu_limit=args.swiglu_limit,

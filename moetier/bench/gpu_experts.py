@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from moetier.bench.common import parse_int_list, stats, write_receipt_files
+from moetier.bench.common import add_expert_shape_arguments, parse_int_list, parse_names, stats, write_receipt_files
 from moetier.bench.cpu_tier import FORMATS, make_experts
 from moetier.bench.environment import environment
 from moetier.errors import ConfigError
@@ -258,17 +257,13 @@ def markdown_table(receipt: dict[str, Any]) -> str:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=int, default=48, help="experts cycled over (more bytes than L2)")
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--top-k", type=int, default=6, help="experts per token")
+    add_expert_shape_arguments(parser, top_k_help="experts per token")
     parser.add_argument("--tokens", default="1,4", help="comma-separated token rows per call")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated: {', '.join(FORMATS)}")
     parser.add_argument("--paths", default=",".join(PATHS), help="grouped, per-expert or both")
     parser.add_argument("--calls", type=int, default=50, help="timed calls per (format, path, tokens)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--swiglu-limit", type=float, default=10.0, help="DeepSeek-V4's clamp (0: none)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON + Markdown receipt")
     parser.set_defaults(handler=run)
 
 
@@ -279,8 +274,8 @@ def run(args: argparse.Namespace) -> int:
         intermediate=args.intermediate,
         top_k=args.top_k,
         tokens=parse_int_list(args.tokens, "--tokens"),
-        formats=[f.strip() for f in args.formats.split(",") if f.strip()],
-        paths=[p.strip() for p in args.paths.split(",") if p.strip()],
+        formats=parse_names(args.formats),
+        paths=parse_names(args.paths),
         calls=args.calls,
         warmup=args.warmup,
         swiglu_limit=args.swiglu_limit or None,
