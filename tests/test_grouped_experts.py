@@ -293,3 +293,55 @@ def test_fp4_experts_take_the_per_expert_path_when_switched_off(monkeypatch):
             monkeypatch.setenv("MOETIER_FP4_GROUPED", value)
         assert k._layout_fits(weights, x.dtype)
     assert k._placement(weights)[0] == 2 and k._placement(weights)[-3:] == (1, 32, False)
+
+
+_POW2_SAME = """
+import dataclasses, json, torch
+import moetier.kernels.grouped_experts as k
+from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights
+
+DEVICE = {device!r}
+results = []
+for dt in ("float32", "bfloat16"):
+    dtype = getattr(torch, dt)
+    g = torch.Generator().manual_seed(7)
+    hidden, inter, counts, tokens = 128, 64, [1, 3, 2], 4
+    layout = ExpertLayout(moe_layers=(0,), num_experts=3, hidden_size=hidden, intermediate_size=inter, top_k=2,
+                          swiglu_limit=0.9, quant=ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=True))
+    weights = []
+    for _ in counts:
+        w = ExpertWeights.from_block(torch.zeros(layout.block_numel, dtype=torch.uint8, device=DEVICE), layout)
+        for name in ("gate", "up", "down"):
+            q, s = getattr(w, name + "_q"), getattr(w, name + "_scale")
+            q.copy_(torch.randint(0, 256, q.shape, dtype=torch.uint8, generator=g).to(DEVICE))
+            s.copy_(torch.exp2(torch.randint(-9, -3, s.shape, generator=g).float()).to(DEVICE))
+        weights.append(w)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
+    pair_tokens = torch.cat([torch.randperm(tokens, generator=g)[:c] for c in counts]).to(DEVICE)
+    gates = torch.rand(pair_tokens.shape[0], generator=g).to(dtype).to(DEVICE)
+    outs = []
+    for pow2 in (True, False):  # the same bytes and scales, read as ue8m0 (sums scaled) and as float (weights scaled)
+        groups = [(dataclasses.replace(w, pow2_scales=pow2), s, c) for w, s, c in zip(weights, starts, counts)]
+        assert k._placement(groups[0][0])[-1] is pow2  # the kernels' POW2 constant: two compiled paths
+        acc = torch.zeros(tokens, hidden, device=DEVICE)
+        k.run_grouped(acc, x, pair_tokens, gates, groups, 0.9, pair_tokens.cpu(), 2)
+        outs.append(acc.cpu())
+    results.append({{"dtype": dt, "equal": bool(torch.equal(*outs)), "nonzero": bool(outs[0].abs().sum() > 0)}})
+print(json.dumps(results))
+"""
+
+
+def _check_pow2_same(device: str) -> None:
+    for r in _run_script(_POW2_SAME.format(device=device), device):
+        assert r["equal"] and r["nonzero"], r
+
+
+def test_fp4_sums_scaled_by_powers_of_two_equal_weights_scaled_under_the_interpreter():
+    """Scaling by a power of two commutes with every rounding, so the ue8m0 shortcut is the same number."""
+    _check_pow2_same("cpu")
+
+
+@pytest.mark.gpu
+def test_fp4_sums_scaled_by_powers_of_two_equal_weights_scaled_on_cuda():
+    _check_pow2_same("cuda")
