@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from moetier.cli import main
-from moetier.kernels import cpu_experts
+from moetier.kernels import cpu_build, cpu_experts
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights, swiglu_expert
 from moetier.weights.fp4 import dequantize_fp4
@@ -57,7 +57,7 @@ def _kernel_enabled(monkeypatch):
 
 def _require_compiler() -> None:
     try:
-        cpu_experts.compiler()
+        cpu_build.compiler()
     except RuntimeError as exc:
         pytest.skip(f"no C compiler: {exc}")
 

@@ -9,12 +9,8 @@ dequantised weights, reading half (fp8) or 0.31x (fp4, with its scales) the byte
 power-of-two scale makes every dequantised value exact (the release's) are decoded in registers instead,
 into the same values, straight into the dot products (``cpu_experts_fp4.c``).
 
-The source (``cpu_experts.c`` and the ``cpu_experts_fp4.c`` it includes) ships with the package and
-is compiled on first use with the system C compiler (``$CC``, else Python's configured compiler, else
-``cc``/``gcc``) with ``-O3 -march=native -fopenmp`` into ``$XDG_CACHE_HOME/moetier/kernels`` (default
-``~/.cache/moetier/kernels``). The file name hashes the sources, the flags, the compiler and the CPU,
-so a changed source or another host never loads a stale build; the build writes a temporary file and
-renames it, so concurrent builders are safe.
+The source (``cpu_experts.c`` and the ``cpu_experts_fp4.c`` it includes) is compiled on first use with
+the system C compiler (``-O3 -march=native -fopenmp``) into a per-host cache (:mod:`moetier.kernels.cpu_build`).
 
 Without a compiler, or when the build fails, one warning says why and :func:`available` is False:
 the CPU tier then runs torch. ``MOETIER_CPU_KERNEL`` selects: unset (or ``auto``) uses the kernel when
@@ -28,17 +24,11 @@ rows, gates and buffers: the CPU tier's per-job path, for experts it saw pass be
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import itertools
 import logging
 import operator
 import os
-import platform
-import shlex
-import shutil
 import subprocess
-import sysconfig
-import tempfile
 import threading
 from array import array
 from collections.abc import Sequence
@@ -48,13 +38,10 @@ from typing import Any, Protocol
 
 import torch
 
+from moetier.kernels.cpu_build import build
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_experts.c")
-# The files SOURCE #includes (one translation unit): a build depends on them too.
-INCLUDED = (SOURCE.with_name("cpu_experts_fp4.c"),)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-BUILD_TIMEOUT_S = 300
 # The builds the tier uses by default: each beat torch on the CPU tier's jobs. avx2 (moetier bench cpu-tier,
 # 6 experts of 4096 x 2048 on an AVX2-only EPYC, 2 cores): 16.8 against torch's 33.8 ms per 1-token job on
 # one thread, 11.0 against 18.4 on two; 31 against 122 at 4 tokens. fp4 experts (--formats fp4, same host, the
@@ -476,7 +463,7 @@ def _log_once(key: str, message: str) -> None:
 
 
 def library(extra_flags: tuple[str, ...] = ()) -> CpuExpertsLibrary | None:
-    """The kernel built with :data:`FLAGS` plus ``extra_flags`` (cached per process), or None.
+    """The kernel built with :data:`moetier.kernels.cpu_build.FLAGS` plus ``extra_flags`` (cached per process), or None.
 
     None when disabled by ``MOETIER_CPU_KERNEL=0`` (silently) or when it cannot be built or loaded
     (one warning per flag set, naming the reason).
@@ -505,66 +492,6 @@ def _build_and_load(extra_flags: tuple[str, ...]) -> CpuExpertsLibrary | None:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join((str(exc).strip() or type(exc).__name__).split())[:500]
-
-
-def compiler() -> list[str]:
-    """The C compiler command: ``$CC``, else Python's configured ``CC``, else ``cc`` or ``gcc`` on PATH."""
-    candidates = [os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc"]
-    for candidate in candidates:
-        words = shlex.split(candidate) if candidate else []
-        if words and shutil.which(words[0]):
-            return words
-    raise RuntimeError("no C compiler found ($CC, Python's CC, cc and gcc are all missing)")
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "moetier" / "kernels"
-
-
-def _cpu_identity() -> str:
-    """The CPU model and flags: ``-march=native`` builds differ between hosts that share a home directory."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(dict.fromkeys(wanted))
-
-
-def build_key(cc: list[str], flags: tuple[str, ...]) -> str:
-    """Hash of everything the built file depends on: sources, flags, compiler (and its version), machine."""
-    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    for included in INCLUDED:
-        digest.update(b"\0" + included.read_bytes())
-    for part in (" ".join(flags), " ".join(cc), version, platform.machine(), _cpu_identity()):
-        digest.update(b"\0" + part.encode())
-    return digest.hexdigest()[:20]
-
-
-def build(extra_flags: tuple[str, ...] = ()) -> Path:
-    """Path of the shared library, compiling it when this key was never built; RuntimeError on failure."""
-    cc = compiler()
-    flags = FLAGS + tuple(extra_flags)
-    target = cache_dir() / f"cpu_experts-{build_key(cc, flags)}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [*cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
-        )
-        if done.returncode != 0:
-            first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip())
-            raise RuntimeError(f"{' '.join(cc)} failed (exit {done.returncode}): {first}")
-        os.replace(tmp, target)  # atomic: a concurrent builder's identical file may be replaced, never torn
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
 
 
 QUANT_NAMES = ("fp8", "fp4")  # the quantised expert formats the kernel runs: e4m3 fp8-block, packed e2m1 fp4-block
