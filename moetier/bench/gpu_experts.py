@@ -89,12 +89,17 @@ class CallMaker:
         }
 
 
+def check_grouped(call: dict[str, Any]) -> None:
+    """Raise unless the grouped kernels take this call (and have not failed: ``run_experts`` would then have
+    run the per-expert path under the grouped label)."""
+    if not grouped_experts.grouped_usable(call["hidden"], call["groups"]):
+        raise RuntimeError("the grouped kernels are not usable here (no Triton, a block they do not take, or failed)")
+
+
 def run_path(path: str, call: dict[str, Any]) -> torch.Tensor:
-    """Run one call on ``path``; returns its accumulator."""
+    """Run one call on ``path`` (see :func:`check_grouped`); returns its accumulator."""
     if path == "grouped":
-        if not grouped_experts.grouped_usable(call["hidden"], call["groups"]):
-            raise RuntimeError("the grouped kernels are not usable here (no Triton, or a block they do not take)")
-        grouped_experts.run_grouped(**call)
+        grouped_experts.run_experts(**call)  # the call decode makes: its checks and host work included
     else:
         args = {k: v for k, v in call.items() if k not in ("pair_tokens_host", "per_token")}
         grouped_experts.run_per_expert(**args)
@@ -112,6 +117,8 @@ def time_path(maker: CallMaker, path: str, tokens: int) -> dict[str, Any]:
     """
     cfg = maker.cfg
     calls = [maker.call(tokens) for _ in range(cfg.warmup + 2 * cfg.calls)]
+    if path == "grouped":
+        check_grouped(calls[0])
     for call in calls[: cfg.warmup]:  # compiled
         run_path(path, call)
     torch.cuda.synchronize()
@@ -131,6 +138,8 @@ def time_path(maker: CallMaker, path: str, tokens: int) -> dict[str, Any]:
         if i % 4 == 3:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
+    if path == "grouped":
+        check_grouped(calls[0])  # no failure fell back to the per-expert path mid-run
     us = stats([1e3 * b.elapsed_time(e) for b, e in events])
     call_bytes = tokens * cfg.top_k * maker.expert_bytes
     return {
@@ -147,6 +156,7 @@ def time_path(maker: CallMaker, path: str, tokens: int) -> dict[str, Any]:
 def grouped_error(maker: CallMaker, tokens: int) -> float:
     """Relative RMS distance of the grouped kernels' output from the per-expert path's on one call."""
     call = maker.call(tokens)
+    check_grouped(call)
     ref = run_path("per-expert", {**call, "out": call["out"].clone()}).double()
     ours = run_path("grouped", call).double()
     return ((ours - ref).norm() / ref.norm()).item()
@@ -157,6 +167,7 @@ def kernel_times(maker: CallMaker, tokens: int, calls: int = 10) -> dict[str, fl
     from torch.profiler import ProfilerActivity, profile
 
     work = [maker.call(tokens) for _ in range(calls)]
+    check_grouped(work[0])
     run_path("grouped", maker.call(tokens))  # compiled before profiling
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for call in work:

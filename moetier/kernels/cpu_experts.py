@@ -497,12 +497,6 @@ def _one_line(exc: BaseException) -> str:
 QUANT_NAMES = ("fp8", "fp4")  # the quantised expert formats the kernel runs: e4m3 fp8-block, packed e2m1 fp4-block
 
 
-def supports_quantised(name: str) -> bool:
-    """Whether the default build runs ``name`` experts ("fp8": float8 e4m3fn, "fp4": packed e2m1)."""
-    lib = library()
-    return lib is not None and getattr(lib, f"supports_{_quant_name(name)}")
-
-
 def kernel_isa() -> str | None:
     """The SIMD path of the default build ("avx512_bf16", "avx512f", "avx2", "portable"), None when not built."""
     lib = library()
@@ -521,23 +515,6 @@ def run_experts(
 ) -> torch.Tensor:
     """:meth:`CpuExpertsLibrary.run` with the default build (whatever its ISA); RuntimeError when there is none."""
     return _default_library().run(hidden, gate_up, down, rows, gates, swiglu_limit, threads, out)
-
-
-def run_quantised_experts(
-    name: str,
-    hidden: torch.Tensor,
-    experts: Sequence[QuantExpert],
-    tile: tuple[int, int],
-    rows: Sequence[torch.Tensor],
-    gates: Sequence[torch.Tensor],
-    swiglu_limit: float | None,
-    threads: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:meth:`CpuExpertsLibrary.run_fp8` or ``run_fp4`` (``name``) with the default build; RuntimeError when
-    there is none."""
-    run = getattr(_default_library(), f"run_{_quant_name(name)}")
-    return run(hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
 
 
 def _quant_name(name: str) -> str:

@@ -414,8 +414,7 @@ def run_grouped(
     blocks = first.block.view(torch.uint8)  # the table's offsets count from here
     limits = {"limit": float(swiglu_limit or 0.0), "HAS_LIMIT": swiglu_limit is not None}
     unit = _fp4_unit(tile_c) if quant == 2 else _fp8_unit(tile_c)
-    quantised = {"QUANT": quant, "TILE_R": tile_r, "TILE_C": tile_c, "UNIT": unit, "POW2": pow2}
-    quantised["ALIGN"] = align
+    quantised = {"QUANT": quant, "TILE_R": tile_r, "TILE_C": tile_c, "UNIT": unit, "POW2": pow2, "ALIGN": align}
     block_k = _FP4_BLOCK_K if quant == 2 else _BLOCK_K
     if quant == 0:
         _gate_up_kernel[(len(groups), triton.cdiv(inter, _BLOCK_I))](

@@ -49,9 +49,9 @@ class Routing:
     gates_dev: torch.Tensor | None = None  # [P] routing weight of each sorted pair
 
     def to_device(self, device: torch.device, topk_weights: torch.Tensor) -> None:
-        """The sorted pairs' tokens and gates on ``device`` (one host-to-device copy and one gather)."""
-        order_dev, self.tokens_dev = torch.stack((self.order_host, self.tokens_host)).to(device, non_blocking=True)
-        self.gates_dev = topk_weights.reshape(-1)[order_dev]
+        """The sorted pairs' tokens and gates on ``device`` (:func:`sorted_pairs_on_device`)."""
+        pairs = sorted_pairs_on_device(self.order_host, self.tokens_host, topk_weights, device)
+        self.tokens_dev, self.gates_dev = pairs
 
     def host_gates(self) -> torch.Tensor:
         """A decode call's sorted pairs' routing weights on the host."""
@@ -66,6 +66,14 @@ class Copies:
     direct: list[Group]
     staged: list[tuple[Group, Slot]] = field(default_factory=list)
     waiting: deque[Group] = field(default_factory=deque)
+
+
+def sorted_pairs_on_device(
+    order_host: torch.Tensor, tokens_host: torch.Tensor, topk_weights: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sorted pair's token and routing weight on ``device``: one host-to-device copy and one gather."""
+    order_dev, tokens_dev = torch.stack((order_host, tokens_host)).to(device, non_blocking=True)
+    return tokens_dev, topk_weights.reshape(-1)[order_dev]
 
 
 def sort_pairs(topk_ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:

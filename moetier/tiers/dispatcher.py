@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from moetier.kernels.grouped_experts import run_experts
-from moetier.tiers.call_routing import sort_pairs
+from moetier.tiers.call_routing import sort_pairs, sorted_pairs_on_device
 from moetier.tiers.experts import ExpertStore
 
 
@@ -76,8 +76,7 @@ class ResidentDispatcher(ExpertDispatcher):
             start += count
         top_k = topk_ids.shape[1]
         tokens_host = order_host // top_k
-        order, token_of_pair = torch.stack((order_host, tokens_host)).to(hidden.device, non_blocking=True)
-        weight_of_pair = topk_weights.reshape(-1)[order]
+        token_of_pair, weight_of_pair = sorted_pairs_on_device(order_host, tokens_host, topk_weights, hidden.device)
         limit = self.store.layout.swiglu_limit
         run_experts(out, hidden, token_of_pair, weight_of_pair, groups, limit, tokens_host, top_k)
         return out.to(hidden.dtype)
