@@ -68,7 +68,15 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
     path = write_receipt(receipt, tmp_path)
     assert json.loads(path.read_text())["kind"] == "decode"
     assert "| tiered | 2 |" in markdown_table(receipt) and path.with_suffix(".md").exists()
-    assert "aten::" in path.with_name(path.stem + "-profile.txt").read_text()
+    profile = path.with_name(path.stem + "-profile.txt").read_text()
+    assert "aten::" in profile and "cProfile of 8 steps" in profile and "dispatch" in profile
+    # Host phases per step, clocked without a profiler, for every result.
+    for r in receipt["results"]:
+        phases = r["host_ms_per_step"]
+        assert phases["step"] >= phases["v4.dispatch"] > 0 and phases["v4.attend"] > 0 and phases["segments"] > 0
+    tiered = by_key["tiered", 1]["host_ms_per_step"]
+    assert tiered["v4.dispatch"] >= tiered["tiers.route"] > 0 and tiered["tiers.cpu_job"] > 0
+    assert "| tiered | 1 |" in markdown_table(receipt).split("Host wall ms per step")[1]
 
 
 def test_host_wait_mode_runs_everywhere_and_tiered_says_when_the_host_waited(bench_model):

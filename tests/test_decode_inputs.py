@@ -8,7 +8,7 @@ import torch
 from reference import relative_error
 from test_tiers_fidelity import _random_store, _routing
 
-from moetier.profiling import phase, profiling
+from moetier.profiling import clocking, phase, profiling
 from moetier.tiers.decode_inputs import HostBuffers, read_host_inputs
 from moetier.tiers.dispatcher import ResidentDispatcher
 from moetier.tiers.experts import ExpertLayout
@@ -95,3 +95,27 @@ def test_phases_cost_nothing_without_a_profiler():
         with phase("moetier.test_phase"):
             torch.ones(1).add_(1)
     assert any(event.name == "moetier.test_phase" for event in prof.events())
+
+
+def test_clocking_times_phases_in_every_thread_and_only_while_on():
+    import threading
+    import time
+
+    with clocking() as clock:
+        with phase("outer"):
+            with phase("inner"):
+                time.sleep(0.002)
+        def in_worker() -> None:
+            with phase("worker"):
+                pass
+
+        worker = threading.Thread(target=in_worker)
+        worker.start()
+        worker.join()
+        with pytest.raises(RuntimeError, match="already"), clocking():
+            pass
+    assert clock.seconds["outer"] >= clock.seconds["inner"] >= 0.002
+    assert clock.calls["outer"] == clock.calls["inner"] == 1 and clock.calls["worker"] == 1
+    with phase("after"):
+        pass
+    assert "after" not in clock.seconds and phase("x") is phase("y")  # off again: the shared no-op

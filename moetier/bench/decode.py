@@ -26,7 +26,10 @@ checkpoint's router (:mod:`moetier.bench.trace_routing`), rewound at the start o
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gzip
+import io
+import pstats
 import shutil
 import tempfile
 import time
@@ -53,12 +56,14 @@ from moetier.bench.environment import environment
 from moetier.errors import ConfigError
 from moetier.models.base import CausalLM
 from moetier.models.paged_kv import KV_LAYOUTS, PagedKVSpace, paged_kv
+from moetier.profiling import clocking
 from moetier.tiers.dispatcher import ExpertDispatcher, ResidentDispatcher
 from moetier.tiers.experts import ExpertStore
 from moetier.tiers.host_store import HostExpertArena
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
 from moetier.weights.loader import LoadedModel
 
+_EXTRA_PASS_STEPS = 16  # the most steps a clocked or profiled pass runs (after one warm-up step)
 MODES = ("resident", "naive", "cpu", "copy", "tiered", "tiered-host", "tiered-nohint")
 DEFAULT_MODES = MODES[:5]
 
@@ -118,7 +123,8 @@ class _DecodeRun:
     def __init__(self, model: CausalLM, streams: int, cfg: DecodeBenchConfig, vocab: int) -> None:
         self.model, self.streams, self.cfg = model, streams, cfg
         self.prompts = hf_baseline.bench_prompts(cfg.seed, streams, cfg.prompt_len, vocab)
-        capacity = cfg.prompt_len + cfg.warmup + cfg.steps * cfg.repeats + 2
+        # Room for the timed steps, or for the clocked / profiled passes' steps (each on a fresh run).
+        capacity = cfg.prompt_len + cfg.warmup + max(cfg.steps * cfg.repeats, _EXTRA_PASS_STEPS) + 2
         space = PagedKVSpace(model.device) if cfg.kv_layout == "paged" else None
         with paged_kv(space):
             self.caches = [model.new_cache(capacity, kv_dtype=cfg.kv_dtype) for _ in range(streams)]
@@ -165,6 +171,39 @@ def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[fl
         sync_device(device)
         seconds.append(time.perf_counter() - start)
     return seconds, [int(t) for t in first_stream]
+
+
+def _clock_steps(run: _DecodeRun, steps: int = _EXTRA_PASS_STEPS) -> dict[str, Any]:
+    """Host wall ms per decode step in each named phase (:func:`moetier.profiling.clocking`), over ``steps``
+    steps after the timed ones (no profiler: its per-op cost would skew the shares). ``step`` is the whole
+    step; ``tiers.wait`` the host's waits for the device's routing, ``tiers.cpu_wait`` for a CPU job."""
+    tokens = run.prefill()
+    tokens = run.step(tokens)
+    sync_device(run.model.device)
+    with clocking() as clock:
+        start = time.perf_counter()
+        for _ in range(steps):
+            tokens = run.step(tokens)
+        sync_device(run.model.device)
+        elapsed = time.perf_counter() - start
+    phases = {name: 1e3 * seconds / steps for name, seconds in sorted(clock.seconds.items())}
+    return {"step": 1e3 * elapsed / steps, **phases}
+
+
+def _python_profile(run: _DecodeRun, steps: int = 8, rows: int = 30) -> str:
+    """The host's Python functions by own time over ``steps`` decode steps (cProfile: where to cut host time)."""
+    tokens = run.prefill()
+    tokens = run.step(tokens)
+    sync_device(run.model.device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        tokens = run.step(tokens)
+    sync_device(run.model.device)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    return f"cProfile of {steps} steps, by own time:\n" + text.getvalue()
 
 
 def _profile_steps(run: _DecodeRun, steps: int = 3, trace_path: Path | None = None) -> str:
@@ -326,10 +365,12 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
             if replay is not None:
                 traffic["routing_trace_wraps"] = max(replay.wraps.values())
             results.append(_result(mode, streams, seconds, traffic, cfg, bounds))
+            results[-1]["host_ms_per_step"] = _clock_steps(_DecodeRun(model, streams, cfg, vocab))
             tokens_by_mode.setdefault(streams, {})[mode] = tokens
         if cfg.profile or mode in cfg.trace:
             trace_path = Path(cfg.trace_dir) / f"decode-trace-{mode}.json.gz" if mode in cfg.trace else None
             profiles[mode] = _profile_steps(_DecodeRun(model, 1, cfg, vocab), trace_path=trace_path)
+            profiles[mode] += "\n" + _python_profile(_DecodeRun(model, 1, cfg, vocab))
         if hasattr(dispatcher, "close"):
             dispatcher.close()
         del dispatcher
@@ -407,7 +448,35 @@ def markdown_table(receipt: dict[str, Any]) -> str:
             f"| {_pair(r, 'hint_precision', 'hint_recall', 2)} |"
         )
     lines += [f"- {note}" for note in receipt["notes"]]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _host_phase_table(receipt["results"])) + "\n"
+
+
+# The phases worth a column, in the order a layer runs them; others a receipt holds stay in its JSON.
+_PHASE_COLUMNS = (
+    "segments", "v4.attend", "v4.dispatch", "tiers.wait", "tiers.route", "tiers.copy_submit", "tiers.cpu_submit",
+    "tiers.device", "tiers.cpu_wait", "tiers.cpu_job",
+)  # fmt: skip
+
+
+def _host_phase_table(results: list[dict[str, Any]]) -> list[str]:
+    """Host ms per step in each phase (``host_ms_per_step``), one row per result that has them."""
+    rows = [r for r in results if r.get("host_ms_per_step")]
+    columns = [c for c in _PHASE_COLUMNS if any(c in r["host_ms_per_step"] for r in rows)]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Host wall ms per step by phase (a parent's time includes its children's; tiers.wait is the host waiting "
+        "for the device, tiers.cpu_job the CPU tier's worker):",
+        "",
+        "| mode | streams | step | " + " | ".join(columns) + " |",
+        "|---|---|---|" + "---|" * len(columns),
+    ]
+    for r in rows:
+        phases = r["host_ms_per_step"]
+        cells = [fmt(phases.get(c), 2) for c in columns]
+        lines.append(f"| {r['mode']} | {r['streams']} | {fmt(phases['step'], 2)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_receipt(receipt: dict[str, Any], out_dir: Path) -> Path:

@@ -43,6 +43,8 @@ from typing import Any, Protocol
 
 import torch
 
+from moetier.profiling import phase
+
 log = logging.getLogger(__name__)
 
 MaybeTensor = torch.Tensor | None
@@ -97,6 +99,10 @@ class SegmentGraphs:
 
     def run(self, key: Hashable, fn: SegmentFn, *tensors: MaybeTensor) -> Tensors:
         """``fn(*tensors)`` as a tuple, from the key's CUDA graph where one applies (module doc)."""
+        with phase("segments"):
+            return self._run(key, fn, tensors)
+
+    def _run(self, key: Hashable, fn: SegmentFn, tensors: Tensors) -> Tensors:
         if not self._active(tensors):
             return _as_tuple(fn(*tensors))
         entry = self._entries.setdefault((key, torch.is_inference_mode_enabled(), *map(_signature, tensors)), _Entry())

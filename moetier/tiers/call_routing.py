@@ -7,16 +7,19 @@ the half-dozen torch calls of a tensor sort), prefill chunks' tens of thousands 
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from moetier.profiling import phase
 from moetier.tiers.decode_inputs import HostInputs
 from moetier.tiers.expert_cache import Slot
 
 # Up to this many pairs (decode: a few streams x top-k) are sorted in plain Python.
 SMALL_ROUTING_PAIRS = 256
+_NO_WAIT = contextlib.nullcontext()
 
 
 @dataclass
@@ -79,11 +82,13 @@ def sorted_pairs_on_device(
 def sort_pairs(topk_ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
     """Pair order sorted by expert (stable, int64 on the host), the distinct experts and their pair counts.
 
-    Reading ``topk_ids`` on the host waits for the device to have computed them.
+    Reading ``topk_ids`` on the host waits for the device to have computed them (phase ``tiers.wait``).
     """
-    if topk_ids.numel() <= SMALL_ROUTING_PAIRS:
-        return _sort_small(topk_ids.reshape(-1).tolist())
-    return _sort_large(topk_ids.reshape(-1).cpu())
+    flat = topk_ids.reshape(-1)
+    small = flat.numel() <= SMALL_ROUTING_PAIRS
+    with phase("tiers.wait") if flat.is_cuda else _NO_WAIT:
+        ids = flat.tolist() if small else flat.cpu()
+    return _sort_small(ids) if small else _sort_large(ids)
 
 
 def _sort_small(ids: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:

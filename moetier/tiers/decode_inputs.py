@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moetier.profiling import phase
+
 
 @dataclass
 class HostInputs:
@@ -62,5 +64,6 @@ def read_host_inputs(
     if rows:
         host_hidden = buffers.take("hidden", tuple(hidden.shape), hidden.dtype, pinned=True)
         host_hidden.copy_(hidden, non_blocking=True)
-    torch.cuda.current_stream(hidden.device).synchronize()
+    with phase("tiers.wait"):
+        torch.cuda.current_stream(hidden.device).synchronize()
     return HostInputs(host_ids, host_weights, host_hidden)

@@ -540,7 +540,8 @@ class TieredDispatcher(ExpertDispatcher):
     def _finish_cpu(self, layer: int, started) -> tuple[torch.Tensor, torch.Tensor]:
         future, rows_dev, _, _ = started
         wait_start = time.perf_counter()
-        result = future.result()
+        with phase("tiers.cpu_wait"):
+            result = future.result()
         counters = self.metrics.layer(layer)
         counters.cpu_wait_seconds += time.perf_counter() - wait_start
         counters.cpu_seconds += result.seconds
