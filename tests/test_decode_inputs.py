@@ -102,9 +102,9 @@ def test_clocking_times_phases_in_every_thread_and_only_while_on():
     import time
 
     with clocking() as clock:
-        with phase("outer"):
-            with phase("inner"):
-                time.sleep(0.002)
+        with phase("outer"), phase("inner"):
+            time.sleep(0.002)
+
         def in_worker() -> None:
             with phase("worker"):
                 pass
