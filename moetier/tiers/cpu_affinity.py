@@ -49,6 +49,32 @@ def pin_enabled() -> bool:
     return os.environ.get("MOETIER_CPU_TIER_PIN", "1") != "0"
 
 
+def pin_launcher_enabled() -> bool:
+    """``MOETIER_CPU_TIER_PIN=launcher``: also pin the thread that dispatches (launches the device's work) to
+    the first core's hardware threads, the ones the tier leaves out."""
+    return os.environ.get("MOETIER_CPU_TIER_PIN") == "launcher"
+
+
+_pinned_launchers: set[int] = set()
+
+
+def pin_launcher(tier: set[int] | None) -> None:
+    """Pin the calling thread to the CPUs this process may use outside ``tier`` (once per thread; nothing
+    when ``tier`` is None or nothing is left)."""
+    import threading
+
+    ident = threading.get_ident()
+    if tier is None or ident in _pinned_launchers or not hasattr(os, "sched_setaffinity"):
+        return
+    _pinned_launchers.add(ident)
+    rest = os.sched_getaffinity(0) - tier
+    if rest:
+        try:
+            os.sched_setaffinity(0, rest)
+        except OSError as exc:
+            log.info("could not pin the launching thread (%s)", exc)
+
+
 def tier_cpus(allowed: set[int] | None = None, sysfs: Path = _SYSFS_CPUS) -> set[int] | None:
     """The CPUs for the tier's threads: ``allowed`` (default: this process's) less the first core's hardware
     threads; None when affinity cannot be set here or fewer than two CPUs would be left."""

@@ -40,6 +40,7 @@ from moetier.kernels.grouped_experts import run_experts
 from moetier.profiling import phase
 from moetier.tiers.calibration import calibrate_routes
 from moetier.tiers.call_routing import Copies, Group, Routing, add_rows, sort_pairs
+from moetier.tiers.cpu_affinity import pin_launcher, pin_launcher_enabled
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.decode_inputs import HostBuffers, read_host_inputs
 from moetier.tiers.dispatcher import ExpertDispatcher, expert_accumulator
@@ -89,6 +90,7 @@ class TieredDispatcher(ExpertDispatcher):
         self._copy_timings: list[tuple[float, Any, Any]] = []  # (predicted seconds, start, end) of a call's copies
         self._hints = HintBuffer(min_precision=self.config.hint_min_precision)
         self._host_buffers = HostBuffers()  # a decode call's routing, rows and CPU sums on the host
+        self._pin_launcher = False
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -107,6 +109,7 @@ class TieredDispatcher(ExpertDispatcher):
         staging = cfg.staging_slots or default_staging_slots(layout.top_k)
         self.cache = ExpertCache(self.store, device, n_slots, self.policy, staging, self.metrics)
         self.cpu_tier = CpuExpertTier(layout.swiglu_limit, cfg.cpu_threads)
+        self._pin_launcher = device.type == "cuda" and pin_launcher_enabled()
         self.device = device
         if cfg.gpu_waits_for_cpu and device.type == "cuda":
             self._flag = HostFlag.create(device)
@@ -170,6 +173,8 @@ class TieredDispatcher(ExpertDispatcher):
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         self.prepare(hidden.device)
+        if self._pin_launcher:
+            pin_launcher(self.cpu_tier.cpus)
         out = expert_accumulator(hidden)
         if hidden.shape[0] == 0:
             return out.to(hidden.dtype)
