@@ -32,7 +32,6 @@ import torch
 from moetier.errors import ConfigError
 from moetier.kernels import cpu_experts
 from moetier.profiling import phase
-from moetier.tiers.cpu_affinity import pin_enabled, start_worker, tier_cpus
 from moetier.tiers.experts import ExpertWeights, swiglu_expert
 
 TORCH_KERNEL = "torch"
@@ -86,8 +85,7 @@ class CpuResult:
 
 
 class CpuExpertTier:
-    """Runs :class:`CpuJob` s on a worker thread with ``threads`` threads (torch's, or the C kernel's), kept off
-    the first core (``cpus``, :mod:`moetier.tiers.cpu_affinity`; None: unpinned) unless ``pin`` is False.
+    """Runs :class:`CpuJob` s on a worker thread with ``threads`` threads (torch's, or the C kernel's).
 
     Math contract: each group is :func:`swiglu_expert` on the home copy, scaled by its gates and
     accumulated in fp32. The torch path runs it in the weights' dtype (the same kernel the device runs).
@@ -102,16 +100,10 @@ class CpuExpertTier:
     ``last_kernel`` names the path of the latest job (also :attr:`CpuResult.kernel`).
     """
 
-    def __init__(
-        self, swiglu_limit: float | None, threads: int | None = None, use_kernel: bool = True, pin: bool | None = None
-    ) -> None:
+    def __init__(self, swiglu_limit: float | None, threads: int | None = None, use_kernel: bool = True) -> None:
         self.threads = default_cpu_threads() if threads is None else threads
         if self.threads < 1:
             raise ConfigError(f"cpu tier threads must be >= 1, got {self.threads}")
-        # Off the launching thread's core (cpu_affinity), unless asked not to; never more threads than CPUs there.
-        self.cpus = tier_cpus() if (pin_enabled() if pin is None else pin) else None
-        if self.cpus is not None and self.threads > len(self.cpus):
-            self.cpus = None  # more threads than the set holds: pinning would pile them up
         self.swiglu_limit = swiglu_limit
         # Build (or load) the kernel now rather than inside the first decode step.
         self.use_kernel = use_kernel and cpu_experts.available()
@@ -119,8 +111,8 @@ class CpuExpertTier:
         self._pool = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="moetier-cpu-tier",
-            initializer=start_worker,
-            initargs=(self.threads, self.cpus),
+            initializer=torch.set_num_threads,
+            initargs=(self.threads,),
         )
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
 

@@ -13,6 +13,7 @@ unchanged.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -88,7 +89,7 @@ class BlockPart:
 
     @property
     def nbytes(self) -> int:
-        return self.shape[0] * self.shape[1] * torch.empty((), dtype=self.dtype).element_size()
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class ExpertLayout:
         """Elements of ``[gate; up]``: ``2 * I * H`` (the float8 bytes when fp8; fp4 packs them in half)."""
         return 2 * self.intermediate_size * self.hidden_size
 
-    @property
+    @functools.cached_property  # a frozen dataclass's cache: read on every miss of a decode step
     def block_numel(self) -> int:
         """Elements in one expert's contiguous block: ``3 * I * H`` dense, its byte count (uint8) quantised."""
         if self.quant is None:
@@ -142,7 +143,7 @@ class ExpertLayout:
 
     def block_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one block for a store computing in ``dtype`` (the quantised size when quantised)."""
-        return self.block_numel * torch.empty((), dtype=self.block_dtype(dtype)).element_size()
+        return self.block_numel * self.block_dtype(dtype).itemsize
 
     def quant_parts(self) -> list[BlockPart]:
         """Where each matrix of a quantised block lies: gate, up, down (float8 or packed fp4 bytes), then

@@ -40,7 +40,6 @@ from moetier.kernels.grouped_experts import run_experts
 from moetier.profiling import phase
 from moetier.tiers.calibration import calibrate_routes
 from moetier.tiers.call_routing import Copies, Group, Routing, add_rows, sort_pairs
-from moetier.tiers.cpu_affinity import pin_launcher, pin_launcher_enabled
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.decode_inputs import HostBuffers, read_host_inputs
 from moetier.tiers.dispatcher import ExpertDispatcher, expert_accumulator
@@ -90,7 +89,7 @@ class TieredDispatcher(ExpertDispatcher):
         self._copy_timings: list[tuple[float, Any, Any]] = []  # (predicted seconds, start, end) of a call's copies
         self._hints = HintBuffer(min_precision=self.config.hint_min_precision)
         self._host_buffers = HostBuffers()  # a decode call's routing, rows and CPU sums on the host
-        self._pin_launcher = False
+        self._stream: Any = None  # the compute stream of the call in progress (None off CUDA)
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -109,7 +108,6 @@ class TieredDispatcher(ExpertDispatcher):
         staging = cfg.staging_slots or default_staging_slots(layout.top_k)
         self.cache = ExpertCache(self.store, device, n_slots, self.policy, staging, self.metrics)
         self.cpu_tier = CpuExpertTier(layout.swiglu_limit, cfg.cpu_threads)
-        self._pin_launcher = device.type == "cuda" and pin_launcher_enabled()
         self.device = device
         if cfg.gpu_waits_for_cpu and device.type == "cuda":
             self._flag = HostFlag.create(device)
@@ -173,8 +171,7 @@ class TieredDispatcher(ExpertDispatcher):
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         self.prepare(hidden.device)
-        if self._pin_launcher:
-            pin_launcher(self.cpu_tier.cpus)
+        self._stream = self._current_stream()  # looked up once per call (torch's lookup is Python-heavy)
         out = expert_accumulator(hidden)
         if hidden.shape[0] == 0:
             return out.to(hidden.dtype)
@@ -606,6 +603,9 @@ class TieredDispatcher(ExpertDispatcher):
         counters.uses_miss += sum(g.count for g in misses)
 
     def _compute_stream(self) -> Any:
-        """The stream device work is enqueued on (None off CUDA)."""
+        """The stream this call's device work is enqueued on (None off CUDA)."""
+        return self._stream
+
+    def _current_stream(self) -> Any:
         cuda = self.device is not None and self.device.type == "cuda"
         return torch.cuda.current_stream(self.device) if cuda else None
