@@ -48,11 +48,8 @@ def case(seed, dtype, hidden, inter, tokens, counts, limit, device="cpu"):
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     mixed = max(counts) > k.MAX_GROUP_TOKENS  # a fat group: run_experts splits the call per group
     kernel, torch_path = run(k.run_experts if mixed else k.run_grouped, dtype), run(k.run_per_expert, dtype)
-    # Again: on CUDA through the compiled kernels the first launches left (kernels.launch), the same bits.
-    again = run(k.run_experts if mixed else k.run_grouped, dtype)
     thin = [g for g in groups(dtype) if g[2] <= k.MAX_GROUP_TOKENS]
     return {"usable": k.grouped_usable(x.to(dtype).to(device), thin), "broken": list(k._BROKEN),
-            "repeat_same": bool(torch.equal(kernel, again)), "compiled": len(k._LAUNCHES._compiled),
             "kernel_vs_torch": rel(kernel, torch_path), "kernel_vs_ref": rel(kernel, ref),
             "torch_vs_ref": rel(torch_path, ref)}
 """
@@ -94,7 +91,7 @@ def _run_script(code: str, device: str, **env: str) -> list[dict]:
 
 def test_grouped_kernels_match_the_per_expert_path_under_the_interpreter():
     for r, (dtype, *_rest) in zip(_run_cases("cpu"), _CASES, strict=True):
-        assert r["usable"] and not r["broken"] and r["repeat_same"] and r["compiled"] == 0, r
+        assert r["usable"] and not r["broken"], r
         if dtype == "float32":
             assert r["kernel_vs_torch"] < 1e-5, r
         else:  # truncating interpreter: within a few times torch's own bf16 error, far from garbage
@@ -104,8 +101,7 @@ def test_grouped_kernels_match_the_per_expert_path_under_the_interpreter():
 @pytest.mark.gpu
 def test_grouped_kernels_match_the_per_expert_path_on_cuda():
     for r, (dtype, *_rest) in zip(_run_cases("cuda"), _CASES, strict=True):
-        # Repeat calls launched the compiled kernels directly, bit for bit what the JIT's launches gave.
-        assert r["usable"] and not r["broken"] and r["repeat_same"] and r["compiled"] >= 3, r
+        assert r["usable"] and not r["broken"], r
         if dtype == "float32":
             assert r["kernel_vs_torch"] < 1e-5, r
         else:  # issue 4's bf16 bar, and no worse than cuBLAS against float64

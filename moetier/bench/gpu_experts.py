@@ -5,10 +5,8 @@ A decode call's routed experts on the GPU (resident store, cache slots or stagin
 experts of a real shape (DeepSeek-V4-Flash by default, ~50 MB each in bf16, ~13 MB in fp4) in device
 memory, calls of ``tokens`` rows x ``top_k`` experts, each call taking the ``tokens * top_k`` experts
 after the previous call's, so with more expert bytes than the L2 cache every call reads its weights
-from HBM. Paths: ``grouped`` (the Triton kernels, what decode runs), ``grouped-jit`` (the same kernels with
-every launch through Triton's JIT, as before :mod:`moetier.kernels.launch`: the host time it saves) and
-``per-expert`` (one :func:`swiglu_expert` per expert: cuBLAS on dense blocks, dequantise-then-GEMM on
-quantised ones).
+from HBM. Paths: ``grouped`` (the Triton kernels, what decode runs) and ``per-expert`` (one
+:func:`swiglu_expert` per expert: cuBLAS on dense blocks, dequantise-then-GEMM on quantised ones).
 
 Reported per (format, path, tokens): microseconds per call, GB/s of the expert bytes read (as stored,
 1e9 bytes/s) against the HBM copy bandwidth measured in the same process, the relative RMS distance of the
@@ -32,8 +30,7 @@ from moetier.kernels import grouped_experts
 from moetier.tiers.experts import ExpertWeights
 
 KIND = "gpu-experts"
-# grouped-jit: the grouped kernels with every launch through Triton's JIT (no direct launches, kernels.launch).
-PATHS = ("grouped", "grouped-jit", "per-expert")
+PATHS = ("grouped", "per-expert")
 # The stream's head start per queued call: ~1 ms at ~2 GHz, past the slowest host time seen per call.
 _SLEEP_CYCLES_PER_CALL = 2_000_000
 
@@ -101,14 +98,8 @@ def check_grouped(call: dict[str, Any]) -> None:
 
 def run_path(path: str, call: dict[str, Any]) -> torch.Tensor:
     """Run one call on ``path`` (see :func:`check_grouped`); returns its accumulator."""
-    if path in ("grouped", "grouped-jit"):
-        launches = grouped_experts._LAUNCHES
-        was = launches.enabled
-        launches.enabled = was and path == "grouped"
-        try:
-            grouped_experts.run_experts(**call)  # the call decode makes: its checks and host work included
-        finally:
-            launches.enabled = was
+    if path == "grouped":
+        grouped_experts.run_experts(**call)  # the call decode makes: its checks and host work included
     else:
         args = {k: v for k, v in call.items() if k not in ("pair_tokens_host", "per_token")}
         grouped_experts.run_per_expert(**args)
@@ -126,7 +117,7 @@ def time_path(maker: CallMaker, path: str, tokens: int) -> dict[str, Any]:
     """
     cfg = maker.cfg
     calls = [maker.call(tokens) for _ in range(cfg.warmup + 2 * cfg.calls)]
-    if path != "per-expert":
+    if path == "grouped":
         check_grouped(calls[0])
     for call in calls[: cfg.warmup]:  # compiled
         run_path(path, call)
@@ -147,7 +138,7 @@ def time_path(maker: CallMaker, path: str, tokens: int) -> dict[str, Any]:
         if i % 4 == 3:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    if path != "per-expert":
+    if path == "grouped":
         check_grouped(calls[0])  # no failure fell back to the per-expert path mid-run
     us = stats([1e3 * b.elapsed_time(e) for b, e in events])
     call_bytes = tokens * cfg.top_k * maker.expert_bytes
@@ -280,7 +271,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add_expert_shape_arguments(parser, top_k_help="experts per token")
     parser.add_argument("--tokens", default="1,4", help="comma-separated token rows per call")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated: {', '.join(FORMATS)}")
-    parser.add_argument("--paths", default=",".join(PATHS), help="grouped, grouped-jit, per-expert")
+    parser.add_argument("--paths", default=",".join(PATHS), help="grouped, per-expert or both")
     parser.add_argument("--calls", type=int, default=50, help="timed calls per (format, path, tokens)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--swiglu-limit", type=float, default=10.0, help="DeepSeek-V4's clamp (0: none)")

@@ -26,8 +26,7 @@ decode a group has a token or a few, and dequantising the weights is the work. W
 exactly as the loader does; with power-of-two scales (ue8m0, ``ExpertQuant.pow2_scales``) the fp4
 kernels scale each 32-value sum instead, the same number for less work (:mod:`moetier.kernels.expert_tiles`).
 ``MOETIER_FP4_GROUPED=0`` (read per call) sends fp4 experts to the per-expert path instead.
-The host side runs per MoE layer of every step, so it is kept to list work, one pinned table copy and
-launches that skip the JIT's argument binding after the first (:mod:`moetier.kernels.launch`).
+The host side runs per MoE layer of every step, so it is kept to list work and one pinned table copy.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from collections.abc import Sequence
 
 import torch
 
-from moetier.kernels.launch import KernelLaunches
 from moetier.kernels.rmsnorm import triton_usable
 from moetier.tiers.experts import ExpertWeights, swiglu_expert
 
@@ -56,8 +54,6 @@ _BLOCK_I, _BLOCK_H, _BLOCK_K, _SUM_BLOCK = 32, 32, 128, 1024
 # Quantised gate/up: rows per program; fp4's column step (8 scale units of 32 values: 128 bytes a row).
 _QUANT_BLOCK_N, _FP4_BLOCK_K = 16, 256
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-_LAUNCHES = KernelLaunches()  # repeat launches skip the JIT's per-call argument binding (kernels.launch)
 
 # One (expert block, run of sorted pairs) per group: what the per-expert path loops over.
 Group = tuple[ExpertWeights, int, int]  # (weights, first pair, pair count)
@@ -421,28 +417,24 @@ def run_grouped(
     quantised = {"QUANT": quant, "TILE_R": tile_r, "TILE_C": tile_c, "UNIT": unit, "POW2": pow2, "ALIGN": align}
     block_k = _FP4_BLOCK_K if quant == 2 else _BLOCK_K
     if quant == 0:
-        _LAUNCHES.launch(
-            _gate_up_kernel, (len(groups), triton.cdiv(inter, _BLOCK_I)),
+        _gate_up_kernel[(len(groups), triton.cdiv(inter, _BLOCK_I))](
             x, table, blocks, pair_tokens, act, x.stride(0), hidden=size, inter=inter, **limits,
             IEEE=hidden.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
             BLOCK_T=MAX_GROUP_TOKENS, BLOCK_I=_BLOCK_I, BLOCK_K=_BLOCK_K, GATE=gate, UP=up, ALIGN=align,
         )  # fmt: skip
     else:
-        _LAUNCHES.launch(
-            _gate_up_quant_kernel, (len(groups), triton.cdiv(inter, _QUANT_BLOCK_N)),
+        _gate_up_quant_kernel[(len(groups), triton.cdiv(inter, _QUANT_BLOCK_N))](
             x, table, blocks, pair_tokens, act, x.stride(0), hidden=size, inter=inter, **limits,
             BLOCK_N=_QUANT_BLOCK_N, BLOCK_K=block_k, MAX_TOKENS=MAX_GROUP_TOKENS,
             GATE=gate, UP=up, GATE_SCALE=gate_scale, UP_SCALE=up_scale, **quantised,
         )  # fmt: skip
-    _LAUNCHES.launch(
-        _down_kernel, (pairs, triton.cdiv(size, _BLOCK_H)),
+    _down_kernel[(pairs, triton.cdiv(size, _BLOCK_H))](
         act, table[pair_at:], blocks, pair_gates.contiguous(), y, size, inter, BLOCK_H=_BLOCK_H, BLOCK_K=block_k,
         DOWN=down, DOWN_SCALE=down_scale, **quantised,
     )  # fmt: skip
-    _LAUNCHES.launch(
-        _sum_kernel, (touched, triton.cdiv(size, _SUM_BLOCK)), y, table[token_at:], out, size, PER_TOKEN=width,
-        BLOCK_H=_SUM_BLOCK,
-    )  # fmt: skip
+    _sum_kernel[(touched, triton.cdiv(size, _SUM_BLOCK))](
+        y, table[token_at:], out, size, PER_TOKEN=width, BLOCK_H=_SUM_BLOCK
+    )
 
 
 def run_per_expert(
