@@ -48,6 +48,7 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
         cache_fraction=0.1,
         quick_bounds=True,
         profile=True,
+        host_steps=2,
     )
     receipt = run_decode_bench(cfg)
     assert {r["mode"] for r in receipt["results"]} == set(DEFAULT_MODES)
@@ -69,7 +70,7 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
     assert json.loads(path.read_text())["kind"] == "decode"
     assert "| tiered | 2 |" in markdown_table(receipt) and path.with_suffix(".md").exists()
     profile = path.with_name(path.stem + "-profile.txt").read_text()
-    assert "aten::" in profile and "cProfile of 8 steps" in profile and "dispatch" in profile
+    assert "aten::" in profile and "cProfile of 2 steps" in profile and "dispatch" in profile
     # Host phases per step, clocked without a profiler, for every result.
     for r in receipt["results"]:
         phases = r["host_ms_per_step"]
@@ -93,6 +94,7 @@ def test_host_wait_mode_runs_everywhere_and_tiered_says_when_the_host_waited(ben
         device="cpu",
         cache_fraction=0.1,
         quick_bounds=True,
+        host_steps=2,
     )
     receipt = run_decode_bench(cfg)
     assert {r["mode"] for r in receipt["results"]} == {"naive", "tiered", "tiered-host"}
@@ -106,12 +108,14 @@ def test_config_rejects_bad_values(bench_model):
         DecodeBenchConfig(model=bench_model, modes=["warp"])
     with pytest.raises(ConfigError, match="cache-fraction"):
         DecodeBenchConfig(model=bench_model, cache_fraction=1.5)
+    with pytest.raises(ConfigError, match="host-steps"):
+        DecodeBenchConfig(model=bench_model, host_steps=0)
 
 
 def test_paged_fp8_kv_caches_run_and_bad_layouts_are_refused(bench_model):
     cfg = DecodeBenchConfig(
         model=bench_model, modes=["naive"], streams=[2], steps=2, repeats=1, warmup=1, prompt_len=8,
-        dtype="fp32", device="cpu", quick_bounds=True, kv_layout="paged", kv_dtype="fp8",
+        dtype="fp32", device="cpu", quick_bounds=True, host_steps=2, kv_layout="paged", kv_dtype="fp8",
     )  # fmt: skip
     receipt = run_decode_bench(cfg)
     assert receipt["config"]["kv_layout"] == "paged" and receipt["config"]["kv_dtype"] == "fp8"
@@ -127,7 +131,8 @@ def test_trace_saves_the_timeline_of_the_profiled_steps(bench_model, tmp_path):
 
     cfg = DecodeBenchConfig(
         model=bench_model, modes=["naive", "tiered"], streams=[1], steps=2, repeats=1, warmup=1, prompt_len=8,
-        dtype="fp32", device="cpu", cache_fraction=0.1, quick_bounds=True, trace=["tiered"], trace_dir=tmp_path,
+        dtype="fp32", device="cpu", cache_fraction=0.1, quick_bounds=True, host_steps=2, trace=["tiered"],
+        trace_dir=tmp_path,
     )  # fmt: skip
     run_decode_bench(cfg)
     assert [p.name for p in tmp_path.iterdir()] == ["decode-trace-tiered.json.gz"]  # only the asked mode

@@ -63,7 +63,7 @@ from moetier.tiers.host_store import HostExpertArena
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
 from moetier.weights.loader import LoadedModel
 
-_EXTRA_PASS_STEPS = 16  # the most steps a clocked or profiled pass runs (after one warm-up step)
+_PROFILED_STEPS = 3  # steps the torch profiler records per mode (after one warm-up step)
 MODES = ("resident", "naive", "cpu", "copy", "tiered", "tiered-host", "tiered-nohint")
 DEFAULT_MODES = MODES[:5]
 
@@ -88,6 +88,7 @@ class DecodeBenchConfig:
     seed: int = 0
     quick_bounds: bool = False
     profile: bool = False  # add a torch.profiler summary of a few 1-stream decode steps per mode
+    host_steps: int = 16  # steps of the clocked pass (host ms per phase) after each timed run, and of the cProfile
     trace: list[str] = field(default_factory=list)  # modes whose profiled 1-stream steps are saved as a Chrome trace
     trace_dir: Path = Path(".")  # where those traces go (the receipt's folder)
     hf_baseline: bool = False  # also measure transformers + accelerate device_map="auto" (a subprocess)
@@ -113,8 +114,10 @@ class DecodeBenchConfig:
             raise ConfigError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.kv_dtype not in (None, "bf16", "fp8"):
             raise ConfigError(f"--kv-dtype must be bf16 or fp8 (default: the model dtype), got {self.kv_dtype!r}")
-        if min(self.prompt_len, self.prefill_chunk, self.steps, self.repeats) < 1 or self.warmup < 0:
-            raise ConfigError("--prompt-len, --prefill-chunk, --steps and --repeats must be >= 1 and --warmup >= 0")
+        if min(self.prompt_len, self.prefill_chunk, self.steps, self.repeats, self.host_steps) < 1 or self.warmup < 0:
+            raise ConfigError(
+                "--prompt-len, --prefill-chunk, --steps, --repeats and --host-steps must be >= 1 and --warmup >= 0"
+            )
 
 
 class _DecodeRun:
@@ -124,7 +127,7 @@ class _DecodeRun:
         self.model, self.streams, self.cfg = model, streams, cfg
         self.prompts = hf_baseline.bench_prompts(cfg.seed, streams, cfg.prompt_len, vocab)
         # Room for the timed steps, or for the clocked / profiled passes' steps (each on a fresh run).
-        capacity = cfg.prompt_len + cfg.warmup + max(cfg.steps * cfg.repeats, _EXTRA_PASS_STEPS) + 2
+        capacity = cfg.prompt_len + cfg.warmup + max(cfg.steps * cfg.repeats, cfg.host_steps, _PROFILED_STEPS) + 2
         space = PagedKVSpace(model.device) if cfg.kv_layout == "paged" else None
         with paged_kv(space):
             self.caches = [model.new_cache(capacity, kv_dtype=cfg.kv_dtype) for _ in range(streams)]
@@ -173,7 +176,7 @@ def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[fl
     return seconds, [int(t) for t in first_stream]
 
 
-def _clock_steps(run: _DecodeRun, steps: int = _EXTRA_PASS_STEPS) -> dict[str, Any]:
+def _clock_steps(run: _DecodeRun, steps: int) -> dict[str, Any]:
     """Host wall ms per decode step in each named phase (:func:`moetier.profiling.clocking`), over ``steps``
     steps after the timed ones (no profiler: its per-op cost would skew the shares). ``step`` is the whole
     step; ``tiers.wait`` the host's waits for the device's routing, ``tiers.cpu_wait`` for a CPU job."""
@@ -190,7 +193,7 @@ def _clock_steps(run: _DecodeRun, steps: int = _EXTRA_PASS_STEPS) -> dict[str, A
     return {"step": 1e3 * elapsed / steps, **phases}
 
 
-def _python_profile(run: _DecodeRun, steps: int = 8, rows: int = 30) -> str:
+def _python_profile(run: _DecodeRun, steps: int, rows: int = 30) -> str:
     """The host's Python functions by own time over ``steps`` decode steps (cProfile: where to cut host time)."""
     tokens = run.prefill()
     tokens = run.step(tokens)
@@ -206,7 +209,7 @@ def _python_profile(run: _DecodeRun, steps: int = 8, rows: int = 30) -> str:
     return f"cProfile of {steps} steps, by own time:\n" + text.getvalue()
 
 
-def _profile_steps(run: _DecodeRun, steps: int = 3, trace_path: Path | None = None) -> str:
+def _profile_steps(run: _DecodeRun, steps: int = _PROFILED_STEPS, trace_path: Path | None = None) -> str:
     """Top ops by device and by host time over a few decode steps, and the kernel-launch count.
 
     With ``trace_path`` the steps' timeline (host threads, compute and copy streams) is also written
@@ -365,12 +368,12 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
             if replay is not None:
                 traffic["routing_trace_wraps"] = max(replay.wraps.values())
             results.append(_result(mode, streams, seconds, traffic, cfg, bounds))
-            results[-1]["host_ms_per_step"] = _clock_steps(_DecodeRun(model, streams, cfg, vocab))
+            results[-1]["host_ms_per_step"] = _clock_steps(_DecodeRun(model, streams, cfg, vocab), cfg.host_steps)
             tokens_by_mode.setdefault(streams, {})[mode] = tokens
         if cfg.profile or mode in cfg.trace:
             trace_path = Path(cfg.trace_dir) / f"decode-trace-{mode}.json.gz" if mode in cfg.trace else None
             profiles[mode] = _profile_steps(_DecodeRun(model, 1, cfg, vocab), trace_path=trace_path)
-            profiles[mode] += "\n" + _python_profile(_DecodeRun(model, 1, cfg, vocab))
+            profiles[mode] += "\n" + _python_profile(_DecodeRun(model, 1, cfg, vocab), cfg.host_steps)
         if hasattr(dispatcher, "close"):
             dispatcher.close()
         del dispatcher
@@ -499,6 +502,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also write a torch.profiler summary per mode")
     parser.add_argument(
+        "--host-steps", type=int, default=16, help="steps of the clocked pass (host ms per phase) and of the cProfile"
+    )
+    parser.add_argument(
         "--trace", default="", help="comma-separated modes whose profiled 1-stream steps are saved as a Chrome trace"
     )
     parser.add_argument("--kv-layout", default="contiguous", choices=KV_LAYOUTS, help="the streams' KV caches")
@@ -517,6 +523,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         repeats=args.repeats,
         profile=args.profile,
+        host_steps=args.host_steps,
         trace=[m for m in args.trace.split(",") if m],
         trace_dir=args.out,
         kv_layout=args.kv_layout,
