@@ -13,6 +13,8 @@ The same loaded model (one pinned home copy of the experts) is measured with eac
   when it cannot). Not in the default modes.
 - ``tiered-nohint``: ``tiered`` without the next-layer prefetch driven by the model's hints
   (``decode_prefetch=0``; ``naive`` never prefetches). Not in the default modes.
+- ``resident-device``: ``resident`` with launch tables built on the device from the router's ids
+  (:mod:`moetier.kernels.device_routing`: no host wait per MoE layer). Not in the default modes.
 
 Each result carries its expert coverage (distinct experts touched per layer), its traffic, and
 ratios to the naive baseline, to the resident run and to the bound ``streams * DRAM_bw / missed
@@ -64,7 +66,7 @@ from moetier.tiers.tiered_dispatcher import TieredDispatcher
 from moetier.weights.loader import LoadedModel
 
 _PROFILED_STEPS = 3  # steps the torch profiler records per mode (after one warm-up step)
-MODES = ("resident", "naive", "cpu", "copy", "tiered", "tiered-host", "tiered-nohint")
+MODES = ("resident", "naive", "cpu", "copy", "tiered", "tiered-host", "tiered-nohint", "resident-device")
 DEFAULT_MODES = MODES[:5]
 
 
@@ -258,9 +260,9 @@ def _write_trace(prof: Any, path: Path) -> None:
 
 
 def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: torch.device, slots: int):
-    if mode == "resident":
+    if mode in ("resident", "resident-device"):
         resident = resident_store(store, device)
-        return None if resident is None else ResidentDispatcher(resident)
+        return None if resident is None else ResidentDispatcher(resident, device_routing=mode == "resident-device")
     options: dict[str, Any] = {"policy": cfg.policy, "cpu_threads": cfg.cpu_threads}
     if mode == "naive":  # the seed's baseline: every active expert copied when it is needed, nothing ahead
         options |= {"cache_slots": 0, "miss_route": "copy", "calibrate": False, "decode_prefetch": 0}

@@ -35,6 +35,7 @@ import array
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -274,6 +275,12 @@ if triton is not None:
 _BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on with per-expert GEMMs
 
 
+def mark_broken(exc: BaseException) -> None:
+    """A grouped kernel failed: log it once and send every later call to the per-expert path."""
+    _BROKEN.append(str(exc))
+    log.warning("grouped expert kernel failed (%s); using per-expert GEMMs from now on", exc)
+
+
 def grouped_usable(hidden: torch.Tensor, groups: Sequence[Group]) -> bool:
     """Whether :func:`run_experts` would take the grouped path for these (thin) groups."""
     return _grouped_placement(hidden, groups) is not None
@@ -400,16 +407,46 @@ def run_grouped(
     """The Triton path of :func:`run_experts` (no checks: see :func:`grouped_usable`); ``placement`` is the
     groups' :func:`_placement` when the caller has it."""
     first = groups[0][0]
-    # gate is [I, H] (fp4: [I, H/2] bytes), down [H, I]: the intermediate size is gate's rows.
-    inter, size = (first.gate_q.shape[0] if first.quantized else first.down.shape[1]), hidden.shape[1]
     placement = _placement(first) if placement is None else placement
-    quant, gate, up, down, gate_scale, up_scale, down_scale, tile_r, tile_c, pow2 = placement
     host = pair_tokens.cpu() if pair_tokens_host is None else pair_tokens_host
     table, pair_at, token_at, pairs, width, touched, align = _tables(groups, host, triton.next_power_of_2(per_token))
     table = table.to(hidden.device, non_blocking=True)
+    layout = LaunchLayout(len(groups), pair_at, token_at, pairs, width, touched, align)
+    launch_grouped(out, hidden, pair_tokens, pair_gates, first, placement, swiglu_limit, table, layout)
+
+
+@dataclass(frozen=True)
+class LaunchLayout:
+    """Where a launch table's three parts start and how many rows each has (see :func:`_tables`)."""
+
+    groups: int  # (block offset, first pair, pair count) rows from 0
+    pair_at: int  # (pair, block offset) rows from here, ``pairs`` of them
+    token_at: int  # (token, ``width`` pair rows) rows from here, ``touched`` of them
+    pairs: int
+    width: int
+    touched: int
+    align: int  # 16 when every block address is 16-byte aligned, else 1
+
+
+def launch_grouped(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    pair_tokens: torch.Tensor,
+    pair_gates: torch.Tensor,
+    first: ExpertWeights,
+    placement: tuple,
+    swiglu_limit: float | None,
+    table: torch.Tensor,
+    layout: LaunchLayout,
+) -> None:
+    """The three launches over a launch table on the device (its block offsets count from ``first``'s block)."""
+    # gate is [I, H] (fp4: [I, H/2] bytes), down [H, I]: the intermediate size is gate's rows.
+    inter, size = (first.gate_q.shape[0] if first.quantized else first.down.shape[1]), hidden.shape[1]
+    quant, gate, up, down, gate_scale, up_scale, down_scale, tile_r, tile_c, pow2 = placement
+    align = layout.align
     pair_tokens = pair_tokens.contiguous()
     act = torch.empty((pair_tokens.shape[0], inter), dtype=hidden.dtype, device=hidden.device)
-    y = torch.empty((pairs, size), dtype=torch.float32, device=hidden.device)
+    y = torch.empty((layout.pairs, size), dtype=torch.float32, device=hidden.device)
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     blocks = first.block.view(torch.uint8)  # the table's offsets count from here
     limits = {"limit": float(swiglu_limit or 0.0), "HAS_LIMIT": swiglu_limit is not None}
@@ -417,23 +454,23 @@ def run_grouped(
     quantised = {"QUANT": quant, "TILE_R": tile_r, "TILE_C": tile_c, "UNIT": unit, "POW2": pow2, "ALIGN": align}
     block_k = _FP4_BLOCK_K if quant == 2 else _BLOCK_K
     if quant == 0:
-        _gate_up_kernel[(len(groups), triton.cdiv(inter, _BLOCK_I))](
+        _gate_up_kernel[(layout.groups, triton.cdiv(inter, _BLOCK_I))](
             x, table, blocks, pair_tokens, act, x.stride(0), hidden=size, inter=inter, **limits,
             IEEE=hidden.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
             BLOCK_T=MAX_GROUP_TOKENS, BLOCK_I=_BLOCK_I, BLOCK_K=_BLOCK_K, GATE=gate, UP=up, ALIGN=align,
         )  # fmt: skip
     else:
-        _gate_up_quant_kernel[(len(groups), triton.cdiv(inter, _QUANT_BLOCK_N))](
+        _gate_up_quant_kernel[(layout.groups, triton.cdiv(inter, _QUANT_BLOCK_N))](
             x, table, blocks, pair_tokens, act, x.stride(0), hidden=size, inter=inter, **limits,
             BLOCK_N=_QUANT_BLOCK_N, BLOCK_K=block_k, MAX_TOKENS=MAX_GROUP_TOKENS,
             GATE=gate, UP=up, GATE_SCALE=gate_scale, UP_SCALE=up_scale, **quantised,
         )  # fmt: skip
-    _down_kernel[(pairs, triton.cdiv(size, _BLOCK_H))](
-        act, table[pair_at:], blocks, pair_gates.contiguous(), y, size, inter, BLOCK_H=_BLOCK_H, BLOCK_K=block_k,
-        DOWN=down, DOWN_SCALE=down_scale, **quantised,
+    _down_kernel[(layout.pairs, triton.cdiv(size, _BLOCK_H))](
+        act, table[layout.pair_at:], blocks, pair_gates.contiguous(), y, size, inter, BLOCK_H=_BLOCK_H,
+        BLOCK_K=block_k, DOWN=down, DOWN_SCALE=down_scale, **quantised,
     )  # fmt: skip
-    _sum_kernel[(touched, triton.cdiv(size, _SUM_BLOCK))](
-        y, table[token_at:], out, size, PER_TOKEN=width, BLOCK_H=_SUM_BLOCK
+    _sum_kernel[(layout.touched, triton.cdiv(size, _SUM_BLOCK))](
+        y, table[layout.token_at :], out, size, PER_TOKEN=layout.width, BLOCK_H=_SUM_BLOCK
     )
 
 
@@ -481,6 +518,5 @@ def run_experts(
             run_grouped(*args)
             groups = [g for g in groups if g[2] > MAX_GROUP_TOKENS]
         except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
-            _BROKEN.append(str(exc))
-            log.warning("grouped expert kernel failed (%s); using per-expert GEMMs from now on", exc)
+            mark_broken(exc)
     run_per_expert(out, hidden, pair_tokens, pair_gates, groups, swiglu_limit)

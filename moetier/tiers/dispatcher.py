@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
 
-from moetier.kernels.grouped_experts import run_experts
+from moetier.kernels.device_routing import LayerBlocks, device_routing_fits, run_routed
+from moetier.kernels.grouped_experts import mark_broken, run_experts
 from moetier.tiers.call_routing import sort_pairs, sorted_pairs_on_device
 from moetier.tiers.experts import ExpertStore
 
@@ -61,11 +63,27 @@ def expert_accumulator(hidden: torch.Tensor) -> torch.Tensor:
 
 
 class ResidentDispatcher(ExpertDispatcher):
-    """All experts live on the compute device; each active expert runs once over its tokens."""
+    """All experts live on the compute device; each active expert runs once over its tokens.
+
+    With ``device_routing`` (default: ``MOETIER_DEVICE_ROUTING=1``; off until measured on a GPU), a
+    decode-sized call builds its launch table on the device (:mod:`moetier.kernels.device_routing`): no
+    wait for the router's ids, the same bits.
+    """
+
+    def __init__(self, store: ExpertStore, device_routing: bool | None = None) -> None:
+        super().__init__(store)
+        self.device_routing = (
+            os.environ.get("MOETIER_DEVICE_ROUTING") == "1" if device_routing is None else device_routing
+        )
+        self._blocks: dict[tuple[int, torch.dtype], LayerBlocks | None] = {}
 
     def dispatch(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.device_routing and device_routing_fits(hidden, topk_ids):
+            blocks = self._layer_blocks(layer, hidden.dtype)
+            if blocks is not None and (routed := self._routed(hidden, topk_ids, topk_weights, blocks)) is not None:
+                return routed
         out = expert_accumulator(hidden)
         # Sorting the (token, slot) pairs by expert gives each expert one contiguous run of tokens. The
         # sort runs on the host (the groups must be there anyway): one wait for the ids, one copy back.
@@ -81,6 +99,24 @@ class ResidentDispatcher(ExpertDispatcher):
         run_experts(out, hidden, token_of_pair, weight_of_pair, groups, limit, tokens_host, top_k)
         return out.to(hidden.dtype)
 
+    def _routed(self, hidden, topk_ids, topk_weights, blocks: LayerBlocks) -> torch.Tensor | None:
+        """The call on the device table, or None after a kernel failure (recorded: the host path from then on)."""
+        out = expert_accumulator(hidden)
+        try:
+            run_routed(out, hidden, topk_ids, topk_weights, blocks, self.store.layout.swiglu_limit)
+        except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
+            mark_broken(exc)
+            return None
+        return out.to(hidden.dtype)
+
+    def _layer_blocks(self, layer: int, dtype: torch.dtype) -> LayerBlocks | None:
+        """The layer's blocks for the device table, judged once per (layer, activation dtype)."""
+        key = (layer, dtype)
+        if key not in self._blocks:
+            experts = [self.store.expert(layer, e) for e in range(self.store.layout.num_experts)]
+            self._blocks[key] = LayerBlocks.of(experts, dtype)
+        return self._blocks[key]
+
 
 def _tiered(store: ExpertStore, **options) -> ExpertDispatcher:
     # Imported here: the tiered dispatcher builds on this module.
@@ -93,7 +129,7 @@ DISPATCHERS: dict[str, Callable[..., ExpertDispatcher]] = {"resident": ResidentD
 
 
 def make_dispatcher(name: str, store: ExpertStore, **options) -> ExpertDispatcher:
-    """Build the dispatcher registered as ``name``; ``options`` go to its constructor (none for resident)."""
+    """Build the dispatcher registered as ``name``; ``options`` go to its constructor (resident: ``device_routing``)."""
     try:
         factory = DISPATCHERS[name]
     except KeyError:

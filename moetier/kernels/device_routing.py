@@ -1,0 +1,106 @@
+"""A decode call's routed experts with their launch table built on the device: no host sync.
+
+:func:`~moetier.kernels.grouped_experts.run_grouped` builds its launch table on the host from the
+expert-sorted pairs, so the host first waits for the router's ids, once per MoE layer. Where every expert
+of a layer is in device memory (the resident store), the table can be made on the device instead, from
+the ids themselves: every (token, k) pair is its own group of one, each group's block offset is
+gathered from the layer's table of offsets, and each token's pairs are summed in increasing expert order
+(a per-token sort), the order the host table gives. Each pair's arithmetic is the host path's (a group's
+tokens are computed row by row), so the results are the same bits; an expert two tokens share is read
+twice, which only decode's few tokens make cheap (``DEVICE_ROUTING_MAX_PAIRS``). Every shape depends only
+on the number of tokens and top-k, so the call can run inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from moetier.kernels import grouped_experts
+from moetier.kernels.grouped_experts import LaunchLayout, launch_grouped
+from moetier.kernels.rmsnorm import triton_usable
+from moetier.tiers.experts import ExpertWeights
+
+# Calls of at most this many (token, expert) pairs take the device table: a few streams of decode.
+DEVICE_ROUTING_MAX_PAIRS = 64
+
+
+@dataclass(frozen=True)
+class LayerBlocks:
+    """One MoE layer's expert blocks as the grouped kernels address them.
+
+    ``first`` is expert 0 (the kernels' base pointer and the layout every expert shares), ``offsets`` each
+    expert's byte offset from its block (int64, on the blocks' device), ``align`` 16 when every block is
+    16-byte aligned, ``placement`` the kernels' constants for the layout.
+    """
+
+    first: ExpertWeights
+    offsets: torch.Tensor
+    align: int
+    placement: tuple
+
+    @classmethod
+    def of(cls, experts: list[ExpertWeights], dtype: torch.dtype) -> LayerBlocks | None:
+        """The layer's blocks, or None when the grouped kernels do not take them all as one layout in
+        ``dtype`` activations (then the host-table path decides per call)."""
+        if not experts:
+            return None
+        probe = torch.empty((1, 1), dtype=dtype, device=experts[0].block.device)
+        placement = grouped_experts._grouped_placement(probe, [(w, 0, 1) for w in experts])
+        if placement is None:
+            return None
+        base = experts[0].block.data_ptr()
+        deltas = [w.block.data_ptr() - base for w in experts]
+        align = 16 if base % 16 == 0 and all(d % 16 == 0 for d in deltas) else 1
+        offsets = torch.tensor(deltas, dtype=torch.int64, device=experts[0].block.device)
+        return cls(experts[0], offsets, align, placement)
+
+
+def device_tables(offsets: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, LaunchLayout, torch.Tensor]:
+    """The launch table for ``topk_ids`` ``[T, K]`` on their device, its layout, and each pair's token.
+
+    Pairs are in ``[token, k]`` order, one group each: groups ``(offset, pair, 1)``, pairs ``(pair, offset)``,
+    tokens ``(token, its K pairs by increasing expert id, -1 padding to a power of two)``.
+    """
+    tokens, top_k = topk_ids.shape
+    pairs, device = tokens * top_k, topk_ids.device
+    flat = topk_ids.reshape(-1)
+    block = offsets[flat]
+    pair = torch.arange(pairs, dtype=torch.int64, device=device)
+    one = torch.ones_like(pair)
+    width = 1 << (top_k - 1).bit_length()  # next power of two: the sum kernel's row width, one per model
+    by_expert = torch.argsort(topk_ids, dim=1, stable=True) + pair.view(tokens, top_k)[:, :1]
+    token = torch.arange(tokens, dtype=torch.int64, device=device)[:, None]
+    padding = torch.full((tokens, width - top_k), -1, dtype=torch.int64, device=device)
+    table = torch.cat(
+        (
+            torch.stack((block, pair, one), dim=1).reshape(-1),
+            torch.stack((pair, block), dim=1).reshape(-1),
+            torch.cat((token, by_expert, padding), dim=1).reshape(-1),
+        )
+    )
+    layout = LaunchLayout(pairs, 3 * pairs, 5 * pairs, pairs, width, tokens, align=16)
+    return table, layout, pair // top_k
+
+
+def device_routing_fits(hidden: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+    """Whether a call of these shapes takes the device table: a decode-sized call the kernels can run."""
+    small = 0 < topk_ids.numel() <= DEVICE_ROUTING_MAX_PAIRS
+    return small and not grouped_experts._BROKEN and triton_usable(hidden)
+
+
+def run_routed(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    blocks: LayerBlocks,
+    swiglu_limit: float | None,
+) -> None:
+    """Add every pair's ``weight * expert(hidden[token])`` into ``out`` (float32 ``[T, H]``), the table built
+    on the device (:func:`device_tables`); the caller checked :func:`device_routing_fits`."""
+    table, layout, pair_tokens = device_tables(blocks.offsets, topk_ids)
+    layout = replace(layout, align=blocks.align)
+    gates = topk_weights.reshape(-1)
+    launch_grouped(out, hidden, pair_tokens, gates, blocks.first, blocks.placement, swiglu_limit, table, layout)

@@ -1,0 +1,164 @@
+"""Launch tables built on the device from the router's ids (moetier.kernels.device_routing): the host
+path's bits without its host sync; under Triton's interpreter on CPU, and (gpu) on CUDA and in a graph."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moetier.kernels.device_routing import device_tables
+
+
+def test_the_table_gives_every_pair_its_own_group_and_sums_each_token_by_expert_id():
+    offsets = torch.arange(8, dtype=torch.int64) * 1000
+    ids = torch.tensor([[5, 2, 7], [1, 5, 3]])
+    table, layout, pair_tokens = device_tables(offsets, ids)
+    pairs = 6
+    assert (layout.groups, layout.pairs, layout.touched, layout.width) == (pairs, pairs, 2, 4)
+    groups = table[: 3 * pairs].view(pairs, 3).tolist()
+    assert groups == [[5000, 0, 1], [2000, 1, 1], [7000, 2, 1], [1000, 3, 1], [5000, 4, 1], [3000, 5, 1]]
+    by_pair = table[layout.pair_at : layout.token_at].view(pairs, 2).tolist()
+    assert by_pair == [[p, offsets[ids.reshape(-1)[p]].item()] for p in range(pairs)]
+    # Each token's pairs in increasing expert order (the host table's sorted order), -1 padding to 4.
+    assert table[layout.token_at :].view(2, 5).tolist() == [[0, 1, 0, 2, -1], [1, 3, 5, 4, -1]]
+    assert pair_tokens.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+_SAME_BITS = """
+import json, torch
+import moetier.kernels.grouped_experts as k
+from moetier.kernels.device_routing import LayerBlocks, device_routing_fits, run_routed
+from moetier.tiers.call_routing import sort_pairs, sorted_pairs_on_device
+from moetier.tiers.dispatcher import ResidentDispatcher
+from moetier.tiers.experts import ExpertLayout, ExpertStore, device_allocator
+
+def case(seed, dtype, tokens, top_k, limit, device):
+    g = torch.Generator().manual_seed(seed)
+    layout = ExpertLayout(moe_layers=(0,), num_experts=6, hidden_size=64, intermediate_size=32, top_k=top_k,
+                          swiglu_limit=limit)
+    store = ExpertStore(layout, dtype, device_allocator(device))
+    for e in range(layout.num_experts):
+        block = store.block_for_loading(0, e).block
+        block.copy_(torch.randn(block.shape, generator=g) * 0.125)
+    x = torch.randn(tokens, 64, generator=g).to(dtype).to(device)
+    # Tokens share experts (expert 0 and 1 are every token's first two): shared blocks are read per pair.
+    ids = torch.stack([torch.cat([torch.tensor([0, 1]), torch.randperm(4, generator=g)[: top_k - 2] + 2])
+                       for _ in range(tokens)]).to(device)
+    weights = torch.rand(tokens, top_k, generator=g).to(dtype).to(device)
+    host = ResidentDispatcher(store, device_routing=False).dispatch(0, x, ids, weights)
+    device_path = ResidentDispatcher(store, device_routing=True)
+    ours = device_path.dispatch(0, x, ids, weights)
+    again = device_path.dispatch(0, x, ids, weights)
+    return {"fits": device_routing_fits(x, ids), "blocks": device_path._layer_blocks(0, dtype) is not None,
+            "same": bool(torch.equal(host, ours)), "repeat": bool(torch.equal(ours, again)),
+            "rel": ((host.double() - ours.double()).norm() / host.double().norm()).item(), "broken": list(k._BROKEN)}
+
+results = [case(i, getattr(torch, dt), t, kk, lim, DEVICE) for i, (dt, t, kk, lim) in enumerate(
+    [("float32", 1, 3, None), ("float32", 3, 4, 0.7), ("bfloat16", 4, 3, None), ("bfloat16", 2, 6, 0.5)])]
+print(json.dumps(results))
+"""
+
+
+def _run(device: str) -> list[dict]:
+    env = {**os.environ, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
+    code = f"DEVICE = {device!r}\n" + _SAME_BITS
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _check(results: list[dict]) -> None:
+    for r in results:
+        # The device table ran (not the host path under its name) and gave the host table's bits.
+        assert r["fits"] and r["blocks"] and not r["broken"], r
+        assert r["same"] and r["repeat"] and r["rel"] == 0.0, r
+
+
+def test_device_tables_give_the_host_tables_bits_under_the_interpreter():
+    _check(_run("cpu"))
+
+
+@pytest.mark.gpu
+def test_device_tables_give_the_host_tables_bits_on_cuda():
+    _check(_run("cuda"))
+
+
+@pytest.mark.gpu
+def test_device_routing_runs_inside_a_cuda_graph():
+    """No host sync and fixed shapes: captured once, replayed on new ids and weights, the eager result."""
+    from moetier.tiers.dispatcher import ResidentDispatcher
+    from moetier.tiers.experts import ExpertLayout, ExpertStore, device_allocator
+
+    layout = ExpertLayout(moe_layers=(0,), num_experts=8, hidden_size=128, intermediate_size=64, top_k=3)
+    store = ExpertStore(layout, torch.bfloat16, device_allocator("cuda"))
+    g = torch.Generator().manual_seed(3)
+    for e in range(layout.num_experts):
+        block = store.block_for_loading(0, e).block
+        block.copy_(torch.randn(block.shape, generator=g) * 0.1)
+    dispatcher = ResidentDispatcher(store, device_routing=True)
+    x = torch.randn(2, 128, generator=g).bfloat16().cuda()
+    ids = torch.tensor([[0, 3, 5], [5, 1, 7]]).cuda()
+    weights = torch.rand(2, 3, generator=g).bfloat16().cuda()
+    dispatcher.dispatch(0, x, ids, weights)  # compiled, blocks judged
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = dispatcher.dispatch(0, x, ids, weights)
+    for _ in range(3):
+        x.copy_(torch.randn(2, 128, generator=g).bfloat16())
+        ids.copy_(torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(2)]))
+        weights.copy_(torch.rand(2, 3, generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, ResidentDispatcher(store, device_routing=False).dispatch(0, x, ids, weights))
+
+
+def _store(num_experts: int = 6, top_k: int = 3):
+    from moetier.tiers.experts import ExpertLayout, ExpertStore, device_allocator
+
+    layout = ExpertLayout(moe_layers=(0,), num_experts=num_experts, hidden_size=32, intermediate_size=16, top_k=top_k)
+    store = ExpertStore(layout, torch.float32, device_allocator("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for e in range(num_experts):
+        block = store.block_for_loading(0, e).block
+        block.copy_(torch.randn(block.shape, generator=g) * 0.2)
+    return store
+
+
+def test_off_cuda_or_off_by_default_the_resident_dispatcher_takes_the_host_path(monkeypatch):
+    from moetier.tiers.dispatcher import ResidentDispatcher
+
+    store = _store()
+    monkeypatch.delenv("MOETIER_DEVICE_ROUTING", raising=False)
+    assert not ResidentDispatcher(store).device_routing
+    monkeypatch.setenv("MOETIER_DEVICE_ROUTING", "1")
+    on = ResidentDispatcher(store)
+    assert on.device_routing
+    x, ids, w = torch.randn(2, 32), torch.tensor([[0, 4, 2], [4, 1, 5]]), torch.rand(2, 3)
+    # No Triton for CPU tensors here: the device table does not apply, the host path runs.
+    assert torch.equal(
+        on.dispatch(0, x, ids, w), ResidentDispatcher(store, device_routing=False).dispatch(0, x, ids, w)
+    )
+
+
+def test_a_failing_device_table_falls_back_to_the_host_path_for_good(monkeypatch):
+    from moetier.kernels import device_routing, grouped_experts
+    from moetier.tiers import dispatcher as dispatcher_module
+    from moetier.tiers.dispatcher import ResidentDispatcher
+
+    store = _store()
+    monkeypatch.setattr(grouped_experts, "_BROKEN", [])
+    monkeypatch.setattr(dispatcher_module, "device_routing_fits", lambda hidden, ids: not grouped_experts._BROKEN)
+    monkeypatch.setattr(ResidentDispatcher, "_layer_blocks", lambda self, layer, dtype: object())
+
+    def broken(*args):
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(dispatcher_module, "run_routed", broken)
+    x, ids, w = torch.randn(3, 32), torch.tensor([[0, 4, 2], [4, 1, 5], [3, 2, 0]]), torch.rand(3, 3)
+    ours = ResidentDispatcher(store, device_routing=True).dispatch(0, x, ids, w)
+    assert torch.equal(ours, ResidentDispatcher(store, device_routing=False).dispatch(0, x, ids, w))
+    assert grouped_experts._BROKEN == ["no kernel for this GPU"]
+    assert not device_routing.device_routing_fits(x, ids)  # every later call: the host path
