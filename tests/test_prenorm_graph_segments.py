@@ -23,7 +23,7 @@ import torch
 from reference import greedy_groups, moetier_run, relative_error, save_tiny
 from test_deepseek_v3 import VARIANTS, tiny_v3_config
 from test_qwen3_moe import tiny_qwen3_config
-from test_v4_graph_segments import FakeGraph, FakeGraphs, PhaseCounter, describe, step_phases
+from test_v4_graph_segments import FakeGraph, FakeGraphs, PhaseCounter, describe, experts_in_graphs, step_phases
 
 import moetier.models.decode_segments as segments
 from moetier.config import ModelLoadConfig
@@ -127,6 +127,21 @@ def test_fake_graphs_decode_equals_the_one_call_forward(model, monkeypatch):
     assert graphs.warm_ups == graphs.captures == per_step * len(GROUPS)  # once per segment, layer and batch size
     calls = {1: STEPS + 1, 3: STEPS}
     assert graphs.replays == per_step * sum(n - 1 for n in calls.values())  # all but each key's warm-up call
+
+
+def test_experts_inside_the_post_graphs_change_nothing(model, monkeypatch):
+    """A graphable dispatcher's routed experts run inside the MoE layers' post segments: same bits."""
+    monkeypatch.setattr(model, "segmented_decode", False)
+    reference = decode_run(model)
+    monkeypatch.setattr(model, "segmented_decode", True)
+    graphs = FakeGraphs(warmup=1)
+    where = experts_in_graphs(model, monkeypatch, graphs)
+    graphed = decode_run(model)
+    assert all(torch.equal(a, b) for a, b in zip(graphed, reference, strict=True))
+    # No decode step dispatched outside a segment: only the three multi-token prompts did (a capture also runs
+    # the segment once, so segments saw at least every decode step's dispatches).
+    assert graphs.failures == {} and where["eager"] == 3 * moe_layers(model)
+    assert where["in segments"] >= moe_layers(model) * (2 * STEPS + 1)
 
 
 @pytest.mark.parametrize(("kv_dtype", "layout"), [("fp8", "contiguous"), (None, "paged"), ("fp8", "paged")])

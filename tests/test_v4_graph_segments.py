@@ -268,6 +268,44 @@ def test_fake_graphs_decode_equals_the_one_call_forward(model, monkeypatch):
     assert graphs.replays == per_step * len(GROUPS) * (10 - 1)  # all but the warm-up step
 
 
+def experts_in_graphs(model, monkeypatch, graphs: FakeGraphs) -> Counter:
+    """Make the model's dispatcher graphable and count its calls inside / outside a segment run."""
+    where, inside = Counter(), []
+    dispatch, run = model.dispatcher.dispatch, graphs.run
+
+    def counted_dispatch(*args, **kwargs):
+        where["in segments" if inside else "eager"] += 1
+        return dispatch(*args, **kwargs)
+
+    def counted_run(*args, **kwargs):
+        inside.append(True)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(model.dispatcher, "graphable", lambda tokens: True)
+    monkeypatch.setattr(model.dispatcher, "dispatch", counted_dispatch)
+    monkeypatch.setattr(graphs, "run", counted_run)
+    monkeypatch.setattr(model, "graphs", graphs)
+    return where
+
+
+def test_experts_inside_the_post_graphs_change_nothing(model, monkeypatch):
+    """A graphable dispatcher's routed experts run inside the post segments (captured with them): same bits."""
+    monkeypatch.setattr(model, "segmented_decode", False)
+    reference = decode_run(model)
+    monkeypatch.setattr(model, "segmented_decode", True)
+    graphs = FakeGraphs(warmup=1)
+    where = experts_in_graphs(model, monkeypatch, graphs)
+    graphed = decode_run(model)
+    assert all(torch.equal(a, b) for a, b in zip(graphed, reference, strict=True))
+    assert graphs.failures == {}
+    # No decode step dispatched outside a segment, only the prompts did (a capture also runs the segment once).
+    layers = len(model.layers)
+    assert where["eager"] == len(PROMPTS) * layers and where["in segments"] >= layers * 10 * len(GROUPS)
+
+
 # --- where a step's ops run: graphs vs eager ------------------------------------------------------------
 
 
@@ -433,6 +471,27 @@ def test_cuda_graphs_with_tiered_dispatcher_match_resident(checkpoint, route):
     assert graphs.failures == {} and graphs.replays > 0
     assert tokens == ref_tokens
     assert max(errors) < FP32_REL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_graphs_with_device_routing_match_host_routing(checkpoint, dtype):
+    """Resident experts with device-built tables run inside the post graphs: the host-table run's tokens and
+    bits, no capture failure."""
+    from moetier.tiers.dispatcher import ResidentDispatcher
+
+    model = load_model(checkpoint, ModelLoadConfig(dtype=dtype, device="cuda"), progress=False).model
+    model.graphs = SegmentGraphs(enabled=True)
+    host_tokens, host_logits = greedy_groups(model, CUDA_GROUPS)
+    routed = ResidentDispatcher(model.dispatcher.store, device_routing=True)
+    assert routed.graphable(1) and routed.graphable(4)
+    model.use_dispatcher(routed)
+    model.graphs = graphs = SegmentGraphs(enabled=True)
+    tokens, logits = greedy_groups(model, CUDA_GROUPS)
+    errors = [relative_error(a, b) for a, b in zip(logits, host_logits, strict=True)]
+    print(f"\n{dtype}: worst relative error device vs host tables {max(errors):.2e}; {graphs.captures} captures")
+    assert graphs.failures == {} and graphs.replays > 0
+    assert tokens == host_tokens and max(errors) == 0.0
 
 
 @pytest.mark.gpu

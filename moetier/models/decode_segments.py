@@ -12,7 +12,9 @@ per-sequence cache work or host decisions start, and a step where every sequence
       post    graph   output projection, residual, post-attention norm, then the router and shared expert
                       (a MoE layer) or the whole dense MLP and its residual (a dense layer); for a dispatcher
                       that wants hints, also the next MoE layer's predicted experts (below)
-      experts eager   the dispatcher (its tiers decide on the host from the routing), after the hint
+      experts eager   the dispatcher (its tiers decide on the host from the routing), after the hint; for
+                      a dispatcher that is ``graphable`` for the batch and wants no hints, inside post
+                      instead (:func:`decode_plan`: no host wait anywhere in the layer but the attention's)
     final     graph   the last MoE output added in, final norm
 
 through the model's :class:`~moetier.models.graph_segments.SegmentGraphs`, keyed by segment, layer and batch
@@ -36,6 +38,7 @@ run. Without hints the segments compute nothing extra; the graphs are captured f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
@@ -187,9 +190,25 @@ def decode_hints(graphs: SegmentGraphs, dispatcher: ExpertDispatcher) -> bool:
     """Whether this decode step hands ``dispatcher`` next-layer expert hints (its ``wants_hints``, read per step:
     benchmarks swap dispatchers). Graphs are captured for one choice: a change recaptures them
     (:meth:`SegmentGraphs.use_variant`), so no graph computes, or skips, predictions stale."""
-    wanted = dispatcher.wants_hints
-    graphs.use_variant(("expert hints", wanted))
-    return wanted
+    return decode_plan(graphs, dispatcher, 0).hints
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What this decode step's segments compute beyond their keys: next-layer hints, or the routed experts
+    inside the post segments (a dispatcher that is :meth:`~ExpertDispatcher.graphable` and wants no hints)."""
+
+    hints: bool
+    experts_in_graphs: bool
+
+
+def decode_plan(graphs: SegmentGraphs, dispatcher: ExpertDispatcher, tokens: int) -> DecodePlan:
+    """This step's :class:`DecodePlan` for ``tokens`` sequences, declared to ``graphs`` as one variant (read per
+    step: benchmarks swap dispatchers, and a batch past the dispatcher's graphable size changes it)."""
+    hints = dispatcher.wants_hints
+    plan = DecodePlan(hints, not hints and tokens > 0 and dispatcher.graphable(tokens))
+    graphs.use_variant(("expert hints", plan.hints, "experts in graphs", plan.experts_in_graphs))
+    return plan
 
 
 def hint_targets(layers: nn.ModuleList, enabled: bool) -> list[SegmentedDecoderLayer | None]:
@@ -221,11 +240,12 @@ def decode_step(model: PreNormModel, input_ids: torch.Tensor, batch: ForwardBatc
     """Final hidden states ``[B, H]`` (a fresh tensor) of ``B`` sequences bringing one token each; every layer's
     cache is appended to. The caller advances the caches."""
     graphs, size = model.graphs, len(batch.slices)
-    targets = hint_targets(model.layers, decode_hints(graphs, model.dispatcher))
+    plan = decode_plan(graphs, model.dispatcher, size)
+    targets = hint_targets(model.layers, plan.hints)
     x, cos, sin = graphs.run(("inputs", size), partial(_inputs, model), input_ids, batch.positions)
     carry: Carry = (x,)
     for layer, ahead in zip(model.layers, targets, strict=True):
-        carry = _layer_step(graphs, layer, ahead, carry, (cos, sin), batch)
+        carry = _layer_step(graphs, layer, ahead, carry, (cos, sin), batch, plan.experts_in_graphs)
     (hidden,) = graphs.run(("final", size), partial(_final, model), *carry)
     return graphs.fresh(hidden)
 
@@ -237,14 +257,15 @@ def _layer_step(
     carry: Carry,
     rope: Rope,
     batch: ForwardBatch,
+    experts_in_graph: bool = False,
 ) -> Carry:
     """One layer: pre (graph), attention over the caches (eager), post (graph; with ``ahead``, the MoE layer it
-    predicts, its hint), routed experts (eager)."""
+    predicts, its hint), routed experts (eager, or with ``experts_in_graph`` inside post)."""
     size = len(batch.slices)
     x, *projected = graphs.run(("pre", layer.layer, size), partial(_pre, layer, len(carry)), *carry, *rope)
     out = layer.decode_attend(tuple(projected), batch)
-    post = graphs.run(("post", layer.layer, size), partial(_post, layer, ahead), x, out)
-    if len(post) == 1:  # a dense layer: its output is complete
+    post = graphs.run(("post", layer.layer, size), partial(_post, layer, ahead, experts_in_graph), x, out)
+    if len(post) == 1 or experts_in_graph:  # a dense layer, or experts already run: the carry is complete
         return post
     h, y, ids, weights, shared, *predicted = post
     if ahead is not None:  # before this layer's dispatch: its copies can start while it computes
@@ -273,12 +294,20 @@ def _pre(layer: SegmentedDecoderLayer, carried: int, *tensors: MaybeTensor) -> t
 
 
 def _post(
-    layer: SegmentedDecoderLayer, ahead: SegmentedDecoderLayer | None, x: torch.Tensor, out: torch.Tensor
+    layer: SegmentedDecoderLayer,
+    ahead: SegmentedDecoderLayer | None,
+    experts_in_graph: bool,
+    x: torch.Tensor,
+    out: torch.Tensor,
 ) -> tuple[MaybeTensor, ...]:
     """Segment: the attention output merged into the residual, then the MLP's capturable part, then (with
-    ``ahead``) ``ahead``'s predicted expert ids."""
+    ``ahead``) ``ahead``'s predicted expert ids; with ``experts_in_graph`` a MoE layer's routed experts too
+    (its carry, ``(h, routed, shared)``)."""
     h, y = layer.decode_post_attention(x, out)
     outputs = layer.decode_mlp(h, y)
+    if experts_in_graph and len(outputs) > 1:
+        h, y, ids, weights, shared = outputs
+        return h, layer.mlp.experts(y, ids, weights), shared
     return outputs if ahead is None else (*outputs, ahead.predict_experts(h))
 
 

@@ -13,7 +13,10 @@ time for ~2 ms of GPU work on an H200, ~670 kernels plus their Python). A step r
       post    graph   rotate back, output projection, mHC merge, ffn_hc + norm, router, shared expert; for a
                       dispatcher that wants hints, the next layer's predicted experts
                       (:meth:`DeepseekV4DecoderLayer.predict_routing`)
-      experts eager   the dispatcher (its tiers decide on the host from the routing), after the hint
+      experts eager   the dispatcher (its tiers decide on the host from the routing), after the hint; for
+                      a dispatcher that is ``graphable`` for the batch (resident experts with device-built
+                      launch tables) and wants no hints, inside post instead
+                      (:func:`~moetier.models.decode_segments.decode_plan`)
     final     graph   the last MoE output merged in, hyper-head, final norm
 
 through :class:`~moetier.models.graph_segments.SegmentGraphs`, keyed by segment, layer and batch size: at
@@ -37,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moetier.models.base import ForwardBatch
-from moetier.models.decode_segments import decode_hints
+from moetier.models.decode_segments import decode_plan
 from moetier.models.deepseek_v4_attention import Projections
 from moetier.models.deepseek_v4_rope import StepRope, rotations_from
 from moetier.models.graph_segments import SegmentGraphs
@@ -54,13 +57,14 @@ def decode_step(model: DeepseekV4ForCausalLM, input_ids: torch.Tensor, batch: Fo
     every layer's state is appended to. The caller advances the caches."""
     graphs, size = model.graphs, len(batch.slices)
     layers = list(model.layers)
+    plan = decode_plan(graphs, model.dispatcher, size)
     # Each layer predicts the next one's experts (the last none), when the dispatcher wants hints.
-    targets = (layers[1:] + [None]) if decode_hints(graphs, model.dispatcher) else [None] * len(layers)
+    targets = (layers[1:] + [None]) if plan.hints else [None] * len(layers)
     ids, streams, *rope_tensors = graphs.run(("inputs", size), model.decode_inputs, input_ids, batch.positions)
     rope = StepRope(batch.positions, rotations_from(tuple(rope_tensors)), model.rope_tables["compress"])
     carry: Carry = (streams,)
     for layer, ahead in zip(layers, targets, strict=True):
-        carry = _layer_step(graphs, layer, ahead, carry, ids, tuple(rope_tensors), rope, batch)
+        carry = _layer_step(graphs, layer, ahead, carry, ids, tuple(rope_tensors), rope, batch, plan.experts_in_graphs)
     (hidden,) = graphs.run(("final", size), partial(_final, model), *carry)
     return graphs.fresh(hidden)
 
@@ -74,19 +78,21 @@ def _layer_step(
     rope_tensors: tuple[torch.Tensor, ...],
     rope: StepRope,
     batch: ForwardBatch,
+    experts_in_graph: bool = False,
 ) -> Carry:
     """One layer: pre (graph), attention core (eager), post (graph; with ``ahead``, the layer it predicts, its
-    hint), routed experts (eager) -> its carry."""
+    hint), routed experts (eager, or with ``experts_in_graph`` inside post) -> its carry."""
     index, size = layer.layer, len(batch.slices)
     pre = graphs.run(("pre", index, size), partial(_pre, layer, len(carry)), *carry, *rope_tensors)
     streams, post, comb, q, index_q = pre[:5]
     states = [s.cache.layers[index] for s in batch.slices]
     with phase("v4.attend"):
         out = layer.attn.decode_attend(q, index_q, Projections(*pre[5:]), rope, states)
-    post_fn = partial(_post, layer, ahead)
-    streams, post, comb, x, topk_ids, weights, shared, *predicted = graphs.run(
-        ("post", index, size), post_fn, out, streams, post, comb, ids, *rope_tensors
-    )
+    post_fn = partial(_post, layer, ahead, experts_in_graph)
+    outputs = graphs.run(("post", index, size), post_fn, out, streams, post, comb, ids, *rope_tensors)
+    if experts_in_graph:  # the routed experts ran inside post: its outputs are the carry
+        return outputs
+    streams, post, comb, x, topk_ids, weights, shared, *predicted = outputs
     if ahead is not None:  # before this layer's dispatch: the next layer's copies can start while it computes
         layer.ffn.dispatcher.hint(ahead.layer, predicted[0])
     with phase("v4.dispatch"):
@@ -111,6 +117,7 @@ def _pre(layer: DeepseekV4DecoderLayer, carried: int, *tensors: torch.Tensor | N
 def _post(
     layer: DeepseekV4DecoderLayer,
     ahead: DeepseekV4DecoderLayer | None,
+    experts_in_graph: bool,
     out: torch.Tensor,
     streams: torch.Tensor,
     post: torch.Tensor,
@@ -119,8 +126,12 @@ def _post(
     *rope_tensors: torch.Tensor,
 ) -> tuple:
     """Segment: :meth:`DeepseekV4DecoderLayer.decode_post` with the rotations passed as tensors, then (with
-    ``ahead``) ``ahead``'s predicted expert ids."""
+    ``ahead``) ``ahead``'s predicted expert ids; with ``experts_in_graph`` the routed experts too (the layer's
+    carry, ``(streams, post, comb, routed, shared)``)."""
     outputs = layer.decode_post(out, rotations_from(rope_tensors), streams, post, comb, ids)
+    if experts_in_graph:
+        streams, post, comb, x, topk_ids, weights, shared = outputs
+        return streams, post, comb, layer.ffn.dispatcher.dispatch(layer.layer, x, topk_ids, weights), shared
     if ahead is None:
         return outputs
     streams, post, comb, *_, shared = outputs

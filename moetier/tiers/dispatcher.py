@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from moetier.kernels.device_routing import LayerBlocks, device_routing_fits, run_routed
+from moetier.kernels.device_routing import DEVICE_ROUTING_MAX_PAIRS, LayerBlocks, device_routing_fits, run_routed
 from moetier.kernels.grouped_experts import mark_broken, run_experts
 from moetier.tiers.call_routing import sort_pairs, sorted_pairs_on_device
 from moetier.tiers.experts import ExpertStore
@@ -36,6 +36,12 @@ class ExpertDispatcher(ABC):
     def dispatch(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor: ...
+
+    def graphable(self, tokens: int) -> bool:
+        """Whether :meth:`dispatch` of a decode call of ``tokens`` rows may run inside a CUDA graph: no host sync,
+        no host decision that differs between calls, shapes fixed by ``tokens``. A model then runs it inside
+        its post-attention segment. Default: False."""
+        return False
 
     @property
     def wants_hints(self) -> bool:
@@ -98,6 +104,17 @@ class ResidentDispatcher(ExpertDispatcher):
         limit = self.store.layout.swiglu_limit
         run_experts(out, hidden, token_of_pair, weight_of_pair, groups, limit, tokens_host, top_k)
         return out.to(hidden.dtype)
+
+    def graphable(self, tokens: int) -> bool:
+        """With ``device_routing``, decode-sized calls on CUDA (every MoE layer's blocks in one layout the
+        kernels take: a layer that is not falls back to the host path, and its capture fails over to eager)."""
+        pairs = tokens * self.store.layout.top_k
+        return self.device_routing and 0 < pairs <= DEVICE_ROUTING_MAX_PAIRS and self._on_cuda()
+
+    def _on_cuda(self) -> bool:
+        layout = self.store.layout
+        first = self.store.expert(layout.moe_layers[0], 0)
+        return first.block.is_cuda and device_routing_fits(first.block, torch.empty(1, layout.top_k))
 
     def _routed(self, hidden, topk_ids, topk_weights, blocks: LayerBlocks) -> torch.Tensor | None:
         """The call on the device table, or None after a kernel failure (recorded: the host path from then on)."""
