@@ -160,3 +160,27 @@ def test_dispatcher_measures_a_route_again_after_starving_it():
     sent = _decode_calls(dispatcher, 12)
     assert sent[:4] == [0, 0, 0, 0] and sum(sent[4:]) >= 1
     assert dispatcher.adapter.scales["cpu"] < 0.1  # observed: far cheaper than the start-up cost said
+
+
+def test_copy_timings_feed_the_adapter_without_waiting():
+    from moetier.tiers.copy_timings import CopyTimings
+
+    adapter = RouteAdapter(weight=1.0)
+    host = CopyTimings(adapter, copy_stream=None)  # off CUDA: copies block, the host clock times them
+    host.stop(host.start(), predicted=1.0)
+    assert 0 < adapter.scales["copy"] < 1.0
+
+    class Event:
+        def __init__(self, done: bool, ms: float = 0.0) -> None:
+            self.done, self.ms = done, ms
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, end: "Event") -> float:
+            return end.ms
+
+    cuda = CopyTimings(RouteAdapter(weight=1.0, max_step=100.0), copy_stream=object())
+    cuda._pending = [(1.0, Event(True), Event(True, 2000.0)), (1.0, Event(True), Event(False)), (1.0, None, None)]
+    cuda.poll()  # the first call's copies are done (2 s against 1 predicted); the second's are not: stop there
+    assert cuda.adapter.scales["copy"] == pytest.approx(2.0) and len(cuda._pending) == 2

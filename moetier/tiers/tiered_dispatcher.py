@@ -40,6 +40,7 @@ from moetier.kernels.grouped_experts import run_experts
 from moetier.profiling import phase
 from moetier.tiers.calibration import calibrate_routes
 from moetier.tiers.call_routing import Copies, Group, Routing, add_rows, sort_pairs
+from moetier.tiers.copy_timings import CopyTimings
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.decode_inputs import HostBuffers, read_host_inputs
 from moetier.tiers.dispatcher import ExpertDispatcher, expert_accumulator
@@ -86,7 +87,7 @@ class TieredDispatcher(ExpertDispatcher):
         self._pending: list[tuple[int, Any, tuple]] = []
         self.adapter = RouteAdapter()
         self.metrics.route_cost_scales = self.adapter.scales  # the same dict: /metrics reads it live
-        self._copy_timings: list[tuple[float, Any, Any]] = []  # (predicted seconds, start, end) of a call's copies
+        self._copy_timings = CopyTimings(self.adapter, None)  # on the cache's copy stream once prepared
         self._hints = HintBuffer(min_precision=self.config.hint_min_precision)
         self._host_buffers = HostBuffers()  # a decode call's routing, rows and CPU sums on the host
         self._stream: Any = None  # the compute stream of the call in progress (None off CUDA)
@@ -108,6 +109,7 @@ class TieredDispatcher(ExpertDispatcher):
         staging = cfg.staging_slots or default_staging_slots(layout.top_k)
         self.cache = ExpertCache(self.store, device, n_slots, self.policy, staging, self.metrics)
         self.cpu_tier = CpuExpertTier(layout.swiglu_limit, cfg.cpu_threads)
+        self._copy_timings = CopyTimings(self.adapter, self.cache.copy_stream)
         self.device = device
         if cfg.gpu_waits_for_cpu and device.type == "cuda":
             self._flag = HostFlag.create(device)
@@ -197,7 +199,7 @@ class TieredDispatcher(ExpertDispatcher):
             # The copies go first: PCIe starts moving as soon as the slots are known. A decode call's CPU job
             # follows at once: it is built from host tensors (measured on the H200: as fast as starting the
             # predicted longer route first, and simpler).
-            timer = self._start_copy_timer() if adapt and copy_groups else None
+            timer = self._copy_timings.start() if adapt and copy_groups else None
             with phase("tiers.copy_submit"):
                 copies = self._start_copies(layer, copy_groups)
             if cpu_groups:
@@ -207,7 +209,7 @@ class TieredDispatcher(ExpertDispatcher):
             with phase("tiers.device"):
                 read = self._compute_on_device(layer, out, hidden, routing, hits, copies, streaming)
             if timer is not None:
-                self._stop_copy_timer(timer, sum(self.costs.copy(g.count) for g in copy_groups))
+                self._copy_timings.stop(timer, sum(self.costs.copy(g.count) for g in copy_groups))
             if streaming and self.config.prefetch:
                 self._prefetch_next(layer, routing)
             elif not streaming and self.wants_hints:
@@ -316,7 +318,7 @@ class TieredDispatcher(ExpertDispatcher):
             order_host, experts_l, counts_l = sort_pairs(host.ids)
         if self._pending:  # the wait above waited for the GPU, which waited for the pending CPU jobs
             self._collect_pending()
-        self._poll_copy_timings()
+        self._copy_timings.poll()
         groups, start = [], 0
         for expert, count in zip(experts_l, counts_l, strict=True):
             groups.append(Group(expert, start, count, self.cache.get((layer, expert))))
@@ -571,28 +573,6 @@ class TieredDispatcher(ExpertDispatcher):
         predicted = getattr(future, "predicted_seconds", None)
         if predicted is not None:
             self.adapter.observe("cpu", predicted, result.seconds - result.wait_seconds)
-
-    def _start_copy_timer(self) -> Any:
-        """An event on the copy stream before this call's copies (CUDA), or the host clock (CPU: copies block)."""
-        if self.cache.copy_stream is None:
-            return time.perf_counter()
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(self.cache.copy_stream)
-        return start
-
-    def _stop_copy_timer(self, start: Any, predicted: float) -> None:
-        if self.cache.copy_stream is None:
-            self.adapter.observe("copy", predicted, time.perf_counter() - start)
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(self.cache.copy_stream)
-        self._copy_timings.append((predicted, start, end))
-
-    def _poll_copy_timings(self) -> None:
-        """Feed the adapter the copy timings whose events have completed (never waits for one)."""
-        while self._copy_timings and self._copy_timings[0][2].query():
-            predicted, start, end = self._copy_timings.pop(0)
-            self.adapter.observe("copy", predicted, start.elapsed_time(end) / 1e3)
 
     def _count(self, layer: int, hits: list[Group], misses: list[Group]) -> None:
         counters = self.metrics.layer(layer)
