@@ -185,7 +185,8 @@ class TieredDispatcher(ExpertDispatcher):
         with phase("tiers.route"):  # the host waits here for the router's ids
             routing = self._route(layer, hidden, topk_ids, topk_weights, streaming)
         adapt = self._adapting(streaming)
-        hits, cpu_groups, copy_groups = self._split(layer, routing, adapt)
+        with phase("tiers.split"):
+            hits, cpu_groups, copy_groups = self._split(layer, routing, adapt)
         # The GPU (not this thread) waits for a decode call's CPU sums, except at the last MoE layer,
         # so this thread goes on launching the next layer; the job's outcome is checked at the next call.
         release = None
@@ -193,9 +194,10 @@ class TieredDispatcher(ExpertDispatcher):
             release = self._flag.next_value()
         started = None
         try:
-            self._record(layer, routing, streaming)
-            if not streaming:  # a prefill chunk never reshapes the decode cache
-                self._plan_admissions(layer, routing)
+            with phase("tiers.policy"):  # what the layer used, and the slots its admitted misses take
+                self._record(layer, routing, streaming)
+                if not streaming:  # a prefill chunk never reshapes the decode cache
+                    self._plan_admissions(layer, routing)
             # The copies go first: PCIe starts moving as soon as the slots are known. A decode call's CPU job
             # follows at once: it is built from host tensors (measured on the H200: as fast as starting the
             # predicted longer route first, and simpler).
@@ -205,22 +207,25 @@ class TieredDispatcher(ExpertDispatcher):
             if cpu_groups:
                 started = self._submit_cpu(layer, hidden, routing, cpu_groups, release, adapt)
             if routing.tokens_dev is None:
-                routing.to_device(hidden.device, topk_weights)
+                with phase("tiers.to_device"):
+                    routing.to_device(hidden.device, topk_weights)
             with phase("tiers.device"):
                 read = self._compute_on_device(layer, out, hidden, routing, hits, copies, streaming)
             if timer is not None:
                 self._copy_timings.stop(timer, sum(self.costs.copy(g.count) for g in copy_groups))
-            if streaming and self.config.prefetch:
-                self._prefetch_next(layer, routing)
-            elif not streaming and self.wants_hints:
-                self._prefetch_hinted(layer)
-            self._admit_cpu_routed(layer, cpu_groups)
+            with phase("tiers.after"):  # prefetches and the CPU-routed admissions' copies
+                if streaming and self.config.prefetch:
+                    self._prefetch_next(layer, routing)
+                elif not streaming and self.wants_hints:
+                    self._prefetch_hinted(layer)
+                self._admit_cpu_routed(layer, cpu_groups)
         except BaseException:
             if started is not None:
                 futures.wait([started[0]])  # never leave a worker reading buffers this call is about to drop
             raise
         if started is not None:
-            self._add_cpu_sums(layer, out, started, release)
+            with phase("tiers.cpu_sums"):
+                self._add_cpu_sums(layer, out, started, release)
         self.cache.mark_released(read, self._compute_stream())
         return out.to(hidden.dtype)
 
