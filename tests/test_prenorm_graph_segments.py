@@ -131,16 +131,10 @@ def test_fake_graphs_decode_equals_the_one_call_forward(model, monkeypatch):
 
 def test_experts_inside_the_post_graphs_change_nothing(model, monkeypatch):
     """A graphable dispatcher's routed experts run inside the MoE layers' post segments: same bits."""
-    monkeypatch.setattr(model, "segmented_decode", False)
-    reference = decode_run(model)
-    monkeypatch.setattr(model, "segmented_decode", True)
-    graphs = FakeGraphs(warmup=1)
-    where = experts_in_graphs(model, monkeypatch, graphs)
-    graphed = decode_run(model)
-    assert all(torch.equal(a, b) for a, b in zip(graphed, reference, strict=True))
+    where = experts_in_graphs(model, monkeypatch, decode_run)
     # No decode step dispatched outside a segment: only the three multi-token prompts did (a capture also runs
     # the segment once, so segments saw at least every decode step's dispatches).
-    assert graphs.failures == {} and where["eager"] == 3 * moe_layers(model)
+    assert where["eager"] == 3 * moe_layers(model)
     assert where["in segments"] >= moe_layers(model) * (2 * STEPS + 1)
 
 

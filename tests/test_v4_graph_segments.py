@@ -268,8 +268,14 @@ def test_fake_graphs_decode_equals_the_one_call_forward(model, monkeypatch):
     assert graphs.replays == per_step * len(GROUPS) * (10 - 1)  # all but the warm-up step
 
 
-def experts_in_graphs(model, monkeypatch, graphs: FakeGraphs) -> Counter:
-    """Make the model's dispatcher graphable and count its calls inside / outside a segment run."""
+def experts_in_graphs(model, monkeypatch, run_decode) -> Counter:
+    """``run_decode(model)`` with the one-call forward, then segmented on fake graphs with the dispatcher made
+    graphable: asserts the same bits and no capture failure; returns the dispatcher's calls inside / outside a
+    segment run."""
+    monkeypatch.setattr(model, "segmented_decode", False)
+    reference = run_decode(model)
+    monkeypatch.setattr(model, "segmented_decode", True)
+    graphs = FakeGraphs(warmup=1)
     where, inside = Counter(), []
     dispatch, run = model.dispatcher.dispatch, graphs.run
 
@@ -288,19 +294,15 @@ def experts_in_graphs(model, monkeypatch, graphs: FakeGraphs) -> Counter:
     monkeypatch.setattr(model.dispatcher, "dispatch", counted_dispatch)
     monkeypatch.setattr(graphs, "run", counted_run)
     monkeypatch.setattr(model, "graphs", graphs)
+    graphed = run_decode(model)
+    assert all(torch.equal(a, b) for a, b in zip(graphed, reference, strict=True))
+    assert graphs.failures == {}
     return where
 
 
 def test_experts_inside_the_post_graphs_change_nothing(model, monkeypatch):
     """A graphable dispatcher's routed experts run inside the post segments (captured with them): same bits."""
-    monkeypatch.setattr(model, "segmented_decode", False)
-    reference = decode_run(model)
-    monkeypatch.setattr(model, "segmented_decode", True)
-    graphs = FakeGraphs(warmup=1)
-    where = experts_in_graphs(model, monkeypatch, graphs)
-    graphed = decode_run(model)
-    assert all(torch.equal(a, b) for a, b in zip(graphed, reference, strict=True))
-    assert graphs.failures == {}
+    where = experts_in_graphs(model, monkeypatch, decode_run)
     # No decode step dispatched outside a segment, only the prompts did (a capture also runs the segment once).
     layers = len(model.layers)
     assert where["eager"] == len(PROMPTS) * layers and where["in segments"] >= layers * 10 * len(GROUPS)
