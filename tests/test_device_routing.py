@@ -52,7 +52,7 @@ def case(seed, dtype, tokens, top_k, limit, device):
     device_path = ResidentDispatcher(store, device_routing=True)
     ours = device_path.dispatch(0, x, ids, weights)
     again = device_path.dispatch(0, x, ids, weights)
-    return {"fits": device_routing_fits(x, ids), "blocks": device_path._layer_blocks(0, dtype) is not None,
+    return {"fits": device_routing_fits(x, ids.numel()), "blocks": device_path._layer_blocks(0, dtype) is not None,
             "same": bool(torch.equal(host, ours)), "repeat": bool(torch.equal(ours, again)),
             "rel": ((host.double() - ours.double()).norm() / host.double().norm()).item(), "broken": list(k._BROKEN)}
 
@@ -150,7 +150,7 @@ def test_a_failing_device_table_falls_back_to_the_host_path_for_good(monkeypatch
 
     store = _store()
     monkeypatch.setattr(grouped_experts, "_BROKEN", [])
-    monkeypatch.setattr(dispatcher_module, "device_routing_fits", lambda hidden, ids: not grouped_experts._BROKEN)
+    monkeypatch.setattr(dispatcher_module, "device_routing_fits", lambda hidden, pairs: not grouped_experts._BROKEN)
     monkeypatch.setattr(ResidentDispatcher, "_layer_blocks", lambda self, layer, dtype: object())
 
     def broken(*args):
@@ -161,4 +161,4 @@ def test_a_failing_device_table_falls_back_to_the_host_path_for_good(monkeypatch
     ours = ResidentDispatcher(store, device_routing=True).dispatch(0, x, ids, w)
     assert torch.equal(ours, ResidentDispatcher(store, device_routing=False).dispatch(0, x, ids, w))
     assert grouped_experts._BROKEN == ["no kernel for this GPU"]
-    assert not device_routing.device_routing_fits(x, ids)  # every later call: the host path
+    assert not device_routing.device_routing_fits(x, ids.numel())  # every later call: the host path

@@ -62,6 +62,19 @@ def add_expert_shape_arguments(parser: argparse.ArgumentParser, top_k_help: str)
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON + Markdown receipt")
 
 
+def expert_shape_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields of :func:`add_expert_shape_arguments` plus the ``--experts`` and ``--tokens`` each
+    expert-kernel bench adds (its own defaults)."""
+    return {
+        "experts": args.experts,
+        "hidden": args.hidden,
+        "intermediate": args.intermediate,
+        "top_k": args.top_k,
+        "tokens": parse_int_list(args.tokens, "--tokens"),
+        "seed": args.seed,
+    }
+
+
 def parse_int_list(text: str, flag: str) -> list[int]:
     """``"1,2,4"`` or ``"8k,32k"`` (k = 1024) -> ints; one-line ConfigError otherwise."""
     out = []

@@ -30,7 +30,14 @@ from typing import Any
 import torch
 
 from moetier.bench.bandwidth import host_read_gbps
-from moetier.bench.common import add_expert_shape_arguments, parse_int_list, parse_names, stats, write_receipt_files
+from moetier.bench.common import (
+    add_expert_shape_arguments,
+    expert_shape_options,
+    parse_int_list,
+    parse_names,
+    stats,
+    write_receipt_files,
+)
 from moetier.bench.environment import environment
 from moetier.errors import ConfigError
 from moetier.kernels import cpu_experts
@@ -333,18 +340,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = CpuTierBenchConfig(
-        experts=args.experts,
-        hidden=args.hidden,
-        intermediate=args.intermediate,
-        top_k=args.top_k,
-        tokens=parse_int_list(args.tokens, "--tokens"),
+        **expert_shape_options(args),
         threads=parse_int_list(args.threads, "--threads") if args.threads else default_threads(),
         paths=parse_names(args.paths),
         formats=parse_names(args.formats),
         jobs=args.jobs,
         warmup=args.warmup,
         swiglu_limit=args.swiglu_limit,
-        seed=args.seed,
     )
     receipt = run_bench(cfg)
     path = write_receipt_files(receipt, args.out, markdown_table)

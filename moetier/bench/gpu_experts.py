@@ -22,7 +22,13 @@ from typing import Any
 
 import torch
 
-from moetier.bench.common import add_expert_shape_arguments, parse_int_list, parse_names, stats, write_receipt_files
+from moetier.bench.common import (
+    add_expert_shape_arguments,
+    expert_shape_options,
+    parse_names,
+    stats,
+    write_receipt_files,
+)
 from moetier.bench.cpu_tier import FORMATS, make_experts
 from moetier.bench.environment import environment
 from moetier.errors import ConfigError
@@ -280,17 +286,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = GpuExpertsBenchConfig(
-        experts=args.experts,
-        hidden=args.hidden,
-        intermediate=args.intermediate,
-        top_k=args.top_k,
-        tokens=parse_int_list(args.tokens, "--tokens"),
+        **expert_shape_options(args),
         formats=parse_names(args.formats),
         paths=parse_names(args.paths),
         calls=args.calls,
         warmup=args.warmup,
         swiglu_limit=args.swiglu_limit or None,
-        seed=args.seed,
     )
     receipt = run_bench(cfg)
     path = write_receipt_files(receipt, args.out, markdown_table)

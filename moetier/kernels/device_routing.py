@@ -13,7 +13,7 @@ on the number of tokens and top-k, so the call can run inside a CUDA graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -57,8 +57,11 @@ class LayerBlocks:
         return cls(experts[0], offsets, align, placement)
 
 
-def device_tables(offsets: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, LaunchLayout, torch.Tensor]:
-    """The launch table for ``topk_ids`` ``[T, K]`` on their device, its layout, and each pair's token.
+def device_tables(
+    offsets: torch.Tensor, topk_ids: torch.Tensor, align: int = 16
+) -> tuple[torch.Tensor, LaunchLayout, torch.Tensor]:
+    """The launch table for ``topk_ids`` ``[T, K]`` on their device, its layout (``align``: the blocks'), and
+    each pair's token.
 
     Pairs are in ``[token, k]`` order, one group each: groups ``(offset, pair, 1)``, pairs ``(pair, offset)``,
     tokens ``(token, its K pairs by increasing expert id, -1 padding to a power of two)``.
@@ -80,13 +83,14 @@ def device_tables(offsets: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.
             torch.cat((token, by_expert, padding), dim=1).reshape(-1),
         )
     )
-    layout = LaunchLayout(pairs, 3 * pairs, 5 * pairs, pairs, width, tokens, align=16)
+    layout = LaunchLayout(pairs, 3 * pairs, 5 * pairs, pairs, width, tokens, align)
     return table, layout, pair // top_k
 
 
-def device_routing_fits(hidden: torch.Tensor, topk_ids: torch.Tensor) -> bool:
-    """Whether a call of these shapes takes the device table: a decode-sized call the kernels can run."""
-    small = 0 < topk_ids.numel() <= DEVICE_ROUTING_MAX_PAIRS
+def device_routing_fits(hidden: torch.Tensor, pairs: int) -> bool:
+    """Whether a call of ``pairs`` (token, expert) pairs over ``hidden``'s device takes the device table: a
+    decode-sized call the kernels can run."""
+    small = 0 < pairs <= DEVICE_ROUTING_MAX_PAIRS
     return small and not grouped_experts._BROKEN and triton_usable(hidden)
 
 
@@ -100,7 +104,6 @@ def run_routed(
 ) -> None:
     """Add every pair's ``weight * expert(hidden[token])`` into ``out`` (float32 ``[T, H]``), the table built
     on the device (:func:`device_tables`); the caller checked :func:`device_routing_fits`."""
-    table, layout, pair_tokens = device_tables(blocks.offsets, topk_ids)
-    layout = replace(layout, align=blocks.align)
+    table, layout, pair_tokens = device_tables(blocks.offsets, topk_ids, blocks.align)
     gates = topk_weights.reshape(-1)
     launch_grouped(out, hidden, pair_tokens, gates, blocks.first, blocks.placement, swiglu_limit, table, layout)

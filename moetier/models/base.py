@@ -204,8 +204,8 @@ class CausalLM(nn.Module, ABC):
 
     def use_dispatcher(self, dispatcher: ExpertDispatcher) -> None:
         """Route every MoE layer through ``dispatcher`` from now on (benchmarks swap tiers this way). A decode step
-        reads ``dispatcher.wants_hints`` itself and recaptures its CUDA graphs when that changes
-        (:func:`~moetier.models.decode_segments.decode_hints`): nothing to reset here."""
+        reads ``dispatcher.wants_hints`` and ``graphable`` itself and recaptures its CUDA graphs when they change
+        (:func:`~moetier.models.decode_segments.decode_plan`): nothing to reset here."""
         for module in self.modules():
             if "dispatcher" in module.__dict__:
                 object.__setattr__(module, "dispatcher", dispatcher)

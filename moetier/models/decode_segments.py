@@ -33,7 +33,7 @@ the residual at ``L``'s MoE input (``L'``'s attention and ``L``'s MoE output are
 post segment (an extra output: no host sync), and hands them to ``dispatcher.hint(L', ids)`` before
 dispatching ``L``, so a tiered dispatcher can copy ``L'``'s missing experts while ``L`` and ``L'``'s attention
 run. Without hints the segments compute nothing extra; the graphs are captured for one choice at a time
-(:func:`decode_hints`).
+(:func:`decode_plan`).
 """
 
 from __future__ import annotations
@@ -186,13 +186,6 @@ class PreNormModel(Protocol):
     dispatcher: ExpertDispatcher
 
 
-def decode_hints(graphs: SegmentGraphs, dispatcher: ExpertDispatcher) -> bool:
-    """Whether this decode step hands ``dispatcher`` next-layer expert hints (its ``wants_hints``, read per step:
-    benchmarks swap dispatchers). Graphs are captured for one choice: a change recaptures them
-    (:meth:`SegmentGraphs.use_variant`), so no graph computes, or skips, predictions stale."""
-    return decode_plan(graphs, dispatcher, 0).hints
-
-
 @dataclass(frozen=True)
 class DecodePlan:
     """What this decode step's segments compute beyond their keys: next-layer hints, or the routed experts
@@ -203,8 +196,10 @@ class DecodePlan:
 
 
 def decode_plan(graphs: SegmentGraphs, dispatcher: ExpertDispatcher, tokens: int) -> DecodePlan:
-    """This step's :class:`DecodePlan` for ``tokens`` sequences, declared to ``graphs`` as one variant (read per
-    step: benchmarks swap dispatchers, and a batch past the dispatcher's graphable size changes it)."""
+    """This step's :class:`DecodePlan` for ``tokens`` sequences (``dispatcher.wants_hints`` and ``graphable``, read
+    per step: benchmarks swap dispatchers, and a batch past the dispatcher's graphable size changes it). Graphs
+    are captured for one plan: a change recaptures them (:meth:`SegmentGraphs.use_variant`), so no graph
+    computes, or skips, predictions or experts stale."""
     hints = dispatcher.wants_hints
     plan = DecodePlan(hints, not hints and tokens > 0 and dispatcher.graphable(tokens))
     graphs.use_variant(("expert hints", plan.hints, "experts in graphs", plan.experts_in_graphs))

@@ -29,7 +29,7 @@ run eagerly, so the CPU tests of this path test the graphed math.
 Expert hints, as in :mod:`moetier.models.decode_segments`: every V4 layer is a MoE layer, so each but the last
 hands ``dispatcher.hint(L + 1, ids)`` the next layer's predicted experts (exact for a hash-routed next layer)
 before its own dispatch; the graphs are captured with or without the predictions, never both
-(:func:`~moetier.models.decode_segments.decode_hints`).
+(:func:`~moetier.models.decode_segments.decode_plan`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from moetier.kernels.device_routing import DEVICE_ROUTING_MAX_PAIRS, LayerBlocks, device_routing_fits, run_routed
+from moetier.kernels.device_routing import LayerBlocks, device_routing_fits, run_routed
 from moetier.kernels.grouped_experts import mark_broken, run_experts
 from moetier.tiers.call_routing import sort_pairs, sorted_pairs_on_device
 from moetier.tiers.experts import ExpertStore
@@ -86,7 +86,7 @@ class ResidentDispatcher(ExpertDispatcher):
     def dispatch(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        if self.device_routing and device_routing_fits(hidden, topk_ids):
+        if self.device_routing and device_routing_fits(hidden, topk_ids.numel()):
             blocks = self._layer_blocks(layer, hidden.dtype)
             if blocks is not None and (routed := self._routed(hidden, topk_ids, topk_weights, blocks)) is not None:
                 return routed
@@ -108,13 +108,11 @@ class ResidentDispatcher(ExpertDispatcher):
     def graphable(self, tokens: int) -> bool:
         """With ``device_routing``, decode-sized calls on CUDA (every MoE layer's blocks in one layout the
         kernels take: a layer that is not falls back to the host path, and its capture fails over to eager)."""
-        pairs = tokens * self.store.layout.top_k
-        return self.device_routing and 0 < pairs <= DEVICE_ROUTING_MAX_PAIRS and self._on_cuda()
-
-    def _on_cuda(self) -> bool:
+        if not self.device_routing:
+            return False
         layout = self.store.layout
-        first = self.store.expert(layout.moe_layers[0], 0)
-        return first.block.is_cuda and device_routing_fits(first.block, torch.empty(1, layout.top_k))
+        first = self.store.expert(layout.moe_layers[0], 0).block
+        return first.is_cuda and device_routing_fits(first, tokens * layout.top_k)
 
     def _routed(self, hidden, topk_ids, topk_weights, blocks: LayerBlocks) -> torch.Tensor | None:
         """The call on the device table, or None after a kernel failure (recorded: the host path from then on)."""
