@@ -103,15 +103,15 @@ def test_host_wait_mode_runs_everywhere_and_tiered_says_when_the_host_waited(ben
     assert receipt["greedy_tokens_agree"]["tiered-host@1"] == receipt["greedy_tokens_agree"]["tiered@1"] == 1.0
 
 
-def test_resident_with_device_tables_is_a_mode_with_the_same_tokens(bench_model):
+def test_resident_with_host_tables_is_a_mode_with_the_same_tokens(bench_model):
     cfg = DecodeBenchConfig(
-        model=bench_model, modes=["resident", "resident-device"], streams=[1], steps=2, repeats=1, warmup=1,
+        model=bench_model, modes=["resident", "resident-host"], streams=[1], steps=2, repeats=1, warmup=1,
         prompt_len=8, dtype="fp32", device="cpu", quick_bounds=True, host_steps=2,
     )  # fmt: skip
     receipt = run_decode_bench(cfg)
-    assert [r["mode"] for r in receipt["results"]] == ["resident", "resident-device"]
-    assert receipt["greedy_tokens_agree"]["resident-device@1"] == 1.0
-    assert "resident-device" in MODES and "resident-device" not in DEFAULT_MODES
+    assert [r["mode"] for r in receipt["results"]] == ["resident", "resident-host"]
+    assert receipt["greedy_tokens_agree"]["resident-host@1"] == 1.0
+    assert "resident-host" in MODES and "resident-host" not in DEFAULT_MODES
 
 
 def test_config_rejects_bad_values(bench_model):

@@ -52,7 +52,8 @@ def case(seed, dtype, tokens, top_k, limit, device):
     device_path = ResidentDispatcher(store, device_routing=True)
     ours = device_path.dispatch(0, x, ids, weights)
     again = device_path.dispatch(0, x, ids, weights)
-    return {"fits": device_routing_fits(x, ids.numel()), "blocks": device_path._layer_blocks(0, dtype) is not None,
+    blocks = device_path._layer_blocks(0, dtype) is not None
+    return {"fits": device_routing_fits(x, tokens, ids.numel()), "blocks": blocks,
             "same": bool(torch.equal(host, ours)), "repeat": bool(torch.equal(ours, again)),
             "rel": ((host.double() - ours.double()).norm() / host.double().norm()).item(), "broken": list(k._BROKEN)}
 
@@ -127,13 +128,13 @@ def _store(num_experts: int = 6, top_k: int = 3):
     return store
 
 
-def test_off_cuda_or_off_by_default_the_resident_dispatcher_takes_the_host_path(monkeypatch):
+def test_device_routing_is_on_by_default_and_off_cuda_the_host_path_runs(monkeypatch):
     from moetier.tiers.dispatcher import ResidentDispatcher
 
     store = _store()
-    monkeypatch.delenv("MOETIER_DEVICE_ROUTING", raising=False)
+    monkeypatch.setenv("MOETIER_DEVICE_ROUTING", "0")
     assert not ResidentDispatcher(store).device_routing
-    monkeypatch.setenv("MOETIER_DEVICE_ROUTING", "1")
+    monkeypatch.delenv("MOETIER_DEVICE_ROUTING")
     on = ResidentDispatcher(store)
     assert on.device_routing
     x, ids, w = torch.randn(2, 32), torch.tensor([[0, 4, 2], [4, 1, 5]]), torch.rand(2, 3)
@@ -150,7 +151,9 @@ def test_a_failing_device_table_falls_back_to_the_host_path_for_good(monkeypatch
 
     store = _store()
     monkeypatch.setattr(grouped_experts, "_BROKEN", [])
-    monkeypatch.setattr(dispatcher_module, "device_routing_fits", lambda hidden, pairs: not grouped_experts._BROKEN)
+    monkeypatch.setattr(
+        dispatcher_module, "device_routing_fits", lambda hidden, tokens, pairs: not grouped_experts._BROKEN
+    )
     monkeypatch.setattr(ResidentDispatcher, "_layer_blocks", lambda self, layer, dtype: object())
 
     def broken(*args):
@@ -161,4 +164,19 @@ def test_a_failing_device_table_falls_back_to_the_host_path_for_good(monkeypatch
     ours = ResidentDispatcher(store, device_routing=True).dispatch(0, x, ids, w)
     assert torch.equal(ours, ResidentDispatcher(store, device_routing=False).dispatch(0, x, ids, w))
     assert grouped_experts._BROKEN == ["no kernel for this GPU"]
-    assert not device_routing.device_routing_fits(x, ids.numel())  # every later call: the host path
+    assert not device_routing.device_routing_fits(x, 3, ids.numel())  # every later call: the host path
+
+
+def test_only_thin_decode_calls_take_the_device_table(monkeypatch):
+    """More tokens than the grouped kernels' token tile could give an expert a group the host path sends to
+    per-expert GEMMs (other float32 sums): such calls, and too many pairs, keep the host path."""
+    from moetier.kernels import device_routing
+    from moetier.kernels.grouped_experts import MAX_GROUP_TOKENS
+
+    monkeypatch.setattr(device_routing, "triton_usable", lambda hidden: True)
+    x = torch.empty(1, 8)
+    assert device_routing.device_routing_fits(x, 4, 24)
+    assert device_routing.device_routing_fits(x, MAX_GROUP_TOKENS, 2 * MAX_GROUP_TOKENS)
+    assert not device_routing.device_routing_fits(x, MAX_GROUP_TOKENS + 1, MAX_GROUP_TOKENS + 1)
+    assert not device_routing.device_routing_fits(x, 8, device_routing.DEVICE_ROUTING_MAX_PAIRS + 1)
+    assert not device_routing.device_routing_fits(x, 0, 0)

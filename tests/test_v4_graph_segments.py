@@ -483,6 +483,8 @@ def test_cuda_graphs_with_device_routing_match_host_routing(checkpoint, dtype):
     from moetier.tiers.dispatcher import ResidentDispatcher
 
     model = load_model(checkpoint, ModelLoadConfig(dtype=dtype, device="cuda"), progress=False).model
+    assert model.dispatcher.graphable(1)  # the default resident dispatcher on CUDA
+    model.use_dispatcher(ResidentDispatcher(model.dispatcher.store, device_routing=False))
     model.graphs = SegmentGraphs(enabled=True)
     host_tokens, host_logits = greedy_groups(model, CUDA_GROUPS)
     routed = ResidentDispatcher(model.dispatcher.store, device_routing=True)

@@ -13,8 +13,9 @@ The same loaded model (one pinned home copy of the experts) is measured with eac
   when it cannot). Not in the default modes.
 - ``tiered-nohint``: ``tiered`` without the next-layer prefetch driven by the model's hints
   (``decode_prefetch=0``; ``naive`` never prefetches). Not in the default modes.
-- ``resident-device``: ``resident`` with launch tables built on the device from the router's ids
-  (:mod:`moetier.kernels.device_routing`: no host wait per MoE layer). Not in the default modes.
+- ``resident-host``: ``resident`` with launch tables built on the host from the router's ids (one wait
+  per MoE layer), where ``resident`` builds them on the device (:mod:`moetier.kernels.device_routing`).
+  Not in the default modes.
 
 Each result carries its expert coverage (distinct experts touched per layer), its traffic, and
 ratios to the naive baseline, to the resident run and to the bound ``streams * DRAM_bw / missed
@@ -66,7 +67,7 @@ from moetier.tiers.tiered_dispatcher import TieredDispatcher
 from moetier.weights.loader import LoadedModel
 
 _PROFILED_STEPS = 3  # steps the torch profiler records per mode (after one warm-up step)
-MODES = ("resident", "naive", "cpu", "copy", "tiered", "tiered-host", "tiered-nohint", "resident-device")
+MODES = ("resident", "naive", "cpu", "copy", "tiered", "tiered-host", "tiered-nohint", "resident-host")
 DEFAULT_MODES = MODES[:5]
 
 
@@ -260,9 +261,9 @@ def _write_trace(prof: Any, path: Path) -> None:
 
 
 def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: torch.device, slots: int):
-    if mode in ("resident", "resident-device"):
+    if mode in ("resident", "resident-host"):
         resident = resident_store(store, device)
-        return None if resident is None else ResidentDispatcher(resident, device_routing=mode == "resident-device")
+        return None if resident is None else ResidentDispatcher(resident, device_routing=mode == "resident")
     options: dict[str, Any] = {"policy": cfg.policy, "cpu_threads": cfg.cpu_threads}
     if mode == "naive":  # the seed's baseline: every active expert copied when it is needed, nothing ahead
         options |= {"cache_slots": 0, "miss_route": "copy", "calibrate": False, "decode_prefetch": 0}

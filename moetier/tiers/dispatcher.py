@@ -71,22 +71,23 @@ def expert_accumulator(hidden: torch.Tensor) -> torch.Tensor:
 class ResidentDispatcher(ExpertDispatcher):
     """All experts live on the compute device; each active expert runs once over its tokens.
 
-    With ``device_routing`` (default: ``MOETIER_DEVICE_ROUTING=1``; off until measured on a GPU), a
-    decode-sized call builds its launch table on the device (:mod:`moetier.kernels.device_routing`): no
-    wait for the router's ids, the same bits.
+    With ``device_routing`` (on unless ``MOETIER_DEVICE_ROUTING=0``), a decode-sized call builds its launch
+    table on the device (:mod:`moetier.kernels.device_routing`): no wait for the router's ids, the same bits,
+    and the decode steps run the experts inside their CUDA graphs (measured on the H200, fp4 V4-Flash
+    widths: 2.66x the host-table path's tok/s at 1 stream, 1.77x at 4).
     """
 
     def __init__(self, store: ExpertStore, device_routing: bool | None = None) -> None:
         super().__init__(store)
         self.device_routing = (
-            os.environ.get("MOETIER_DEVICE_ROUTING") == "1" if device_routing is None else device_routing
+            os.environ.get("MOETIER_DEVICE_ROUTING", "1") != "0" if device_routing is None else device_routing
         )
         self._blocks: dict[tuple[int, torch.dtype], LayerBlocks | None] = {}
 
     def dispatch(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        if self.device_routing and device_routing_fits(hidden, topk_ids.numel()):
+        if self.device_routing and device_routing_fits(hidden, topk_ids.shape[0], topk_ids.numel()):
             blocks = self._layer_blocks(layer, hidden.dtype)
             if blocks is not None and (routed := self._routed(hidden, topk_ids, topk_weights, blocks)) is not None:
                 return routed
@@ -112,7 +113,7 @@ class ResidentDispatcher(ExpertDispatcher):
             return False
         layout = self.store.layout
         first = self.store.expert(layout.moe_layers[0], 0).block
-        return first.is_cuda and device_routing_fits(first, tokens * layout.top_k)
+        return first.is_cuda and device_routing_fits(first, tokens, tokens * layout.top_k)
 
     def _routed(self, hidden, topk_ids, topk_weights, blocks: LayerBlocks) -> torch.Tensor | None:
         """The call on the device table, or None after a kernel failure (recorded: the host path from then on)."""
