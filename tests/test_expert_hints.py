@@ -40,10 +40,13 @@ Event = tuple[str, int, torch.Tensor]  # ("hint" | "dispatch", layer, ids)
 
 
 class HintRecorder(ResidentDispatcher):
-    """Resident experts that record every hint and dispatch in order (ids cloned: graph outputs are static)."""
+    """Resident experts that record every hint and dispatch in order (ids cloned: graph outputs are static).
+
+    Host tables: a recorder must see every call, so it is never graphable (its dispatch would run at capture
+    only)."""
 
     def __init__(self, store, wants: bool = True) -> None:
-        super().__init__(store)
+        super().__init__(store, device_routing=False)
         self.wants = wants
         self.events: list[Event] = []
 

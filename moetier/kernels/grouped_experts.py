@@ -362,22 +362,22 @@ def _placement(weights: ExpertWeights) -> tuple:
     return (quant, *(offset(v) for v in views), *weights.tile, weights.pow2_scales)
 
 
-def _tables(groups: Sequence[Group], pair_tokens_host: torch.Tensor, per_token: int) -> tuple:
-    """The three launch tables in one int64 tensor (one host-to-device copy) and where each starts.
+def _table_values(groups: Sequence[Group], owner_of_pair: list[int], per_token: int) -> tuple[list[int], LaunchLayout]:
+    """The three launch tables as one list of int64 values, and where each part starts.
 
     Blocks are given as byte offsets from the first group's block (the kernels' ``blocks_ptr``). Per
     group ``(block offset, first pair, pair count)``; per pair of this call ``(pair, block offset)``; per
     token the groups touch, the token and its ``per_token`` rows of the pair list (-1 where it has fewer),
     in the call's pair order. Only touched tokens get a row: a streamed prefill expert serves a few of a
-    chunk's thousands of tokens, and the host work must follow its pairs, not the chunk. Also returned:
-    the alignment (16 or 1 bytes) that every block address has.
+    chunk's thousands of tokens, and the host work must follow its pairs, not the chunk. The layout's
+    ``align`` is 16 when every block address is 16-byte aligned, else 1. ``owner_of_pair`` is each sorted
+    pair's token.
     """
     base = groups[0][0].block.data_ptr()
     offsets = [w.block.data_ptr() - base for w, _, _ in groups]
     by_group = [v for (_, s, c), offset in zip(groups, offsets, strict=True) for v in (offset, s, c)]
     by_pair: list[int] = []
     by_token: dict[int, list[int]] = {}
-    owner_of_pair = pair_tokens_host.tolist()
     for (_, start, count), offset in zip(groups, offsets, strict=True):
         for pair in range(start, start + count):
             owner = owner_of_pair[pair]
@@ -385,12 +385,17 @@ def _tables(groups: Sequence[Group], pair_tokens_host: torch.Tensor, per_token: 
             by_pair += (pair, offset)
     width = max(per_token, max((len(rows) for rows in by_token.values()), default=1))
     padded = [v for token, rows in by_token.items() for v in (token, *rows, *[-1] * (width - len(rows)))]
+    align = 16 if base % 16 == 0 and all(offset % 16 == 0 for offset in offsets) else 1
+    pair_at, token_at = len(by_group), len(by_group) + len(by_pair)
+    layout = LaunchLayout(len(groups), pair_at, token_at, len(by_pair) // 2, width, len(by_token), align)
+    return by_group + by_pair + padded, layout
+
+
+def _host_int64(values: list[int], pinned: bool) -> torch.Tensor:
     # From an array (torch.tensor of a list converts element by element, ~3x slower); pinned (torch's caching
     # host allocator) so the copy to the device is a true async DMA.
-    table = torch.frombuffer(array.array("q", by_group + by_pair + padded), dtype=torch.int64)
-    table = table.pin_memory() if torch.cuda.is_available() else table
-    align = 16 if base % 16 == 0 and all(offset % 16 == 0 for offset in offsets) else 1
-    return table, len(by_group), len(by_group) + len(by_pair), len(by_pair) // 2, width, len(by_token), align
+    table = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    return table.pin_memory() if pinned else table
 
 
 def run_grouped(
@@ -409,15 +414,52 @@ def run_grouped(
     first = groups[0][0]
     placement = _placement(first) if placement is None else placement
     host = pair_tokens.cpu() if pair_tokens_host is None else pair_tokens_host
-    table, pair_at, token_at, pairs, width, touched, align = _tables(groups, host, triton.next_power_of_2(per_token))
-    table = table.to(hidden.device, non_blocking=True)
-    layout = LaunchLayout(len(groups), pair_at, token_at, pairs, width, touched, align)
+    values, layout = _table_values(groups, host.tolist(), triton.next_power_of_2(per_token))
+    table = _host_int64(values, torch.cuda.is_available()).to(hidden.device, non_blocking=True)
     launch_grouped(out, hidden, pair_tokens, pair_gates, first, placement, swiglu_limit, table, layout)
+
+
+def run_grouped_host_pairs(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    pair_tokens_host: torch.Tensor,
+    pair_gates_host: torch.Tensor,
+    groups: Sequence[Group],
+    swiglu_limit: float | None,
+    per_token: int = 1,
+) -> bool:
+    """:func:`run_experts` for a call whose sorted pairs' tokens and gates are on the host only (a tiered
+    decode call): they travel in the launch table's copy, so the call costs one host-to-device copy and no
+    device-side gather. The kernels and tables of :func:`run_grouped`, so its bits (the gates go as float32,
+    which the kernels round back to the activations' dtype they came in).
+
+    Returns False, having done nothing, when the grouped path does not take ``groups`` (the caller then runs
+    :func:`run_experts` on device tensors), or when a kernel failed (recorded: :func:`mark_broken`).
+    """
+    if (placement := _grouped_placement(hidden, groups)) is None:
+        return False
+    owners = pair_tokens_host.tolist()
+    values, layout = _table_values(groups, owners, triton.next_power_of_2(per_token))
+    pairs = len(owners)
+    # Each part starts on an even int64 (16 bytes), as a fresh tensor does: no extra kernel specialisations.
+    tokens_at = len(values) + len(values) % 2
+    gates_at = tokens_at + pairs + pairs % 2
+    host = torch.empty(gates_at + (pairs + 1) // 2, dtype=torch.int64, pin_memory=torch.cuda.is_available())
+    host[:gates_at].copy_(_host_int64([*values, *[0] * (tokens_at - len(values)), *owners, *[0] * (pairs % 2)], False))
+    host[gates_at:].view(torch.float32)[:pairs].copy_(pair_gates_host)
+    device = host.to(hidden.device, non_blocking=True)
+    tokens, gates = device[tokens_at : tokens_at + pairs], device[gates_at:].view(torch.float32)[:pairs]
+    try:
+        launch_grouped(out, hidden, tokens, gates, groups[0][0], placement, swiglu_limit, device, layout)
+    except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
+        mark_broken(exc)
+        return False
+    return True
 
 
 @dataclass(frozen=True)
 class LaunchLayout:
-    """Where a launch table's three parts start and how many rows each has (see :func:`_tables`)."""
+    """Where a launch table's three parts start and how many rows each has (see :func:`_table_values`)."""
 
     groups: int  # (block offset, first pair, pair count) rows from 0
     pair_at: int  # (pair, block offset) rows from here, ``pairs`` of them

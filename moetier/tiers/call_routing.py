@@ -40,20 +40,21 @@ class Group:
 class Routing:
     """The call's pairs sorted by expert, on the host and (once :meth:`to_device` ran) on the device.
 
-    A decode call also has its :class:`HostInputs`; its device tensors are made after its CPU job is
-    submitted (only the device's own experts read them).
+    A decode call also has its :class:`HostInputs`, and its device tensors are only made when the device's
+    experts cannot take the pairs from the host (``run_grouped_host_pairs`` sends them with the launch table).
     """
 
     groups: list[Group]
     order_host: torch.Tensor  # int64 [P]: the pair (in [token, k] order) at each sorted position
     tokens_host: torch.Tensor  # int64 [P]: token of each sorted pair
+    topk_weights: torch.Tensor  # [T, K] the router's weights, on the device
     host: HostInputs | None = None
     tokens_dev: torch.Tensor | None = None
     gates_dev: torch.Tensor | None = None  # [P] routing weight of each sorted pair
 
-    def to_device(self, device: torch.device, topk_weights: torch.Tensor) -> None:
+    def to_device(self, device: torch.device) -> None:
         """The sorted pairs' tokens and gates on ``device`` (:func:`sorted_pairs_on_device`)."""
-        pairs = sorted_pairs_on_device(self.order_host, self.tokens_host, topk_weights, device)
+        pairs = sorted_pairs_on_device(self.order_host, self.tokens_host, self.topk_weights, device)
         self.tokens_dev, self.gates_dev = pairs
 
     def host_gates(self) -> torch.Tensor:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from moetier.errors import ConfigError
-from moetier.kernels.grouped_experts import run_experts
+from moetier.kernels.grouped_experts import run_experts, run_grouped_host_pairs
 from moetier.profiling import phase
 from moetier.tiers.calibration import calibrate_routes
 from moetier.tiers.call_routing import Copies, Group, Routing, add_rows, sort_pairs
@@ -206,9 +206,6 @@ class TieredDispatcher(ExpertDispatcher):
                 copies = self._start_copies(layer, copy_groups)
             if cpu_groups:
                 started = self._submit_cpu(layer, hidden, routing, cpu_groups, release, adapt)
-            if routing.tokens_dev is None:
-                with phase("tiers.to_device"):
-                    routing.to_device(hidden.device, topk_weights)
             with phase("tiers.device"):
                 read = self._compute_on_device(layer, out, hidden, routing, hits, copies, streaming)
             if timer is not None:
@@ -328,9 +325,9 @@ class TieredDispatcher(ExpertDispatcher):
         for expert, count in zip(experts_l, counts_l, strict=True):
             groups.append(Group(expert, start, count, self.cache.get((layer, expert))))
             start += count
-        routing = Routing(groups, order_host, order_host // topk_ids.shape[1], host)
+        routing = Routing(groups, order_host, order_host // topk_ids.shape[1], topk_weights, host)
         if streaming:
-            routing.to_device(hidden.device, topk_weights)
+            routing.to_device(hidden.device)
         return routing
 
     def _start_copies(self, layer: int, copy_groups: list[Group]) -> Copies:
@@ -410,6 +407,15 @@ class TieredDispatcher(ExpertDispatcher):
             self.cache.wait_ready(slot, stream)
         groups = [(slot.weights, group.start, group.count) for group, slot in work]
         limit, top_k = self.store.layout.swiglu_limit, self.store.layout.top_k
+        # A decode call's pairs are on the host: they go to the device with the launch table, in one copy.
+        host_gates = routing.host_gates() if routing.host is not None else None
+        if host_gates is not None and run_grouped_host_pairs(
+            out, hidden, routing.tokens_host, host_gates, groups, limit, top_k
+        ):
+            return
+        if routing.tokens_dev is None:
+            with phase("tiers.to_device"):
+                routing.to_device(hidden.device)
         run_experts(out, hidden, routing.tokens_dev, routing.gates_dev, groups, limit, routing.tokens_host, top_k)
 
     def _refill(
