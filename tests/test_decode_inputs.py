@@ -30,6 +30,19 @@ def test_host_buffers_are_reused_and_grow():
     assert buffers.take("y", (3, 4), torch.float32, pinned=False).data_ptr() != grown.data_ptr()
 
 
+def test_host_buffer_views_are_kept_until_their_buffer_is_replaced():
+    buffers = HostBuffers()
+    square = buffers.take("x", (2, 3), torch.float32, pinned=False)
+    flat = buffers.take("x", (6,), torch.float32, pinned=False)
+    assert buffers.take("x", (2, 3), torch.float32, pinned=False) is square  # no new view per call
+    square.copy_(torch.arange(6.0).view(2, 3))
+    assert flat.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # one buffer, two shapes
+    grown = buffers.take("x", (4, 3), torch.float32, pinned=False)
+    again = buffers.take("x", (2, 3), torch.float32, pinned=False)
+    assert again is not square and again.data_ptr() == grown.data_ptr()  # views of the new buffer
+    assert buffers.take("x", (2, 3), torch.bfloat16, pinned=False).dtype == torch.bfloat16
+
+
 def test_host_inputs_on_the_cpu_are_the_call_tensors():
     hidden, ids, weights = _routing(2, LAYOUT, torch.Generator().manual_seed(0), torch.float32)
     inputs = read_host_inputs(hidden, ids, weights, HostBuffers(), rows=True)

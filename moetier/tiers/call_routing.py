@@ -51,6 +51,7 @@ class Routing:
     host: HostInputs | None = None
     tokens_dev: torch.Tensor | None = None
     gates_dev: torch.Tensor | None = None  # [P] routing weight of each sorted pair
+    _gates_host: torch.Tensor | None = field(default=None, repr=False)
 
     def to_device(self, device: torch.device) -> None:
         """The sorted pairs' tokens and gates on ``device`` (:func:`sorted_pairs_on_device`)."""
@@ -58,9 +59,12 @@ class Routing:
         self.tokens_dev, self.gates_dev = pairs
 
     def host_gates(self) -> torch.Tensor:
-        """A decode call's sorted pairs' routing weights on the host."""
+        """A decode call's sorted pairs' routing weights on the host (gathered once: the CPU job and the
+        device's experts both read them)."""
         assert self.host is not None
-        return self.host.weights[self.order_host]
+        if self._gates_host is None:
+            self._gates_host = self.host.weights[self.order_host]
+        return self._gates_host
 
 
 @dataclass
@@ -85,7 +89,7 @@ def sort_pairs(topk_ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[in
 
     Reading ``topk_ids`` on the host waits for the device to have computed them (phase ``tiers.wait``).
     """
-    flat = topk_ids.reshape(-1)
+    flat = topk_ids if topk_ids.dim() == 1 else topk_ids.reshape(-1)
     small = flat.numel() <= SMALL_ROUTING_PAIRS
     with phase("tiers.wait") if flat.is_cuda else _NO_WAIT:
         ids = flat.tolist() if small else flat.cpu()
