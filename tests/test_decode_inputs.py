@@ -83,9 +83,13 @@ def test_copies_start_first_then_the_cpu_job(copy_cost):
     tiered.close()
 
 
-def test_a_cpu_only_call_reads_its_rows_and_sums_every_row():
+def test_a_cpu_only_call_reads_its_rows_and_sums_every_row(monkeypatch):
     """Decode of several tokens on the CPU tier alone: the job reads the call's rows as they are and its
-    sums cover every row, including rows no CPU group touched (zero), across reused buffers."""
+    sums cover every row, including rows no CPU group touched (zero), across reused buffers; with nothing
+    for the device, no sorted pairs are made there."""
+    from moetier.tiers.call_routing import Routing
+
+    monkeypatch.setattr(Routing, "to_device", lambda self, device: pytest.fail("device pairs for no device work"))
     store = _random_store(LAYOUT, torch.float32)
     resident = ResidentDispatcher(store)
     tiered = TieredDispatcher(store, cache_slots=0, miss_route="cpu")

@@ -402,15 +402,17 @@ class TieredDispatcher(ExpertDispatcher):
 
     def _compute(self, out, hidden, routing: Routing, work: list[tuple[Group, Slot]]) -> None:
         """Run these groups from their slots (each waits for its copy): one grouped launch where it applies."""
+        if not work:  # every miss went to the CPU tier and nothing hit: no device tensors to make
+            return
         stream = self._compute_stream()
         for _, slot in work:
             self.cache.wait_ready(slot, stream)
         groups = [(slot.weights, group.start, group.count) for group, slot in work]
         limit, top_k = self.store.layout.swiglu_limit, self.store.layout.top_k
         # A decode call's pairs are on the host: they go to the device with the launch table, in one copy.
-        host_gates = routing.host_gates() if routing.host is not None else None
-        if host_gates is not None and run_grouped_host_pairs(
-            out, hidden, routing.tokens_host, host_gates, groups, limit, top_k
+        host = routing.host is not None
+        if host and run_grouped_host_pairs(
+            out, hidden, routing.tokens_host, routing.host_gates(), groups, limit, top_k
         ):
             return
         if routing.tokens_dev is None:
