@@ -22,6 +22,8 @@
 # expert formats in CPU_TIER_FORMATS, default bf16,fp8,fp4).
 # GPU_EXPERTS=1 adds `moetier bench gpu-experts` (the device's routed-expert kernels alone, bf16/fp8/fp4,
 # grouped Triton against per-expert; GPU_EXPERTS_ARGS: its extra flags).
+# DISPATCH_HOST=1 adds `moetier bench dispatch-host` (the host's us and aten calls per MoE dispatch call, per
+# dispatcher, small experts; DISPATCH_HOST_ARGS: its extra flags).
 # TRACE=modes (e.g. "tiered") saves those modes' profiled 1-stream decode steps as gzipped Chrome traces.
 # GRAPHS_CHECK=1 adds two decode runs (resident and tiered, 1 and 4 streams) with MOETIER_CUDA_GRAPHS=0, then =1.
 # The bench model is deleted at the end (KEEP_MODEL=1 keeps it): a second suite in the same call may need the disk.
@@ -92,6 +94,12 @@ if [ -n "${GPU_EXPERTS:-}" ]; then  # the device's expert kernels alone, per for
     echo "=== bench gpu-experts" >> "$LOG"
     eval "gpu_experts_args=(${GPU_EXPERTS_ARGS:-})"
     timeout 240 python3 -m moetier.cli bench gpu-experts "${gpu_experts_args[@]}" --out "$OUT" 2>&1 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ -n "${DISPATCH_HOST:-}" ]; then  # the host's cost of one MoE dispatch call, per dispatcher, no model needed
+    echo "=== bench dispatch-host" >> "$LOG"
+    eval "dispatch_host_args=(${DISPATCH_HOST_ARGS:-})"
+    timeout 240 python3 -m moetier.cli bench dispatch-host "${dispatch_host_args[@]}" --out "$OUT" 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then

@@ -327,7 +327,17 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 @subcommand("bench", "measure decode, prefill or serving speed and write a receipt")
 def _setup_bench(parser: argparse.ArgumentParser) -> None:
-    from moetier.bench import cpu_tier, decode, gpu_experts, hf_baseline, plots, prefill, serve, trace_routing
+    from moetier.bench import (
+        cpu_tier,
+        decode,
+        dispatch_host,
+        gpu_experts,
+        hf_baseline,
+        plots,
+        prefill,
+        serve,
+        trace_routing,
+    )
 
     kinds = parser.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
     decode.configure_parser(kinds.add_parser("decode", help="decode tok/s at 1/2/4 streams, all placements"))
@@ -349,6 +359,9 @@ def _setup_bench(parser: argparse.ArgumentParser) -> None:
     )
     gpu_experts.configure_parser(
         kinds.add_parser("gpu-experts", help="device expert kernels alone: us/call and GB/s per format, cold experts")
+    )
+    dispatch_host.configure_parser(
+        kinds.add_parser("dispatch-host", help="the host's cost of one MoE dispatch call: us and aten calls per call")
     )
 
 
