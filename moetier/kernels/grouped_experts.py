@@ -391,13 +391,6 @@ def _table_values(groups: Sequence[Group], owner_of_pair: list[int], per_token: 
     return by_group + by_pair + padded, layout
 
 
-def _host_int64(values: list[int], pinned: bool) -> torch.Tensor:
-    # From an array (torch.tensor of a list converts element by element, ~3x slower); pinned (torch's caching
-    # host allocator) so the copy to the device is a true async DMA.
-    table = torch.frombuffer(array.array("q", values), dtype=torch.int64)
-    return table.pin_memory() if pinned else table
-
-
 def run_grouped(
     out: torch.Tensor,
     hidden: torch.Tensor,
@@ -415,50 +408,11 @@ def run_grouped(
     placement = _placement(first) if placement is None else placement
     host = pair_tokens.cpu() if pair_tokens_host is None else pair_tokens_host
     values, layout = _table_values(groups, host.tolist(), triton.next_power_of_2(per_token))
-    table = _host_int64(values, torch.cuda.is_available()).to(hidden.device, non_blocking=True)
+    # From an array (torch.tensor of a list converts element by element, ~3x slower); pinned (torch's caching
+    # host allocator) so the copy to the device is a true async DMA.
+    table = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    table = (table.pin_memory() if torch.cuda.is_available() else table).to(hidden.device, non_blocking=True)
     launch_grouped(out, hidden, pair_tokens, pair_gates, first, placement, swiglu_limit, table, layout)
-
-
-def run_grouped_host_pairs(
-    out: torch.Tensor,
-    hidden: torch.Tensor,
-    pair_tokens_host: torch.Tensor,
-    pair_gates_host: torch.Tensor,
-    groups: Sequence[Group],
-    swiglu_limit: float | None,
-    per_token: int = 1,
-) -> bool:
-    """:func:`run_experts` for a call whose sorted pairs' tokens and gates are on the host only (a tiered
-    decode call): they travel in the launch table's copy, so the call costs one host-to-device copy and no
-    device-side gather. The kernels and tables of :func:`run_grouped`, so its bits (the gates go as float32,
-    which the kernels round back to the activations' dtype they came in).
-
-    Returns False, having done nothing, when the grouped path does not take ``groups`` (the caller then runs
-    :func:`run_experts` on device tensors), or when a kernel failed (recorded: :func:`mark_broken`).
-    """
-    if (placement := _grouped_placement(hidden, groups)) is None:
-        return False
-    owners = pair_tokens_host.tolist()
-    values, layout = _table_values(groups, owners, triton.next_power_of_2(per_token))
-    pairs = len(owners)
-    # Built as bytes in Python, then three torch calls (a tensor over them, pinned, copied): each torch call
-    # costs ~10 us of host time on the H200's host, the bytes far less. Each part starts on an even int64
-    # (16 bytes), as a fresh tensor does: no extra kernel specialisations.
-    tokens_at = len(values) + len(values) % 2
-    gates_at = tokens_at + pairs + pairs % 2
-    words = array.array("q", values)
-    words.extend([0] * (tokens_at - len(values)) + owners + [0] * (pairs % 2))
-    gates = array.array("f", pair_gates_host.tolist())
-    gates.extend([0.0] * ((-pairs) % 4))  # whole 16-byte units
-    host = torch.frombuffer(bytearray(words.tobytes() + gates.tobytes()), dtype=torch.int64)
-    device = (host.pin_memory() if torch.cuda.is_available() else host).to(hidden.device, non_blocking=True)
-    tokens, gates = device[tokens_at : tokens_at + pairs], device[gates_at:].view(torch.float32)
-    try:
-        launch_grouped(out, hidden, tokens, gates, groups[0][0], placement, swiglu_limit, device, layout)
-    except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
-        mark_broken(exc)
-        return False
-    return True
 
 
 @dataclass(frozen=True)

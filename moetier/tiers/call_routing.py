@@ -40,8 +40,8 @@ class Group:
 class Routing:
     """The call's pairs sorted by expert, on the host and (once :meth:`to_device` ran) on the device.
 
-    A decode call also has its :class:`HostInputs`, and its device tensors are only made when the device's
-    experts cannot take the pairs from the host (``run_grouped_host_pairs`` sends them with the launch table).
+    A decode call also has its :class:`HostInputs`; its device tensors are made after its CPU job is
+    submitted, and only when the device has experts of the call to run (only they read them).
     """
 
     groups: list[Group]
@@ -51,7 +51,6 @@ class Routing:
     host: HostInputs | None = None
     tokens_dev: torch.Tensor | None = None
     gates_dev: torch.Tensor | None = None  # [P] routing weight of each sorted pair
-    _gates_host: torch.Tensor | None = field(default=None, repr=False)
 
     def to_device(self, device: torch.device) -> None:
         """The sorted pairs' tokens and gates on ``device`` (:func:`sorted_pairs_on_device`)."""
@@ -59,12 +58,9 @@ class Routing:
         self.tokens_dev, self.gates_dev = pairs
 
     def host_gates(self) -> torch.Tensor:
-        """A decode call's sorted pairs' routing weights on the host (gathered once: the CPU job and the
-        device's experts both read them)."""
+        """A decode call's sorted pairs' routing weights on the host."""
         assert self.host is not None
-        if self._gates_host is None:
-            self._gates_host = self.host.weights[self.order_host]
-        return self._gates_host
+        return self.host.weights[self.order_host]
 
 
 @dataclass

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from moetier.errors import ConfigError
-from moetier.kernels.grouped_experts import run_experts, run_grouped_host_pairs
+from moetier.kernels.grouped_experts import run_experts
 from moetier.profiling import phase
 from moetier.tiers.calibration import calibrate_routes
 from moetier.tiers.call_routing import Copies, Group, Routing, add_rows, sort_pairs
@@ -409,13 +409,7 @@ class TieredDispatcher(ExpertDispatcher):
             self.cache.wait_ready(slot, stream)
         groups = [(slot.weights, group.start, group.count) for group, slot in work]
         limit, top_k = self.store.layout.swiglu_limit, self.store.layout.top_k
-        # A decode call's pairs are on the host: they go to the device with the launch table, in one copy.
-        host = routing.host is not None
-        if host and run_grouped_host_pairs(
-            out, hidden, routing.tokens_host, routing.host_gates(), groups, limit, top_k
-        ):
-            return
-        if routing.tokens_dev is None:
+        if routing.tokens_dev is None:  # made once per call, and only for a call with device work
             with phase("tiers.to_device"):
                 routing.to_device(hidden.device)
         run_experts(out, hidden, routing.tokens_dev, routing.gates_dev, groups, limit, routing.tokens_host, top_k)
