@@ -468,9 +468,9 @@ _PHASE_COLUMNS = (
 def _host_phase_table(results: list[dict[str, Any]]) -> list[str]:
     """Host ms per step in each phase (``host_ms_per_step``), one row per result that has them."""
     rows = [r for r in results if r.get("host_ms_per_step")]
-    columns = [c for c in _PHASE_COLUMNS if any(c in r["host_ms_per_step"] for r in rows)]
     if not rows:
         return []
+    columns = [c for c in _PHASE_COLUMNS if any(c in r["host_ms_per_step"] for r in rows)]
     lines = [
         "",
         "Host wall ms per step by phase (a parent's time includes its children's; tiers.wait is the host waiting "
