@@ -24,6 +24,8 @@
 # grouped Triton against per-expert; GPU_EXPERTS_ARGS: its extra flags).
 # DISPATCH_HOST=1 adds `moetier bench dispatch-host` (the host's us and aten calls per MoE dispatch call, per
 # dispatcher, small experts; DISPATCH_HOST_ARGS: its extra flags).
+# CPU_WORKER_AB=1 adds a decode run of CPU_WORKER_AB_MODES (default cpu,tiered) with MOETIER_CPU_WORKER=python (the
+# CPU tier's Python worker thread instead of its native one), to compare with the main decode run.
 # TRACE=modes (e.g. "tiered") saves those modes' profiled 1-stream decode steps as gzipped Chrome traces.
 # GRAPHS_CHECK=1 adds two decode runs (resident and tiered, 1 and 4 streams) with MOETIER_CUDA_GRAPHS=0, then =1.
 # The bench model is deleted at the end (KEEP_MODEL=1 keeps it): a second suite in the same call may need the disk.
@@ -123,6 +125,10 @@ if [ -z "${SKIP_BENCH:-}" ]; then
         [ -n "${TRACE:-}" ] && trace=(--trace "$TRACE")
         bench decode 480 --streams 1,2,4 --cache-fraction 0.05 --policy lfu ${BENCH_ARGS---profile} "${hf[@]}" \
             "${trace[@]}"
+    fi
+    if [ -n "${CPU_WORKER_AB:-}" ]; then  # the CPU tier's Python worker, against the main run's native one
+        MOETIER_CPU_WORKER=python bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
+            --modes "${CPU_WORKER_AB_MODES:-cpu,tiered}" --profile
     fi
     if [ -n "${GRAPHS_CHECK:-}" ]; then  # decode CUDA graphs off, then on (Qwen3 / V3 graphs are opt-in)
         for graphs in 0 1; do

@@ -73,6 +73,13 @@ def phase(name: str) -> contextlib.AbstractContextManager[object]:
     return _NO_PHASE if clock is None else _Timed(clock, name)
 
 
+def record_phase(name: str, seconds: float) -> None:
+    """Add a span measured elsewhere (a C thread's job) to the clock of :func:`clocking`, if one runs."""
+    clock = _clock
+    if clock is not None:
+        clock.add(name, seconds)
+
+
 @contextlib.contextmanager
 def clocking() -> Iterator[PhaseClock]:
     """Time every :func:`phase` entered (by any thread) until the block ends, on a fresh clock."""

@@ -1,7 +1,7 @@
 """Building the CPU tier's C kernel: the system C compiler, the cache of builds, the key that names one.
 
-The source (``cpu_experts.c`` and the ``cpu_experts_fp4.c`` it includes) ships with the package and is
-compiled on first use with ``$CC``, else Python's configured compiler, else ``cc``/``gcc``, into
+The source (``cpu_experts.c``, with the ``cpu_experts_fp4.c`` and ``cpu_worker.c`` it includes) ships with the
+package and is compiled on first use with ``$CC``, else Python's configured compiler, else ``cc``/``gcc``, into
 ``$XDG_CACHE_HOME/moetier/kernels`` (default ``~/.cache/moetier/kernels``). The file name hashes the
 sources, the flags, the compiler and the CPU, so a changed source or another host never loads a stale
 build; the build writes a temporary file and renames it, so concurrent builders are safe.
@@ -22,8 +22,8 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu_experts.c")
 # The files SOURCE #includes (one translation unit): a build depends on them too.
-INCLUDED = (SOURCE.with_name("cpu_experts_fp4.c"),)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+INCLUDED = (SOURCE.with_name("cpu_experts_fp4.c"), SOURCE.with_name("cpu_worker.c"))
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
 
 

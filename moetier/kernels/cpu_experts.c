@@ -780,3 +780,5 @@ int moetier_dequantize(int quant, const uint8_t *q, const float *scales, int64_t
 
 /* Which SIMD path this build compiled ("avx512_bf16", "avx512f", "avx2" or "portable"). */
 const char *moetier_cpu_experts_isa(void) { return ISA; }
+
+#include "cpu_worker.c"

@@ -9,7 +9,7 @@ dequantised weights, reading half (fp8) or 0.31x (fp4, with its scales) the byte
 power-of-two scale makes every dequantised value exact (the release's) are decoded in registers instead,
 into the same values, straight into the dot products (``cpu_experts_fp4.c``).
 
-The source (``cpu_experts.c`` and the ``cpu_experts_fp4.c`` it includes) is compiled on first use with
+The source (``cpu_experts.c``, with the ``cpu_experts_fp4.c`` and ``cpu_worker.c`` it includes) is compiled with
 the system C compiler (``-O3 -march=native -fopenmp``) into a per-host cache (:mod:`moetier.kernels.cpu_build`).
 
 Without a compiler, or when the build fails, one warning says why and :func:`available` is False:
@@ -162,6 +162,11 @@ class CpuExpertsLibrary:
         return fn
 
     @property
+    def cdll(self) -> ctypes.CDLL:
+        """The loaded build itself (its other entry points: :mod:`moetier.kernels.cpu_worker`)."""
+        return self._lib
+
+    @property
     def supports_fp8(self) -> bool:
         """Whether this build has the float8 e4m3fn entry point."""
         return self._run_quantised is not None
@@ -256,27 +261,18 @@ class CpuExpertsLibrary:
     ) -> torch.Tensor:
         """:meth:`run` (or ``run_fp8``/``run_fp4``) on experts :func:`check_experts` passed, whose tensors live on
         unmoved (the CPU tier remembers which did): only ``hidden``, ``rows``, ``gates`` and ``out`` are checked."""
-        if not len(experts.pointers) == len(rows) == len(gates):
-            raise ValueError("cpu_experts: experts, rows and gates must have one entry per expert")
-        units, hidden_size = _check(hidden, torch.bfloat16, "hidden", ndim=2).shape
-        if hidden_size != experts.key[1]:
-            raise ValueError(f"cpu_experts: hidden {tuple(hidden.shape)} is not of the experts' H {experts.key[1]}")
-        out = _check_out(out, units, hidden_size)
-        keep, flat_rows, flat_gates, offsets = _pack(rows, gates)
-        code, n, limit = experts.key[0], len(experts.pointers), 0.0 if swiglu_limit is None else float(swiglu_limit)
-        tail = (offsets, flat_rows, flat_gates, hidden.data_ptr(), units, hidden_size, experts.inter)
-        tail += (int(swiglu_limit is not None), limit, out.data_ptr(), int(threads))
-        table, stride = experts.table.buffer_info()[0], 8 * n  # each part's run of n pointers
+        job = checked_job(experts, hidden, rows, gates, swiglu_limit, threads, out)
+        code, n, table = experts.key[0], len(experts.pointers), experts.table.buffer_info()[0]
+        stride = 8 * n  # each part's run of n pointers
         if code == 0:
-            status = self._run(n, table, table + stride, *tail)
+            status = self._run(n, table, table + stride, *job.tail)
         else:
             self._require_quantised()
             arrays = range(table, table + len(QUANT_PARTS) * stride, stride) if n else (table,) * len(QUANT_PARTS)
-            status = self._run_quantised(code, n, *arrays, *experts.key[2], *tail)
-        del keep  # alive until here: the C call read them
-        if status:
-            _raise_for(status)
-        return out
+            status = self._run_quantised(code, n, *arrays, *experts.key[2], *job.tail)
+        del job.keep  # alive until here: the C call read them
+        raise_for(status)
+        return job.out
 
     def _require_quantised(self) -> None:
         if self._run_quantised is None:
@@ -311,11 +307,45 @@ class CpuExpertsLibrary:
         status = self._lib.moetier_dequantize(
             fmt.code, q.data_ptr(), scale.data_ptr(), rows, cols, *tile, out.data_ptr()
         )
-        _raise_for(status)
+        raise_for(status)
         return out
 
 
-def _raise_for(status: int) -> None:
+@dataclass(slots=True)
+class PackedJob:
+    """A checked job's C arguments: ``tail`` (offsets, rows, gates, hidden, U, H, I, has_limit, limit, out,
+    threads: the entry points' trailing arguments), the result buffer, and what must outlive the C call."""
+
+    tail: tuple[Any, ...]
+    out: torch.Tensor
+    keep: Any
+
+
+def checked_job(
+    experts: CheckedExperts,
+    hidden: torch.Tensor,
+    rows: Sequence[torch.Tensor],
+    gates: Sequence[torch.Tensor],
+    swiglu_limit: float | None,
+    threads: int,
+    out: torch.Tensor | None,
+) -> PackedJob:
+    """Check a job's own rows, gates and buffers against experts :func:`check_experts` passed, and pack it."""
+    if not len(experts.pointers) == len(rows) == len(gates):
+        raise ValueError("cpu_experts: experts, rows and gates must have one entry per expert")
+    units, hidden_size = _check(hidden, torch.bfloat16, "hidden", ndim=2).shape
+    if hidden_size != experts.key[1]:
+        raise ValueError(f"cpu_experts: hidden {tuple(hidden.shape)} is not of the experts' H {experts.key[1]}")
+    out = _check_out(out, units, hidden_size)
+    keep, flat_rows, flat_gates, offsets = _pack(rows, gates)
+    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+    tail = (offsets, flat_rows, flat_gates, hidden.data_ptr(), units, hidden_size, experts.inter)
+    tail += (int(swiglu_limit is not None), limit, out.data_ptr(), int(threads))
+    return PackedJob(tail, out, keep)
+
+
+def raise_for(status: int) -> None:
+    """ValueError naming a nonzero status of the C entry points."""
     if status != 0:
         raise ValueError(f"cpu_experts: {_ERRORS.get(status, f'error {status}')}")
 

@@ -14,6 +14,13 @@ dequantises them; other dtypes (e5m2 included), and hosts where it cannot be bui
 A job's host work is small (it sits on the decode critical path and holds the GIL): the kernel checks an
 expert's tensors once (:func:`cpu_experts.check_experts`) and the tier remembers which passed, so later jobs
 compare their ids and data pointers only; ``MOETIER_CPU_KERNEL`` is read once per job.
+
+A job the C kernel runs that needs no wait for inputs (a decode job, built from host tensors) and whose
+``on_done`` is a :class:`~moetier.tiers.gpu_wait.FlagRelease` (or None) goes to the kernel's native worker
+(:mod:`moetier.kernels.cpu_worker`): it is packed on the calling thread and run on a C thread, which also
+stores the flag, so no Python thread takes the GIL from the dispatcher while it launches the device's work.
+Other jobs run on the Python worker. Jobs finish in submission order across both: a native job is only
+queued while no Python job is outstanding, and a Python job first waits for the queued native ones.
 """
 
 from __future__ import annotations
@@ -30,9 +37,10 @@ from typing import Any
 import torch
 
 from moetier.errors import ConfigError
-from moetier.kernels import cpu_experts
-from moetier.profiling import phase
+from moetier.kernels import cpu_experts, cpu_worker
+from moetier.profiling import phase, record_phase
 from moetier.tiers.experts import ExpertWeights, swiglu_expert
+from moetier.tiers.gpu_wait import FlagRelease
 
 TORCH_KERNEL = "torch"
 
@@ -100,10 +108,18 @@ class CpuExpertTier:
     ``last_kernel`` names the path of the latest job (also :attr:`CpuResult.kernel`).
     """
 
-    def __init__(self, swiglu_limit: float | None, threads: int | None = None, use_kernel: bool = True) -> None:
+    def __init__(
+        self,
+        swiglu_limit: float | None,
+        threads: int | None = None,
+        use_kernel: bool = True,
+        native: bool | None = None,
+    ) -> None:
         self.threads = default_cpu_threads() if threads is None else threads
         if self.threads < 1:
             raise ConfigError(f"cpu tier threads must be >= 1, got {self.threads}")
+        # Whether jobs may go to the native worker (None: unless MOETIER_CPU_WORKER=python, the A/B switch).
+        self.native = native if native is not None else os.environ.get("MOETIER_CPU_WORKER", "native") != "python"
         self.swiglu_limit = swiglu_limit
         # Build (or load) the kernel now rather than inside the first decode step.
         self.use_kernel = use_kernel and cpu_experts.available()
@@ -114,11 +130,61 @@ class CpuExpertTier:
             initializer=torch.set_num_threads,
             initargs=(self.threads,),
         )
-        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
+        self._native: list[cpu_worker.NativeWorker] = []  # the native worker, once a job needed it
+        self._last_pool: Future[CpuResult] | None = None
+        self._finalizer = weakref.finalize(self, _shut_down, self._pool, self._native)
 
-    def submit(self, job: CpuJob) -> Future[CpuResult]:
-        """Start ``job`` on the worker now; the caller overlaps its device work and takes ``.result()`` later."""
-        return self._pool.submit(self.run, job)
+    def submit(self, job: CpuJob) -> Future[CpuResult] | NativeFuture:
+        """Start ``job`` now (on the native worker where it can run there, see the module docstring); the caller
+        overlaps its device work and takes ``.result()`` later."""
+        native = self._submit_native(job)
+        if native is not None:
+            return native
+        if self._native:  # after every queued native job, so the flags' values are stored in order
+            future = self._pool.submit(self._run_after_native, self._native[0], job)
+        else:
+            future = self._pool.submit(self.run, job)
+        self._last_pool = future
+        return future
+
+    def _run_after_native(self, worker: cpu_worker.NativeWorker, job: CpuJob) -> CpuResult:
+        worker.drain()
+        return self.run(job)
+
+    def _submit_native(self, job: CpuJob) -> NativeFuture | None:
+        """Queue ``job`` on the native worker, or None where it runs on the Python worker (see the module docstring).
+
+        An error checking or packing the job is the future's (its ``on_done`` has run), as on the Python worker.
+        """
+        done = job.on_done
+        if not self.native or job.ready is not None or not (done is None or isinstance(done, FlagRelease)):
+            return None
+        if self._last_pool is not None and not self._last_pool.done():
+            return None
+        out = job.out if job.out is not None else torch.empty(job.hidden.shape, dtype=torch.float32)
+        plan = self._kernel_for(job, out)
+        if plan is None or not cpu_worker.supported(plan.lib):
+            return None
+        try:
+            hidden, checked = job.hidden.contiguous(), self._checked(job, plan)
+            rows, gates = [g.rows for g in job.groups], [g.gates for g in job.groups]
+            flag = None if done is None else (done.address, done.value)
+            native = self._native_worker(plan.lib).submit(
+                checked, hidden, rows, gates, self.swiglu_limit, self.threads, out, flag
+            )
+        except Exception as exc:  # noqa: BLE001 - the future carries it, as the Python worker's would
+            if done is not None:
+                done()
+            failed: Future[CpuResult] = Future()
+            failed.set_exception(exc)
+            return failed  # type: ignore[return-value]
+        self.last_kernel = plan.kernel_name
+        return NativeFuture(native, plan.kernel_name, sum([group.rows.numel() for group in job.groups]))
+
+    def _native_worker(self, lib: cpu_experts.CpuExpertsLibrary) -> cpu_worker.NativeWorker:
+        if not self._native:
+            self._native.append(cpu_worker.NativeWorker(lib))
+        return self._native[0]
 
     def run(self, job: CpuJob) -> CpuResult:
         """Compute ``job`` in the calling thread (then call its ``on_done``, even on failure)."""
@@ -186,13 +252,19 @@ class CpuExpertTier:
         return _Plan(lib, name, tile, tensors, checked)
 
     def _compute_c(self, job: CpuJob, out: torch.Tensor, plan: _Plan) -> str:
-        hidden, checked = job.hidden.contiguous(), plan.checked
-        if checked is None:  # the kernel's checks (ValueError as its run would raise), remembered
-            checked = cpu_experts.check_experts(plan.name, hidden, plan.tile, plan.tensors)
-            _remember(plan.tensors, checked)
+        hidden, checked = job.hidden.contiguous(), self._checked(job, plan)
         rows, gates = [g.rows for g in job.groups], [g.gates for g in job.groups]
         plan.lib.run_checked(checked, hidden, rows, gates, self.swiglu_limit, self.threads, out)
-        return f"c-{plan.lib.isa}" if plan.name is None else f"c-{plan.lib.isa}-{plan.name}"
+        return plan.kernel_name
+
+    @staticmethod
+    def _checked(job: CpuJob, plan: _Plan) -> cpu_experts.CheckedExperts:
+        """The plan's experts as checked before, or checked now (ValueError as the kernel's run would raise)."""
+        if plan.checked is not None:
+            return plan.checked
+        checked = cpu_experts.check_experts(plan.name, job.hidden, plan.tile, plan.tensors)
+        _remember(plan.tensors, checked)
+        return checked
 
     def _compute_torch(self, job: CpuJob, out: torch.Tensor) -> str:
         out.zero_()
@@ -203,6 +275,34 @@ class CpuExpertTier:
 
     def close(self) -> None:
         self._finalizer()
+
+
+class NativeFuture:
+    """A job on the native worker, shaped like the Python worker's ``Future``: :meth:`result` waits for it (the
+    wait releases the GIL) and returns its :class:`CpuResult` or raises its error; :meth:`done` never waits.
+    Its wall time is added to the ``tiers.cpu_job`` phase when collected (no Python ran while it did)."""
+
+    def __init__(self, job: cpu_worker.NativeJob, kernel: str, pairs: int) -> None:
+        self._job, self._kernel, self._pairs = job, kernel, pairs
+        self._result: CpuResult | None = None
+        self.predicted_seconds: float | None = None  # set by a caller comparing it with the measured seconds
+
+    def done(self) -> bool:
+        return self._job.done()
+
+    def result(self) -> CpuResult:
+        if self._result is None:
+            status, seconds = self._job.wait()
+            cpu_experts.raise_for(status)
+            record_phase("tiers.cpu_job", seconds)
+            self._result = CpuResult(out=self._job.out, seconds=seconds, pairs=self._pairs, kernel=self._kernel)
+        return self._result
+
+
+def _shut_down(pool: ThreadPoolExecutor, native: list[cpu_worker.NativeWorker]) -> None:
+    pool.shutdown(wait=False)
+    for worker in native:
+        worker.close()
 
 
 def _quantised_job(job: CpuJob) -> bool:
@@ -309,3 +409,8 @@ class _Plan:
     tile: tuple[int, int] | None
     tensors: list[tuple[Any, ...]]
     checked: cpu_experts.CheckedExperts | None
+
+    @property
+    def kernel_name(self) -> str:
+        """What :attr:`CpuResult.kernel` says of this path: "c-" + the ISA, then "-fp8" or "-fp4" if quantised."""
+        return f"c-{self.lib.isa}" if self.name is None else f"c-{self.lib.isa}-{self.name}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -118,3 +119,23 @@ class HostFlag:
     def release(self, value: int) -> None:
         """Set the flag to ``value`` (any host thread); streams waiting for it go on."""
         self._cell[0] = value
+
+    def releaser(self, value: int) -> FlagRelease:
+        """A callable that sets the flag to ``value``, which also names the flag's host address (for C code)."""
+        return FlagRelease(self, value)
+
+
+@dataclass(frozen=True)
+class FlagRelease:
+    """``release()`` of a :class:`HostFlag` to ``value``, as a callable; :attr:`address` is the pinned int32 that
+    code outside Python (the CPU tier's native worker) stores ``value`` into instead of calling it."""
+
+    flag: HostFlag
+    value: int
+
+    @property
+    def address(self) -> int:
+        return self.flag.tensor.data_ptr()
+
+    def __call__(self) -> None:
+        self.flag.release(self.value)

@@ -27,10 +27,10 @@ The math is :func:`swiglu_expert` everywhere (decode calls run it as grouped ker
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
-from concurrent import futures
 from typing import Any
 
 import torch
@@ -218,7 +218,8 @@ class TieredDispatcher(ExpertDispatcher):
                 self._admit_cpu_routed(layer, cpu_groups)
         except BaseException:
             if started is not None:
-                futures.wait([started[0]])  # never leave a worker reading buffers this call is about to drop
+                with contextlib.suppress(Exception):  # never leave a worker reading buffers this call drops
+                    started[0].result()
             raise
         if started is not None:
             with phase("tiers.cpu_sums"):
@@ -506,9 +507,9 @@ class TieredDispatcher(ExpertDispatcher):
         return self.cpu_tier.submit(job), None, out, (gates, job_groups)
 
     def _on_done(self, release: int | None) -> Any:
-        """What a job runs when it ends: with ``release``, set the host flag a GPU stream may wait for."""
-        flag = self._flag
-        return None if release is None else (lambda: flag.release(release))
+        """What a job runs when it ends: with ``release``, set the host flag a GPU stream may wait for (a decode
+        job's native worker stores it from C)."""
+        return None if release is None else self._flag.releaser(release)
 
     def _start_cpu(self, layer: int, hidden: torch.Tensor, routing: Routing, groups: list[Group], release: int | None):
         """Gather a streaming call's CPU-routed rows and gates to the host and submit the job.

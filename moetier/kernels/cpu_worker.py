@@ -1,0 +1,153 @@
+"""The CPU tier's native worker (``cpu_worker.c``): checked jobs run on a C thread, with no Python on it.
+
+A Python worker thread holds the GIL for each job's prelude and wrap-up, and a decode job starts just
+as the dispatching thread launches the device's work: that thread then waits for the GIL, job after
+job. :class:`NativeWorker` packs a job on the calling thread (the arrays are copied into C), queues it,
+and returns a :class:`NativeJob` at once; the C thread runs the same entry point a synchronous call
+would (:meth:`CpuExpertsLibrary.run_checked`), then stores an optional value into a 32-bit word of
+pinned memory (:class:`moetier.tiers.gpu_wait.HostFlag`), which releases a CUDA stream waiting for it.
+Jobs run in submission order. Waiting on a job is a ctypes call, so it releases the GIL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from moetier.kernels.cpu_experts import CheckedExperts, CpuExpertsLibrary, checked_job, raise_for
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+class _Entry:
+    """The worker's C functions in one loaded build."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.start = lib.moetier_worker_start
+        self.start.argtypes, self.start.restype = [], _PTR
+        self.stop = lib.moetier_worker_stop
+        self.stop.argtypes, self.stop.restype = [_PTR], None
+        self.submit = lib.moetier_worker_submit
+        # worker, quant, n_experts, table, tile rows, cols; offsets, rows, gates, hidden, U, H, I, has_limit,
+        # limit, out, threads (moetier_cpu_experts' tail); flag, its value, status (the order in the C source).
+        self.submit.argtypes = [_PTR, _INT, _I64, _PTR, _I64, _I64, *[_PTR] * 4, _I64, _I64, _I64, _INT]
+        self.submit.argtypes += [ctypes.c_float, _PTR, _INT, _PTR, ctypes.c_int32, ctypes.POINTER(_INT)]
+        self.submit.restype = _PTR
+        self.done = lib.moetier_worker_done
+        self.done.argtypes, self.done.restype = [_PTR], _INT
+        self.wait = lib.moetier_worker_wait
+        self.wait.argtypes, self.wait.restype = [_PTR, _PTR, ctypes.POINTER(ctypes.c_double)], _INT
+        self.free = lib.moetier_worker_free
+        self.free.argtypes, self.free.restype = [_PTR], None
+
+
+_entries: dict[str, _Entry | None] = {}
+_entries_lock = threading.Lock()
+
+
+def _entry(lib: CpuExpertsLibrary) -> _Entry | None:
+    """The build's worker functions (None for a build without them), bound once per build."""
+    key = str(lib.path)
+    with _entries_lock:
+        if key not in _entries:
+            _entries[key] = _Entry(lib.cdll) if hasattr(lib.cdll, "moetier_worker_submit") else None
+        return _entries[key]
+
+
+def supported(lib: CpuExpertsLibrary) -> bool:
+    """Whether this build has the native worker."""
+    return _entry(lib) is not None
+
+
+class NativeJob:
+    """One queued job: :meth:`wait` blocks (without the GIL) until it ran and returns ``(status, seconds)``.
+
+    Any thread may wait, any number of times; the C side's record is freed once, by the first wait.
+    """
+
+    def __init__(self, entry: _Entry, worker: int, handle: int, out: torch.Tensor, keep: Any) -> None:
+        self._entry, self._worker, self._handle = entry, worker, handle
+        self.out = out
+        self._keep = keep  # the caller's tensors the C thread reads (hidden, out): alive until the job ran
+        self._outcome: tuple[int, float] | None = None
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        if self._outcome is not None:
+            return True
+        return bool(self._entry.done(self._handle))
+
+    def wait(self) -> tuple[int, float]:
+        with self._lock:
+            if self._outcome is None:
+                seconds = ctypes.c_double(0.0)
+                status = self._entry.wait(self._worker, self._handle, ctypes.byref(seconds))
+                self._entry.free(self._handle)
+                self._outcome, self._keep = (int(status), seconds.value), None
+            return self._outcome
+
+    def __del__(self) -> None:  # a job nobody waited for: it still runs; its record is freed once it has
+        if getattr(self, "_outcome", True) is None:
+            self.wait()
+
+
+class NativeWorker:
+    """One C thread running jobs of experts :func:`~moetier.kernels.cpu_experts.check_experts` passed.
+
+    :meth:`submit` checks and packs a job as :meth:`CpuExpertsLibrary.run_checked` does (ValueError for
+    what it refuses) and queues it; :meth:`close` runs what is queued and ends the thread.
+    """
+
+    def __init__(self, lib: CpuExpertsLibrary) -> None:
+        entry = _entry(lib)
+        if entry is None:
+            raise RuntimeError(f"cpu_experts: {lib.path.name} has no native worker")
+        handle = entry.start()
+        if not handle:
+            raise RuntimeError("cpu_experts: could not start the native worker thread")
+        self._entry, self._handle = entry, handle
+        self._last: NativeJob | None = None
+
+    def submit(
+        self,
+        experts: CheckedExperts,
+        hidden: torch.Tensor,
+        rows: Sequence[torch.Tensor],
+        gates: Sequence[torch.Tensor],
+        swiglu_limit: float | None,
+        threads: int,
+        out: torch.Tensor | None = None,
+        flag: tuple[int, int] | None = None,
+    ) -> NativeJob:
+        """Queue the job; ``flag`` is ``(address of a pinned int32, value)`` stored once the sums are in ``out``."""
+        if self._handle is None:
+            raise RuntimeError("cpu_experts: the native worker is closed")
+        job = checked_job(experts, hidden, rows, gates, swiglu_limit, threads, out)
+        code, n, table = experts.key[0], len(experts.pointers), experts.table.buffer_info()[0]
+        tile = experts.key[2] if code else (0, 0)
+        address, value = flag if flag is not None else (0, 0)
+        status = ctypes.c_int(0)
+        handle = self._entry.submit(
+            self._handle, code, n, table, *tile, *job.tail, address or None, value, ctypes.byref(status)
+        )
+        if not handle:
+            raise_for(status.value)
+            raise RuntimeError("cpu_experts: the native worker refused a job")
+        self._last = NativeJob(self._entry, self._handle, handle, job.out, (hidden, job.out))
+        return self._last
+
+    def drain(self) -> None:
+        """Wait until every job queued so far has run."""
+        last = self._last
+        if last is not None:
+            last.wait()
+
+    def close(self) -> None:
+        """Run what is queued, then end the thread (jobs already queued stay waitable)."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            self._entry.stop(handle)

@@ -1,0 +1,155 @@
+"""The CPU tier's native worker: C-thread jobs give the synchronous kernel's bits, store their flag value in
+order (also when they fail), run while the calling thread holds the GIL, and keep order with Python-worker
+jobs. Tiny experts: each test takes well under a second."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+from test_cpu_tier_overhead import HIDDEN, _checked_run, _experts, _job
+
+from moetier.kernels import cpu_experts, cpu_worker
+from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob, NativeFuture
+from moetier.tiers.gpu_wait import FlagRelease
+
+
+@pytest.fixture(autouse=True)
+def _kernel(monkeypatch):
+    monkeypatch.delenv("MOETIER_CPU_KERNEL", raising=False)
+    lib = cpu_experts.library()
+    if not cpu_experts.available() or lib is None or not cpu_worker.supported(lib):
+        pytest.skip("the tier does not use the C kernel here (no compiler, or a build it does not use)")
+
+
+class _Word:
+    """A 32-bit word a job stores into, read without releasing the GIL (numpy indexing)."""
+
+    def __init__(self) -> None:
+        self.tensor = torch.zeros(1, dtype=torch.int32)
+        self.cell = self.tensor.numpy()
+
+    def release(self, value: int) -> None:  # the HostFlag interface FlagRelease calls
+        self.cell[0] = value
+
+
+def _releaser(word: _Word, value: int) -> FlagRelease:
+    return FlagRelease(word, value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_native_jobs_give_the_synchronous_bits_and_store_their_flags_in_order(fmt):
+    experts, word = _experts(3, fmt), _Word()
+    tier = CpuExpertTier(0.4, threads=2)
+    jobs = [_job(experts[::-1] if s % 2 else experts, seed=s) for s in range(6)]
+    for value, job in enumerate(jobs, start=1):
+        job.on_done = _releaser(word, value)
+    futures = [tier.submit(job) for job in jobs]
+    assert all(isinstance(f, NativeFuture) for f in futures)
+    results = [f.result() for f in futures]
+    tier.close()
+    assert word.cell[0] == len(jobs)
+    for s, result in enumerate(results):
+        assert torch.equal(result.out, _checked_run(_job(experts[::-1] if s % 2 else experts, seed=s), fmt))
+        assert result.seconds > 0 and result.pairs == 6 and result.kernel.startswith("c-")
+
+
+def test_a_native_job_runs_while_the_caller_holds_the_gil():
+    """The flag is stored with no Python thread running: a Python worker could not take the GIL here."""
+    experts, word = _experts(2, "bf16"), _Word()
+    tier = CpuExpertTier(0.4, threads=1)
+    tier.submit(_job(experts)).result()  # the worker thread exists and the experts are checked
+    job = _job(experts, seed=5)
+    job.on_done = _releaser(word, 7)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)  # this thread gives the GIL away only where it blocks
+    try:
+        future = tier.submit(job)
+        deadline, stored = time.perf_counter() + 5.0, False
+        while time.perf_counter() < deadline:  # pure Python: never releases the GIL
+            if word.cell[0] == 7:
+                stored = True
+                break
+    finally:
+        sys.setswitchinterval(interval)
+    assert stored
+    assert torch.equal(future.result().out, _checked_run(_job(experts, seed=5), "bf16"))
+    tier.close()
+
+
+def test_a_failed_native_job_raises_at_result_and_still_stores_its_flag():
+    experts, word = _experts(2, "bf16"), _Word()
+    tier = CpuExpertTier(0.4, threads=1)
+    job = _job(experts)
+    job.groups[1] = CpuGroup(job.groups[1].weights, torch.tensor([0, 9]), job.groups[1].gates)  # row 9 of 4
+    job.on_done = _releaser(word, 3)
+    future = tier.submit(job)
+    assert isinstance(future, NativeFuture)
+    with pytest.raises(ValueError, match="out of range"):
+        future.result()
+    assert word.cell[0] == 3
+    bad_hidden = _job(experts)
+    bad_hidden.hidden = torch.zeros(4, HIDDEN + 2, dtype=torch.bfloat16)  # fails the check at submit
+    bad_hidden.on_done = _releaser(word, 4)
+    failed = tier.submit(bad_hidden)
+    with pytest.raises(ValueError, match="expected"):
+        failed.result()
+    assert word.cell[0] == 4
+    tier.close()
+
+
+def test_jobs_keep_their_order_across_the_native_and_the_python_worker():
+    experts = _experts(2, "bf16")
+    tier = CpuExpertTier(0.4, threads=1)
+    native = [tier.submit(_job(experts, seed=s)) for s in range(3)]
+    seen: list[bool] = []
+    python_job = _job(experts, seed=9)
+    python_job.on_done = lambda: seen.append(all(f.done() for f in native))  # a plain callable: the Python worker
+    after = tier.submit(python_job)
+    assert isinstance(after, Future) and all(isinstance(f, NativeFuture) for f in native)
+    after.result()
+    assert seen == [True]
+    # While a Python job is outstanding, the next job queues behind it on the Python worker.
+    gate = threading.Event()
+    slow = _job(experts, seed=10)
+    slow.ready = type("Ready", (), {"synchronize": staticmethod(gate.wait)})()
+    blocked = tier.submit(slow)
+    behind = tier.submit(_job(experts, seed=11))
+    assert isinstance(behind, Future) and not behind.done()
+    gate.set()
+    assert torch.equal(behind.result().out, _checked_run(_job(experts, seed=11), "bf16"))
+    assert blocked.result().wait_seconds >= 0.0
+    tier.close()
+
+
+def test_the_worker_refuses_jobs_once_closed_and_its_jobs_stay_waitable():
+    lib = cpu_experts.library()
+    experts = _experts(2, "bf16")
+    job = _job(experts)
+    checked = cpu_experts.check_experts(None, job.hidden, None, [(w.gate_up, w.down) for w in experts])
+    rows, gates = [g.rows for g in job.groups], [g.gates for g in job.groups]
+    worker = cpu_worker.NativeWorker(lib)
+    queued = [worker.submit(checked, job.hidden, rows, gates, 0.4, 1) for _ in range(4)]
+    worker.close()  # runs what is queued first
+    assert all(q.done() for q in queued) and [q.wait()[0] for q in queued] == [0] * 4
+    assert torch.equal(queued[-1].out, _checked_run(job, "bf16"))
+    with pytest.raises(RuntimeError, match="closed"):
+        worker.submit(checked, job.hidden, rows, gates, 0.4, 1)
+
+
+def test_cpu_job_rows_are_gathered_per_group():
+    """A job whose groups share rows sums them in fp32, as the synchronous path does."""
+    experts = _experts(3, "fp4")
+    job = _job(experts)
+    job.groups = [CpuGroup(g.weights, torch.tensor([1, 1]), g.gates) for g in job.groups]
+    tier = CpuExpertTier(0.4, threads=2)
+    ours = tier.submit(job).result()
+    tier.close()
+    reference = CpuExpertTier(0.4, threads=1)
+    expected = reference.run(CpuJob(hidden=job.hidden, groups=job.groups))
+    reference.close()
+    assert torch.equal(ours.out, expected.out)
