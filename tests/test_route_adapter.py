@@ -70,7 +70,14 @@ def test_dispatcher_moves_misses_off_a_route_that_turned_slow(monkeypatch):
     (as when another reader saturates host memory) the split sends it none (2 misses a call: the CPU
     gets one only while it costs less than two copies)."""
     store = random_store()  # 16 experts per layer, top-2, fp32, on the CPU
-    options = {"cache_slots": 0, "miss_route": "auto", "calibrate": False, "policy": "lru", "adapt_costs": True}
+    options = {
+        "cache_slots": 0,
+        "miss_route": "auto",
+        "calibrate": False,
+        "policy": "lru",
+        "adapt_costs": True,
+        "choose_split": False,
+    }
     dispatcher = TieredDispatcher(store, **options)
     dispatcher.prepare("cpu")
     dispatcher.costs = RouteCosts(cpu_fixed=1e-3, copy_fixed=1e-3)
@@ -106,7 +113,7 @@ def test_metrics_export_the_route_scales_live():
     from moetier.server.metrics import ServerMetrics
 
     store = random_store()
-    dispatcher = TieredDispatcher(store, cache_slots=0, calibrate=False, adapt_costs=True)
+    dispatcher = TieredDispatcher(store, cache_slots=0, calibrate=False, adapt_costs=True, choose_split=False)
     dispatcher.prepare("cpu")
     server = ServerMetrics(lambda: None, lambda: "tiny", lambda: dispatcher.metrics)
     assert "tier_route_cost_scale" not in server.render().decode()  # nothing measured yet
@@ -152,7 +159,14 @@ def test_dispatcher_measures_a_route_again_after_starving_it():
     """A CPU route once priced 1000x too dear gets no misses; after ``probe_after`` calls it gets one, the
     adapter sees what it really costs, and the split uses it again."""
     store = random_store()
-    options = {"cache_slots": 0, "miss_route": "auto", "calibrate": False, "policy": "lru", "adapt_costs": True}
+    options = {
+        "cache_slots": 0,
+        "miss_route": "auto",
+        "calibrate": False,
+        "policy": "lru",
+        "adapt_costs": True,
+        "choose_split": False,
+    }
     dispatcher = TieredDispatcher(store, **options)
     dispatcher.prepare("cpu")
     dispatcher.adapter.probe_after = 4

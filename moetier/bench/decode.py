@@ -303,6 +303,8 @@ def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams
         "distinct_experts_per_layer": {str(k): len(v) for k, v in sorted(metrics.routing_counts().items())},
         # Measured / start-up cost of each miss route while decoding (tiers.route_costs.RouteAdapter).
         "route_cost_scales": dict(getattr(getattr(dispatcher, "adapter", None), "scales", {})),
+        # The decode split chosen per batch size by measured step time (tiers.split_choice.SplitChooser).
+        "split_choices": {str(k): v for k, v in getattr(metrics, "split_choices", dict)().items()},
         "timed_steps": steps,
     }
 
@@ -377,6 +379,8 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
             trace_path = Path(cfg.trace_dir) / f"decode-trace-{mode}.json.gz" if mode in cfg.trace else None
             profiles[mode] = _profile_steps(_DecodeRun(model, 1, cfg, vocab), trace_path=trace_path)
             profiles[mode] += "\n" + _python_profile(_DecodeRun(model, 1, cfg, vocab), cfg.host_steps)
+        if choices := getattr(getattr(dispatcher, "metrics", None), "split_choices", dict)():
+            notes.append(f"{mode}: decode split chosen by measured step time, per tokens per call: {choices}")
         if hasattr(dispatcher, "close"):
             dispatcher.close()
         del dispatcher

@@ -421,11 +421,12 @@ def _pack(rows: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> tuple[
     few pairs go through Python lists (cheaper than torch.cat), the same values: 1-d rows of integers, 1-d gates
     of a dtype fp32 holds exactly; anything else raises TypeError or OverflowError there, and torch packs it."""
     try:
-        row_lists = [r.tolist() for r in rows]
+        row_lists = [r if isinstance(r, list) else r.tolist() for r in rows]
         counts = list(map(len, row_lists))
-        if sum(counts) > _SMALL_PACK or not _EXACT_GATES.issuperset([g.dtype for g in gates]):
+        tensors = [g for g in gates if not isinstance(g, list)]  # lists: values fp32 holds (CpuGroup's contract)
+        if sum(counts) > _SMALL_PACK or not _EXACT_GATES.issuperset([g.dtype for g in tensors]):
             raise TypeError("many pairs, or gates of a dtype fp32 does not hold")
-        gate_lists = [g.tolist() for g in gates]
+        gate_lists = [g if isinstance(g, list) else g.tolist() for g in gates]
         if list(map(len, gate_lists)) != counts:
             raise TypeError("gates not 1-d, or not one per row")
         offsets_rows = array("q", itertools.accumulate(counts, initial=0))  # then the rows: one array
@@ -441,6 +442,8 @@ def _pack(rows: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> tuple[
 
 def _pack_torch(rows: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> tuple[Any, Any, list[int]]:
     """All experts' rows as int64 and gates as fp32, end to end (contiguous CPU tensors), and their counts."""
+    rows = [torch.as_tensor(r, dtype=torch.int64) if isinstance(r, list) else r for r in rows]
+    gates = [torch.as_tensor(g, dtype=torch.float32) if isinstance(g, list) else g for g in gates]
     counts = [int(r.numel()) for r in rows]
     if any(int(g.numel()) != c for g, c in zip(gates, counts, strict=True)):
         raise ValueError("cpu_experts: each expert needs one gate per row")

@@ -285,6 +285,16 @@ class _TierCollector(Collector):
             for route, scale in sorted(scales.items()):
                 family.add_metric([name, route], scale)
             yield family
+        choices = getattr(metrics, "split_choices", dict)()
+        if choices:  # the decode split chosen per batch size by measured step time
+            family = GaugeMetricFamily(
+                PREFIX + "tier_split_copies_only",
+                "1 when decode steps of this many tokens copy every miss (faster measured), 0 when they split.",
+                labels=["model_name", "tokens"],
+            )
+            for tokens, choice in choices.items():
+                family.add_metric([name, str(tokens)], float(choice["route"] == "copy"))
+            yield family
 
 
 class ServerMetrics:

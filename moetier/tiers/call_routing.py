@@ -57,11 +57,6 @@ class Routing:
         pairs = sorted_pairs_on_device(self.order_host, self.tokens_host, self.topk_weights, device)
         self.tokens_dev, self.gates_dev = pairs
 
-    def host_gates(self) -> torch.Tensor:
-        """A decode call's sorted pairs' routing weights on the host."""
-        assert self.host is not None
-        return self.host.weights[self.order_host]
-
 
 @dataclass
 class Copies:

@@ -56,11 +56,14 @@ def default_cpu_threads() -> int:
 
 @dataclass
 class CpuGroup:
-    """One expert's share of a job: ``rows`` index ``CpuJob.hidden``; ``gates`` are the routing weights."""
+    """One expert's share of a job: ``rows`` index ``CpuJob.hidden``; ``gates`` are the routing weights.
+
+    Either may be a Python list (a decode job's few pairs: no tensor to make); a list of gates must hold
+    values fp32 represents exactly (read from an fp32, bf16 or fp16 tensor)."""
 
     weights: ExpertWeights
-    rows: torch.Tensor  # int64 [n]
-    gates: torch.Tensor  # [n], any float dtype
+    rows: torch.Tensor | list[int]  # int64 [n]
+    gates: torch.Tensor | list[float]  # [n], any float dtype
 
 
 @dataclass
@@ -179,7 +182,7 @@ class CpuExpertTier:
             failed.set_exception(exc)
             return failed  # type: ignore[return-value]
         self.last_kernel = plan.kernel_name
-        return NativeFuture(native, plan.kernel_name, sum([group.rows.numel() for group in job.groups]))
+        return NativeFuture(native, plan.kernel_name, _pairs(job))
 
     def _native_worker(self, lib: cpu_experts.CpuExpertsLibrary) -> cpu_worker.NativeWorker:
         if not self._native:
@@ -213,7 +216,7 @@ class CpuExpertTier:
                 with torch.inference_mode():
                     kernel = self._compute_torch(job, out)
         self.last_kernel = kernel
-        pairs = sum([group.rows.numel() for group in job.groups])
+        pairs = _pairs(job)
         seconds = time.perf_counter() - start
         return CpuResult(out=out, seconds=seconds, wait_seconds=waited, pairs=pairs, kernel=kernel)
 
@@ -269,8 +272,9 @@ class CpuExpertTier:
     def _compute_torch(self, job: CpuJob, out: torch.Tensor) -> str:
         out.zero_()
         for group in job.groups:
-            y = swiglu_expert(job.hidden[group.rows], group.weights, self.swiglu_limit)
-            out.index_add_(0, group.rows, y.float() * group.gates.float()[:, None])
+            rows, gates = torch.as_tensor(group.rows, dtype=torch.int64), torch.as_tensor(group.gates)
+            y = swiglu_expert(job.hidden[rows], group.weights, self.swiglu_limit)
+            out.index_add_(0, rows, y.float() * gates.float()[:, None])
         return TORCH_KERNEL
 
     def close(self) -> None:
@@ -303,6 +307,10 @@ def _shut_down(pool: ThreadPoolExecutor, native: list[cpu_worker.NativeWorker]) 
     pool.shutdown(wait=False)
     for worker in native:
         worker.close()
+
+
+def _pairs(job: CpuJob) -> int:
+    return sum([len(group.rows) for group in job.groups])
 
 
 def _quantised_job(job: CpuJob) -> bool:

@@ -7,6 +7,7 @@ benchmark receipts. Nothing here synchronises a device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 
@@ -66,6 +67,8 @@ class TierMetrics:
         # Measured / start-up cost of each miss route (tiers.route_costs.RouteAdapter): state, not a
         # counter, so reset() keeps it. The dispatcher shares its adapter's dict here.
         self.route_cost_scales: dict[str, float] = {}
+        # The decode split's choice per batch size (tiers.split_choice.SplitChooser.report), state as well.
+        self.split_choices: Callable[[], dict[int, dict[str, float | str]]] = dict
         self.reset()
 
     def reset(self) -> None:

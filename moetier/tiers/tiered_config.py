@@ -45,6 +45,8 @@ class TieredConfig:
     measured; ``True``: anywhere; ``auto`` route without ``cpu_share`` only), decode calls rescale each
     route's costs by what its share of each call took (:class:`RouteAdapter`); the split then follows
     wall-clock timings, so it is not reproducible run to run (the math is the same either way).
+    With ``choose_split`` (``None``: whenever costs adapt), each decode batch size runs the cost model's split
+    and copies-only in turn and keeps the one of shorter measured steps (:class:`SplitChooser`).
     A decode call copies up to ``decode_prefetch`` of the experts the model hinted for the next MoE
     layer (:meth:`ExpertDispatcher.hint`) into free staging slots once its own copies are enqueued
     (0: hints are not asked for), and only the ranks of the prediction whose measured precision reaches
@@ -66,6 +68,7 @@ class TieredConfig:
     lend_slots: int = DEFAULT_LEND_SLOTS
     gpu_waits_for_cpu: bool = True  # where the driver allows it (moetier.tiers.gpu_wait); else the host waits
     adapt_costs: bool | None = None
+    choose_split: bool | None = None
     decode_prefetch: int = 4
     hint_min_precision: float = 0.8
 

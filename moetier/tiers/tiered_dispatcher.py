@@ -51,9 +51,12 @@ from moetier.tiers.hints import HintBuffer
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.policies import make_policy
 from moetier.tiers.route_costs import RouteAdapter, RouteCosts, split_misses
+from moetier.tiers.split_choice import SplitChooser
 from moetier.tiers.tiered_config import TieredConfig, default_staging_slots
 
 log = logging.getLogger(__name__)
+# A longer gap between two decode steps is idle time (no requests), not a step: it is not timed.
+_STEP_GAP_S = 1.0
 
 
 class TieredDispatcher(ExpertDispatcher):
@@ -88,6 +91,10 @@ class TieredDispatcher(ExpertDispatcher):
         self.adapter = RouteAdapter()
         self.metrics.route_cost_scales = self.adapter.scales  # the same dict: /metrics reads it live
         self._copy_timings = CopyTimings(self.adapter, None)  # on the cache's copy stream once prepared
+        self.chooser = SplitChooser()
+        self.metrics.split_choices = self.chooser.report
+        self._step_route = self.config.miss_route  # the miss route of the step in progress
+        self._step_mark: tuple[int, str, float] | None = None  # (tokens, route, start) of the decode step timed
         self._hints = HintBuffer(min_precision=self.config.hint_min_precision)
         self._host_buffers = HostBuffers()  # a decode call's routing, rows and CPU sums on the host
         self._stream: Any = None  # the compute stream of the call in progress (None off CUDA)
@@ -182,6 +189,7 @@ class TieredDispatcher(ExpertDispatcher):
             self.step += 1
             self.metrics.tokens += hidden.shape[0]
             self._lend_or_reclaim(streaming)
+            self._start_step(hidden.shape[0], streaming)
         with phase("tiers.route"):  # the host waits here for the router's ids
             routing = self._route(layer, hidden, topk_ids, topk_weights, streaming)
         adapt = self._adapting(streaming)
@@ -235,12 +243,31 @@ class TieredDispatcher(ExpertDispatcher):
         # A prefetched miss is already on its way to the device: it is not the CPU's any more.
         prefetched = [g for g in misses if self.cache.is_prefetched((layer, g.expert))]
         others = [g for g in misses if not self.cache.is_prefetched((layer, g.expert))]
+        route = self._step_route
+        adapt = adapt and route == "auto"  # a copies-only step (SplitChooser) tells the adapter nothing of the split
         probe = self.adapter.probe() if adapt else None  # a starved route gets one group, to be measured again
-        route, costs, fat = self.config.miss_route, self._costs(adapt), self.config.fat_threshold
+        costs, fat = self._costs(adapt), self.config.fat_threshold
         cpu_idx, copy_idx = split_misses([g.count for g in others], route, costs, fat, probe)
         if adapt:
             self.adapter.note_split(len(cpu_idx), len(copy_idx))
         return hits, [others[i] for i in cpu_idx], prefetched + [others[i] for i in copy_idx]
+
+    def _start_step(self, tokens: int, streaming: bool) -> None:
+        """First MoE layer of a forward: time the previous decode step for the chooser, pick this step's route."""
+        now, mark = time.perf_counter(), self._step_mark
+        self._step_mark, self._step_route = None, self.config.miss_route
+        if streaming or not self._choosing():
+            return
+        if mark is not None and mark[0] == tokens and now - mark[2] < _STEP_GAP_S:
+            self.chooser.observe(tokens, mark[1], now - mark[2])
+        self._step_route = self.chooser.route(tokens)
+        self._step_mark = (tokens, self._step_route, now)
+
+    def _choosing(self) -> bool:
+        """Whether decode steps choose between the split and copies only (``TieredConfig.choose_split``)."""
+        cfg = self.config
+        wanted = cfg.choose_split if cfg.choose_split is not None else self._adapting(False)
+        return wanted and cfg.miss_route == "auto" and cfg.cpu_share is None
 
     def _costs(self, adapt: bool) -> RouteCosts:
         return self.adapter.costs(self.costs) if adapt else self.costs
@@ -495,16 +522,19 @@ class TieredDispatcher(ExpertDispatcher):
         """Submit a decode call's CPU job over its host inputs: every row of the call, each group's tokens
         and gates sliced from the sorted pairs, the fp32 sums into a reused (pinned) buffer that is added to
         every row (rows no group touched are zero). Returns what :meth:`_start_cpu` returns."""
-        host = routing.host
-        gates = routing.host_gates()
-        job_groups = [
-            CpuGroup(self.store.expert(layer, g.expert), routing.tokens_host[g.pairs], gates[g.pairs]) for g in groups
-        ]
+        host, top_k = routing.host, self.store.layout.top_k
+        # Python lists, not tensor slices: a decode job has a few pairs, and each torch call costs more than they do.
+        order, weights = routing.order_host.tolist(), host.weights.view(-1).tolist()
+        job_groups = []
+        for g in groups:
+            pairs = order[g.start : g.start + g.count]
+            rows, gates = [pair // top_k for pair in pairs], [weights[pair] for pair in pairs]
+            job_groups.append(CpuGroup(self.store.expert(layer, g.expert), rows, gates))
         cuda = self.device.type == "cuda"
         out = self._host_buffers.take("cpu_out", tuple(host.hidden.shape), torch.float32, pinned=cuda)
         self.metrics.layer(layer).cpu_pairs += sum(g.count for g in groups)
         job = CpuJob(hidden=host.hidden, groups=job_groups, out=out, on_done=self._on_done(release))
-        return self.cpu_tier.submit(job), None, out, (gates, job_groups)
+        return self.cpu_tier.submit(job), None, out, (job_groups,)
 
     def _on_done(self, release: int | None) -> Any:
         """What a job runs when it ends: with ``release``, set the host flag a GPU stream may wait for (a decode

@@ -1,0 +1,92 @@
+"""Which miss route a decode step takes, chosen by measured step time: the cost model's split, or copies only.
+
+The split's cost model (:mod:`moetier.tiers.route_costs`) prices each route's own work. It cannot price
+what the CPU tier's load costs the thread that launches the device's work: on the H200 host the same
+attention launches took 1.5-1.9x longer while the CPU tier ran (``results/README.md``, seventh session),
+and at one stream, where that thread is the bottleneck, the split then loses to copying every miss. So
+the split is chosen the way a user would judge it, by the wall time of whole decode steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from moetier.errors import ConfigError
+
+SPLIT_ROUTES = ("auto", "copy")  # the cost model's split, and every miss through the copy path
+
+
+@dataclass
+class _BatchTrial:
+    """One batch size's state: the route in trial (``index`` into the routes), its samples, the winner."""
+
+    index: int = 0
+    seen: int = 0  # steps of the current route in this trial, counted or not
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    winner: str | None = None
+    since_trial: int = 0  # steps run with the winner since the trial ended
+    medians: dict[str, float] = field(default_factory=dict)  # the last finished trial's, seconds per step
+
+
+@dataclass
+class SplitChooser:
+    """Per decode batch size (tokens per call), the route of :data:`SPLIT_ROUTES` with the shortest steps.
+
+    A batch size starts with a trial: each route runs ``settle_steps`` steps that are not counted (the
+    cache and the route costs settle after a switch), then ``trial_steps`` timed ones; the route of the
+    lowest median step time wins and runs for ``revisit_steps`` steps, then the trial runs again
+    (routing, load and the cache's contents change over a session). :meth:`route` names the route of the
+    step about to run, :meth:`observe` takes the seconds of a step that ran with the route it was given.
+    """
+
+    trial_steps: int = 6
+    settle_steps: int = 1
+    revisit_steps: int = 256
+    routes: tuple[str, ...] = SPLIT_ROUTES
+    _trials: dict[int, _BatchTrial] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.trial_steps < 1 or self.settle_steps < 0 or self.revisit_steps < 1:
+            raise ConfigError(
+                f"split chooser needs trial_steps >= 1, settle_steps >= 0, revisit_steps >= 1: "
+                f"{self.trial_steps}, {self.settle_steps}, {self.revisit_steps}"
+            )
+        if not self.routes or any(route not in SPLIT_ROUTES for route in self.routes):
+            raise ConfigError(f"split chooser routes must be some of {SPLIT_ROUTES}, got {self.routes}")
+
+    def route(self, tokens: int) -> str:
+        """The route for a step of ``tokens`` tokens per call."""
+        trial = self._trials.setdefault(tokens, _BatchTrial())
+        if trial.winner is not None and trial.since_trial < self.revisit_steps:
+            return trial.winner
+        return self.routes[trial.index]
+
+    def observe(self, tokens: int, route: str, seconds: float) -> None:
+        """A step of ``tokens`` tokens per call ran with ``route`` (from :meth:`route`) in ``seconds``."""
+        trial = self._trials.setdefault(tokens, _BatchTrial())
+        if trial.winner is not None and trial.since_trial < self.revisit_steps:
+            trial.since_trial += 1
+            return
+        if route != self.routes[trial.index]:
+            return  # a step routed before the trial moved on
+        trial.seen += 1
+        if trial.seen <= self.settle_steps:
+            return
+        samples = trial.samples.setdefault(route, [])
+        samples.append(seconds)
+        if len(samples) < self.trial_steps:
+            return
+        trial.index, trial.seen = trial.index + 1, 0
+        if trial.index == len(self.routes):
+            trial.medians = {r: statistics.median(trial.samples[r]) for r in self.routes}
+            trial.winner = min(self.routes, key=trial.medians.__getitem__)  # ties: the first, the model's split
+            trial.index, trial.samples, trial.since_trial = 0, {}, 0
+
+    def report(self) -> dict[int, dict[str, float | str]]:
+        """Per batch size that finished a trial: the winning route and each route's median ms per step."""
+        return {
+            tokens: {"route": t.winner, **{f"{r}_ms": round(1e3 * s, 3) for r, s in t.medians.items()}}
+            for tokens, t in sorted(self._trials.items())
+            if t.winner is not None
+        }
