@@ -28,6 +28,10 @@ def test_stream_waits_for_the_host_flag():
         pytest.skip("this driver/device has no stream memory operations")
     stream = torch.cuda.current_stream()
     x = torch.zeros(4, device="cuda")
+    # Load the add kernel first: with CUDA's lazy loading, the first launch of a kernel may wait for the
+    # device, which this test's wait holds until the timer below (started after the launch) releases it.
+    x.add_(1)
+    torch.cuda.synchronize()
     value = flag.next_value()
     assert flag.wait_on(stream, value)
     x.add_(1)
@@ -37,7 +41,7 @@ def test_stream_waits_for_the_host_flag():
     assert not done.query()  # the add is held back by the wait
     threading.Timer(0.05, flag.release, args=(value,)).start()
     done.synchronize()
-    assert torch.equal(x.cpu(), torch.ones(4))
+    assert torch.equal(x.cpu(), torch.full((4,), 2.0))
 
 
 @pytest.mark.gpu

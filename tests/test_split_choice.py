@@ -23,19 +23,28 @@ def _run(chooser: SplitChooser, tokens: int, steps: int, ms: dict[str, float]) -
     return routes
 
 
-def test_a_trial_runs_each_route_then_keeps_the_faster_until_the_revisit():
-    chooser = SplitChooser(trial_steps=3, settle_steps=1, revisit_steps=5)
-    routes = _run(chooser, 1, 8, {"auto": 9.0, "copy": 6.0})
-    assert routes == ["auto"] * 4 + ["copy"] * 4  # one settle step and three timed ones each
+def test_a_trial_visits_each_route_twice_then_keeps_the_faster_until_the_revisit():
+    chooser = SplitChooser(block_steps=2, rounds=2, settle_steps=1, revisit_steps=5)
+    routes = _run(chooser, 1, 12, {"auto": 9.0, "copy": 6.0})
+    assert routes == (["auto"] * 3 + ["copy"] * 3) * 2  # one settle step and two timed ones per visit
     assert chooser.report() == {1: {"route": "copy", "auto_ms": 9.0, "copy_ms": 6.0}}
     assert _run(chooser, 1, 5, {"auto": 9.0, "copy": 6.0}) == ["copy"] * 5
     # The revisit: load changed, the split is now faster and wins the new trial.
-    assert _run(chooser, 1, 9, {"auto": 4.0, "copy": 6.0}) == ["auto"] * 4 + ["copy"] * 4 + ["auto"]
+    assert _run(chooser, 1, 13, {"auto": 4.0, "copy": 6.0}) == (["auto"] * 3 + ["copy"] * 3) * 2 + ["auto"]
     assert chooser.report()[1]["route"] == "auto"
 
 
+def test_copies_only_must_beat_the_split_by_the_margin():
+    chooser = SplitChooser(block_steps=2, rounds=1, settle_steps=0, margin=0.05)
+    _run(chooser, 1, 4, {"auto": 10.0, "copy": 9.7})  # 3% faster: within the margin, the split stays
+    assert chooser.report()[1]["route"] == "auto"
+    chooser = SplitChooser(block_steps=2, rounds=1, settle_steps=0, margin=0.05)
+    _run(chooser, 1, 4, {"auto": 10.0, "copy": 9.0})
+    assert chooser.report()[1]["route"] == "copy"
+
+
 def test_batch_sizes_choose_apart_and_medians_ignore_one_outlier():
-    chooser = SplitChooser(trial_steps=3, settle_steps=0)
+    chooser = SplitChooser(block_steps=3, rounds=1, settle_steps=0)
     slow_then_fast = iter([50.0, 5.0, 5.0])  # one stall in the split's trial of batch 4
     for _ in range(6):
         for tokens, ms in ((1, {"auto": 9.0, "copy": 6.0}), (4, {"auto": 7.0, "copy": 8.0})):
@@ -46,14 +55,15 @@ def test_batch_sizes_choose_apart_and_medians_ignore_one_outlier():
 
 
 def test_a_step_timed_with_a_stale_route_is_not_counted():
-    chooser = SplitChooser(trial_steps=2, settle_steps=0)
+    chooser = SplitChooser(block_steps=2, rounds=1, settle_steps=0)
     chooser.observe(1, "copy", 1e-3)  # the trial is on the split: a copies-only step says nothing of it
     assert _run(chooser, 1, 4, {"auto": 2.0, "copy": 3.0}) == ["auto", "auto", "copy", "copy"]
     assert chooser.report()[1] == {"route": "auto", "auto_ms": 2.0, "copy_ms": 3.0}
 
 
 def test_bad_options_are_refused():
-    for options in ({"trial_steps": 0}, {"settle_steps": -1}, {"revisit_steps": 0}, {"routes": ("auto", "disk")}):
+    bad = ({"block_steps": 0}, {"rounds": 0}, {"settle_steps": -1}, {"revisit_steps": 0}, {"margin": 1.0})
+    for options in (*bad, {"routes": ("auto", "disk")}):
         with pytest.raises(ConfigError):
             SplitChooser(**options)
 
@@ -74,13 +84,13 @@ def test_the_dispatcher_copies_every_miss_once_copies_only_measured_faster(monke
     options = {"cache_slots": 0, "calibrate": False, "adapt_costs": True, "cpu_share": None}
     dispatcher = TieredDispatcher(store, **options)
     dispatcher.prepare("cpu")
-    dispatcher.chooser = SplitChooser(trial_steps=3, settle_steps=1)
+    dispatcher.chooser = SplitChooser(block_steps=3, rounds=1, settle_steps=1)
     dispatcher.metrics.split_choices = dispatcher.chooser.report
     clock = _Clock(dispatcher, {"auto": 9.0, "copy": 3.0})
     monkeypatch.setattr(tiered_dispatcher, "time", clock)
     # Calls of the first MoE layer are steps; the first step is not timed (no previous one).
     trial = _decode_calls(dispatcher, 9)
-    assert sum(trial[:5]) > 0 and trial[5:] == [0] * 4  # the split's steps gave the CPU tier misses
+    assert sum(trial[:4]) > 0 and trial[4:] == [0] * 5  # the split's steps gave the CPU tier misses
     assert dispatcher.chooser.report()[1]["route"] == "copy"
     after = _decode_calls(dispatcher, 6, seed=1)
     assert after == [0] * 6 and dispatcher._step_route == "copy"
@@ -112,7 +122,7 @@ def test_metrics_export_the_choice():
     dispatcher.prepare("cpu")
     server = ServerMetrics(lambda: None, lambda: "tiny", lambda: dispatcher.metrics)
     assert "tier_split_copies_only" not in server.render().decode()
-    dispatcher.chooser = SplitChooser(trial_steps=1, settle_steps=0)
+    dispatcher.chooser = SplitChooser(block_steps=1, rounds=1, settle_steps=0)
     dispatcher.metrics.split_choices = dispatcher.chooser.report
     for route in ("auto", "copy"):
         dispatcher.chooser.observe(1, route, {"auto": 2e-3, "copy": 1e-3}[route])

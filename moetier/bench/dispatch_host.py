@@ -129,7 +129,8 @@ def _calls(cfg: DispatchHostBenchConfig, tokens: int, count: int, device: torch.
 
 def _dispatcher(name: str, cfg: DispatchHostBenchConfig, home: ExpertStore, resident: ExpertStore):
     if name == "tiered":
-        return TieredDispatcher(home, cache_slots=cfg.cache_slots, miss_route="auto", policy="lfu")
+        # The split on every call: the chooser would time the harness's calls as decode steps.
+        return TieredDispatcher(home, cache_slots=cfg.cache_slots, miss_route="auto", policy="lfu", choose_split=False)
     return ResidentDispatcher(resident, device_routing=name == "resident")
 
 

@@ -19,10 +19,11 @@ SPLIT_ROUTES = ("auto", "copy")  # the cost model's split, and every miss throug
 
 @dataclass
 class _BatchTrial:
-    """One batch size's state: the route in trial (``index`` into the routes), its samples, the winner."""
+    """One batch size's state: the trial's visit (``index``; visit i runs route i mod routes), its samples, the
+    winner."""
 
     index: int = 0
-    seen: int = 0  # steps of the current route in this trial, counted or not
+    seen: int = 0  # steps of the current visit, counted or not
     samples: dict[str, list[float]] = field(default_factory=dict)
     winner: str | None = None
     since_trial: int = 0  # steps run with the winner since the trial ended
@@ -33,25 +34,31 @@ class _BatchTrial:
 class SplitChooser:
     """Per decode batch size (tokens per call), the route of :data:`SPLIT_ROUTES` with the shortest steps.
 
-    A batch size starts with a trial: each route runs ``settle_steps`` steps that are not counted (the
-    cache and the route costs settle after a switch), then ``trial_steps`` timed ones; the route of the
-    lowest median step time wins and runs for ``revisit_steps`` steps, then the trial runs again
-    (routing, load and the cache's contents change over a session). :meth:`route` names the route of the
-    step about to run, :meth:`observe` takes the seconds of a step that ran with the route it was given.
+    A batch size starts with a trial that visits the routes in turn, ``rounds`` times (so neither is only
+    measured first, right after a prefill or a change of streams): each visit runs ``settle_steps`` steps
+    that are not counted (the cache and the route costs settle after a switch), then ``block_steps`` timed
+    ones. The first route (the cost model's split) wins unless another's median step time is lower by more
+    than ``margin``; the winner runs for ``revisit_steps`` steps, then the trial runs again (routing, load
+    and the cache's contents change over a session). :meth:`route` names the route of the step about to
+    run, :meth:`observe` takes the seconds of a step that ran with the route it was given.
     """
 
-    trial_steps: int = 6
+    block_steps: int = 3
+    rounds: int = 2
     settle_steps: int = 1
     revisit_steps: int = 256
+    margin: float = 0.03
     routes: tuple[str, ...] = SPLIT_ROUTES
     _trials: dict[int, _BatchTrial] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.trial_steps < 1 or self.settle_steps < 0 or self.revisit_steps < 1:
+        if min(self.block_steps, self.rounds, self.revisit_steps) < 1 or self.settle_steps < 0:
             raise ConfigError(
-                f"split chooser needs trial_steps >= 1, settle_steps >= 0, revisit_steps >= 1: "
-                f"{self.trial_steps}, {self.settle_steps}, {self.revisit_steps}"
+                "split chooser needs block_steps, rounds, revisit_steps >= 1 and settle_steps >= 0: "
+                f"{self.block_steps}, {self.rounds}, {self.revisit_steps}, {self.settle_steps}"
             )
+        if not 0.0 <= self.margin < 1.0:
+            raise ConfigError(f"split chooser margin must be in [0, 1), got {self.margin}")
         if not self.routes or any(route not in SPLIT_ROUTES for route in self.routes):
             raise ConfigError(f"split chooser routes must be some of {SPLIT_ROUTES}, got {self.routes}")
 
@@ -60,7 +67,7 @@ class SplitChooser:
         trial = self._trials.setdefault(tokens, _BatchTrial())
         if trial.winner is not None and trial.since_trial < self.revisit_steps:
             return trial.winner
-        return self.routes[trial.index]
+        return self.routes[trial.index % len(self.routes)]
 
     def observe(self, tokens: int, route: str, seconds: float) -> None:
         """A step of ``tokens`` tokens per call ran with ``route`` (from :meth:`route`) in ``seconds``."""
@@ -68,20 +75,24 @@ class SplitChooser:
         if trial.winner is not None and trial.since_trial < self.revisit_steps:
             trial.since_trial += 1
             return
-        if route != self.routes[trial.index]:
+        if route != self.routes[trial.index % len(self.routes)]:
             return  # a step routed before the trial moved on
         trial.seen += 1
         if trial.seen <= self.settle_steps:
             return
-        samples = trial.samples.setdefault(route, [])
-        samples.append(seconds)
-        if len(samples) < self.trial_steps:
+        trial.samples.setdefault(route, []).append(seconds)
+        if trial.seen < self.settle_steps + self.block_steps:
             return
         trial.index, trial.seen = trial.index + 1, 0
-        if trial.index == len(self.routes):
-            trial.medians = {r: statistics.median(trial.samples[r]) for r in self.routes}
-            trial.winner = min(self.routes, key=trial.medians.__getitem__)  # ties: the first, the model's split
-            trial.index, trial.samples, trial.since_trial = 0, {}, 0
+        if trial.index == len(self.routes) * self.rounds:
+            self._decide(trial)
+
+    def _decide(self, trial: _BatchTrial) -> None:
+        trial.medians = {r: statistics.median(trial.samples[r]) for r in self.routes}
+        default, best = self.routes[0], min(self.routes, key=trial.medians.__getitem__)
+        beats = trial.medians[best] < (1.0 - self.margin) * trial.medians[default]
+        trial.winner = best if beats else default
+        trial.index, trial.samples, trial.since_trial = 0, {}, 0
 
     def report(self) -> dict[int, dict[str, float | str]]:
         """Per batch size that finished a trial: the winning route and each route's median ms per step."""
