@@ -1,8 +1,8 @@
 """The CPU expert tier: cold (token, expert) pairs computed on host cores straight from the home copy.
 
 A missed expert costs its bytes at DRAM bandwidth here instead of PCIe bandwidth, and nothing waits
-for a copy. One worker thread runs the jobs with its own torch intra-op thread count (torch's
-OpenMP thread count is per calling thread), so the dispatching thread keeps its cores for
+for a copy. A worker thread runs the jobs with its own thread count (torch's OpenMP thread count is
+per calling thread; the C kernel takes it per job), so the dispatching thread keeps its cores for
 launching device work. Each job returns an fp32 partial sum over the rows it touched.
 
 bf16 jobs run the C kernel of :mod:`moetier.kernels.cpu_experts` when it is available (one OpenMP
@@ -96,7 +96,8 @@ class CpuResult:
 
 
 class CpuExpertTier:
-    """Runs :class:`CpuJob` s on a worker thread with ``threads`` threads (torch's, or the C kernel's).
+    """Runs :class:`CpuJob` s with ``threads`` threads (torch's, or the C kernel's), on the C kernel's native
+    worker where a job fits it (``native``; see the module docstring), else on a Python worker thread.
 
     Math contract: each group is :func:`swiglu_expert` on the home copy, scaled by its gates and
     accumulated in fp32. The torch path runs it in the weights' dtype (the same kernel the device runs).

@@ -41,7 +41,8 @@ from moetier.profiling import phase
 from moetier.tiers.calibration import calibrate_routes
 from moetier.tiers.call_routing import Copies, Group, Routing, add_rows, sort_pairs
 from moetier.tiers.copy_timings import CopyTimings
-from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
+from moetier.tiers.cpu_jobs import decode_groups, gather_streaming
+from moetier.tiers.cpu_tier import CpuExpertTier, CpuJob
 from moetier.tiers.decode_inputs import HostBuffers, read_host_inputs
 from moetier.tiers.dispatcher import ExpertDispatcher, expert_accumulator
 from moetier.tiers.expert_cache import ExpertCache, Slot
@@ -519,17 +520,11 @@ class TieredDispatcher(ExpertDispatcher):
         counters.copy_pairs += sum(group.count for group, _ in work)
 
     def _start_cpu_from_host(self, layer: int, routing: Routing, groups: list[Group], release: int | None):
-        """Submit a decode call's CPU job over its host inputs: every row of the call, each group's tokens
-        and gates sliced from the sorted pairs, the fp32 sums into a reused (pinned) buffer that is added to
-        every row (rows no group touched are zero). Returns what :meth:`_start_cpu` returns."""
-        host, top_k = routing.host, self.store.layout.top_k
-        # Python lists, not tensor slices: a decode job has a few pairs, and each torch call costs more than they do.
-        order, weights = routing.order_host.tolist(), host.weights.view(-1).tolist()
-        job_groups = []
-        for g in groups:
-            pairs = order[g.start : g.start + g.count]
-            rows, gates = [pair // top_k for pair in pairs], [weights[pair] for pair in pairs]
-            job_groups.append(CpuGroup(self.store.expert(layer, g.expert), rows, gates))
+        """Submit a decode call's CPU job over its host inputs (:func:`decode_groups`), the fp32 sums into a
+        reused (pinned) buffer that is added to every row (rows no group touched are zero). Returns what
+        :meth:`_start_cpu` returns."""
+        host = routing.host
+        job_groups = decode_groups(self.store, layer, routing, groups)
         cuda = self.device.type == "cuda"
         out = self._host_buffers.take("cpu_out", tuple(host.hidden.shape), torch.float32, pinned=cuda)
         self.metrics.layer(layer).cpu_pairs += sum(g.count for g in groups)
@@ -542,42 +537,18 @@ class TieredDispatcher(ExpertDispatcher):
         return None if release is None else self._flag.releaser(release)
 
     def _start_cpu(self, layer: int, hidden: torch.Tensor, routing: Routing, groups: list[Group], release: int | None):
-        """Gather a streaming call's CPU-routed rows and gates to the host and submit the job.
+        """Gather a streaming call's CPU-routed rows and gates to the host (:func:`gather_streaming`) and submit
+        the job; this thread goes on to launch device work while they land.
 
         Returns ``(future, rows on device, pinned fp32 result, buffers to keep alive)``; with ``release``
         the worker sets the host flag to it when done (a GPU stream may be waiting for it).
-
-        On CUDA the rows and gates land in pinned buffers by non-blocking copies; the worker waits
-        for the recorded event before reading them, so this thread goes on to launch device work.
         """
-        owners = [routing.tokens_host[g.pairs].tolist() for g in groups]  # each group's tokens
-        rows = sorted({token for tokens in owners for token in tokens})
-        local = {token: i for i, token in enumerate(rows)}
         cuda = hidden.device.type == "cuda"
-        # Decode of a few streams usually touches every token: then the rows need no gather and no scatter.
-        every_row = len(rows) == hidden.shape[0]
-        rows_dev = None if every_row else torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
-        host_hidden = torch.empty((len(rows), hidden.shape[1]), dtype=hidden.dtype, pin_memory=cuda)
-        host_gates = torch.empty(routing.gates_dev.shape, dtype=routing.gates_dev.dtype, pin_memory=cuda)
-        host_hidden.copy_(hidden if every_row else hidden.index_select(0, rows_dev), non_blocking=cuda)
-        host_gates.copy_(routing.gates_dev, non_blocking=cuda)
-        ready = None
-        if cuda:
-            ready = torch.cuda.Event()
-            ready.record(self._compute_stream())
-        # Slices are views: nothing is read from the pinned buffers before the worker waits on ``ready``.
-        job_groups = [
-            CpuGroup(
-                self.store.expert(layer, g.expert),
-                torch.tensor([local[token] for token in tokens], dtype=torch.int64),
-                host_gates[g.pairs],
-            )
-            for g, tokens in zip(groups, owners, strict=True)
-        ]
-        out = torch.empty((len(rows), hidden.shape[1]), dtype=torch.float32, pin_memory=cuda)
+        gathered = gather_streaming(self.store, layer, hidden, routing, groups, self._compute_stream())
+        out = torch.empty((gathered.hidden.shape[0], hidden.shape[1]), dtype=torch.float32, pin_memory=cuda)
         self.metrics.layer(layer).cpu_pairs += sum(g.count for g in groups)
-        job = CpuJob(hidden=host_hidden, groups=job_groups, ready=ready, out=out, on_done=self._on_done(release))
-        return self.cpu_tier.submit(job), rows_dev, out, (host_hidden, host_gates, out, rows_dev, job_groups)
+        job = CpuJob(gathered.hidden, gathered.groups, gathered.ready, out, on_done=self._on_done(release))
+        return self.cpu_tier.submit(job), gathered.rows_dev, out, (*gathered.keep, out)
 
     def _finish_cpu(self, layer: int, started) -> tuple[torch.Tensor, torch.Tensor]:
         future, rows_dev, _, _ = started
