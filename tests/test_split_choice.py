@@ -88,9 +88,17 @@ def test_the_dispatcher_copies_every_miss_once_copies_only_measured_faster(monke
     dispatcher.metrics.split_choices = dispatcher.chooser.report
     clock = _Clock(dispatcher, {"auto": 9.0, "copy": 3.0})
     monkeypatch.setattr(tiered_dispatcher, "time", clock)
+    read_rows, read = [], tiered_dispatcher.read_host_inputs
+
+    def reading(*args):
+        read_rows.append(args[-1])
+        return read(*args)
+
+    monkeypatch.setattr(tiered_dispatcher, "read_host_inputs", reading)
     # Calls of the first MoE layer are steps; the first step is not timed (no previous one).
     trial = _decode_calls(dispatcher, 9)
     assert sum(trial[:4]) > 0 and trial[4:] == [0] * 5  # the split's steps gave the CPU tier misses
+    assert read_rows == [True] * 4 + [False] * 5  # a copies-only step reads no rows for the CPU tier
     assert dispatcher.chooser.report()[1]["route"] == "copy"
     after = _decode_calls(dispatcher, 6, seed=1)
     assert after == [0] * 6 and dispatcher._step_route == "copy"

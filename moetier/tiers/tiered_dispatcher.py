@@ -344,7 +344,7 @@ class TieredDispatcher(ExpertDispatcher):
         if streaming:
             order_host, experts_l, counts_l = sort_pairs(topk_ids)
         else:
-            rows = self.config.miss_route != "copy"
+            rows = self._step_route != "copy"  # a copies-only step (or dispatcher) never runs the CPU tier
             host = read_host_inputs(hidden, topk_ids, topk_weights, self._host_buffers, rows)
             order_host, experts_l, counts_l = sort_pairs(host.ids)
         if self._pending:  # the wait above waited for the GPU, which waited for the pending CPU jobs
