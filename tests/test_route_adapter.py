@@ -50,6 +50,10 @@ def test_a_slower_measured_route_gets_fewer_misses():
     assert len(cpu) == 2 and len(copy) == 4
 
 
+# An adapting split with every miss a miss, and no chooser: each call is split by the adapted costs.
+ADAPTING = dict(cache_slots=0, miss_route="auto", calibrate=False, policy="lru", adapt_costs=True, choose_split=False)
+
+
 def _decode_calls(dispatcher: TieredDispatcher, calls: int, seed: int = 0) -> list[int]:
     """Run 1-token decode calls over random routing; returns the CPU pairs each call sent."""
     layout = dispatcher.store.layout
@@ -70,15 +74,7 @@ def test_dispatcher_moves_misses_off_a_route_that_turned_slow(monkeypatch):
     (as when another reader saturates host memory) the split sends it none (2 misses a call: the CPU
     gets one only while it costs less than two copies)."""
     store = random_store()  # 16 experts per layer, top-2, fp32, on the CPU
-    options = {
-        "cache_slots": 0,
-        "miss_route": "auto",
-        "calibrate": False,
-        "policy": "lru",
-        "adapt_costs": True,
-        "choose_split": False,
-    }
-    dispatcher = TieredDispatcher(store, **options)
+    dispatcher = TieredDispatcher(store, **ADAPTING)
     dispatcher.prepare("cpu")
     dispatcher.costs = RouteCosts(cpu_fixed=1e-3, copy_fixed=1e-3)
     expert = cpu_tier.swiglu_expert
@@ -159,15 +155,7 @@ def test_dispatcher_measures_a_route_again_after_starving_it():
     """A CPU route once priced 1000x too dear gets no misses; after ``probe_after`` calls it gets one, the
     adapter sees what it really costs, and the split uses it again."""
     store = random_store()
-    options = {
-        "cache_slots": 0,
-        "miss_route": "auto",
-        "calibrate": False,
-        "policy": "lru",
-        "adapt_costs": True,
-        "choose_split": False,
-    }
-    dispatcher = TieredDispatcher(store, **options)
+    dispatcher = TieredDispatcher(store, **ADAPTING)
     dispatcher.prepare("cpu")
     dispatcher.adapter.probe_after = 4
     dispatcher.costs = RouteCosts(cpu_fixed=1.0, copy_fixed=1e-3)  # the CPU tier's start-up timing an outlier
