@@ -153,3 +153,36 @@ def test_cpu_job_rows_are_gathered_per_group():
     expected = reference.run(CpuJob(hidden=job.hidden, groups=job.groups))
     reference.close()
     assert torch.equal(ours.out, expected.out)
+
+
+def test_a_worker_that_cannot_start_leaves_the_jobs_to_the_python_worker(monkeypatch, caplog):
+    def refuse(lib):
+        raise RuntimeError("cpu_experts: could not start the native worker thread")
+
+    monkeypatch.setattr(cpu_worker, "NativeWorker", refuse)
+    experts = _experts(2, "bf16")
+    tier = CpuExpertTier(0.4, threads=1)
+    with caplog.at_level("WARNING"):
+        first, second = tier.submit(_job(experts)), tier.submit(_job(experts, seed=2))
+    assert isinstance(first, Future) and isinstance(second, Future) and not tier.native
+    assert torch.equal(second.result().out, _checked_run(_job(experts, seed=2), "bf16"))
+    assert first.result().kernel.startswith("c-")
+    assert sum("native worker is unavailable" in r.message for r in caplog.records) == 1
+    tier.close()
+
+
+def test_a_spinning_worker_takes_jobs_while_spinning_and_after_it_slept():
+    lib = cpu_experts.library()
+    experts = _experts(2, "bf16")
+    job = _job(experts)
+    checked = cpu_experts.check_experts(None, job.hidden, None, [(w.gate_up, w.down) for w in experts])
+    rows, gates = [g.rows for g in job.groups], [g.gates for g in job.groups]
+    with pytest.raises(ValueError, match="spin_seconds"):
+        cpu_worker.NativeWorker(lib, spin_seconds=2.0)
+    worker = cpu_worker.NativeWorker(lib, spin_seconds=0.002)
+    expected = _checked_run(job, "bf16")
+    for gap in (0.0, 0.0005, 0.01, 0.0, 0.02):  # within the spin, and after the worker went to sleep
+        time.sleep(gap)
+        queued = worker.submit(checked, job.hidden, rows, gates, 0.4, 1)
+        assert queued.wait()[0] == 0 and torch.equal(queued.out, expected)
+    worker.close()

@@ -10,10 +10,11 @@
  * A submitted job owns copies of its small arrays (pointer tables, offsets, rows, gates); `hidden`, `out`
  * and the expert weights are the caller's and must stay alive until the job is done.
  *
- * After a job the worker spins for SPIN_SECONDS before it sleeps: decode submits a job every MoE layer (every
- * ~1-2 ms), and waking a sleeping thread costs the submitting thread a futex call and, on a busy or virtual
- * machine, often its CPU for a while (measured on the dev VM: 185-274 us per submit to a sleeping worker
- * against ~7 us to a busy one). A spinning worker is only told by the queue itself. */
+ * After a job the worker may spin for a while before it sleeps (`spin_seconds` of moetier_worker_start):
+ * decode submits a job every MoE layer (every ~1-2 ms), and waking a sleeping thread costs the submitting
+ * thread a futex call and, on a virtual machine, an interrupt to another CPU. A spinning worker is only told
+ * by the queue itself. Spinning takes a core, so it suits a GPU host (whose cores are not computing), not a
+ * CPU-only run. */
 
 #include <pthread.h>
 #include <time.h>
@@ -26,9 +27,6 @@
 #define CPU_RELAX() ((void)0)
 #endif
 
-#ifndef SPIN_SECONDS
-#define SPIN_SECONDS 0.002
-#endif
 
 typedef struct queued {
     struct queued *next;
@@ -50,6 +48,7 @@ typedef struct {
     queued_t *head, *tail;
     int stop;
     int sleeping; /* the worker waits on `wake` (set and cleared under the lock): submit must signal it */
+    double spin_seconds;
 } worker_t;
 
 static double now_seconds(void) {
@@ -58,9 +57,10 @@ static double now_seconds(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* Spin (without the lock) until a job is queued, stop is asked, or SPIN_SECONDS pass. */
+/* Spin (without the lock) until a job is queued, stop is asked, or spin_seconds pass. */
 static void spin_for_work(worker_t *w) {
-    const double until = now_seconds() + SPIN_SECONDS;
+    if (w->spin_seconds <= 0.0) return;
+    const double until = now_seconds() + w->spin_seconds;
     for (int i = 0;; ++i) {
         if (__atomic_load_n(&w->head, __ATOMIC_ACQUIRE) != NULL || __atomic_load_n(&w->stop, __ATOMIC_ACQUIRE))
             return;
@@ -98,10 +98,12 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
-/* A started worker, or NULL when the thread could not be created. */
-void *moetier_worker_start(void) {
+/* A started worker that spins `spin_seconds` for the next job before it sleeps, or NULL when the thread could
+ * not be created. */
+void *moetier_worker_start(double spin_seconds) {
     worker_t *w = calloc(1, sizeof(worker_t));
     if (w == NULL) return NULL;
+    w->spin_seconds = spin_seconds;
     pthread_mutex_init(&w->lock, NULL);
     pthread_cond_init(&w->wake, NULL);
     pthread_cond_init(&w->finished, NULL);

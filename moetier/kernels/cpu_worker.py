@@ -28,7 +28,7 @@ class _Entry:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.start = lib.moetier_worker_start
-        self.start.argtypes, self.start.restype = [], _PTR
+        self.start.argtypes, self.start.restype = [ctypes.c_double], _PTR
         self.stop = lib.moetier_worker_stop
         self.stop.argtypes, self.stop.restype = [_PTR], None
         self.submit = lib.moetier_worker_submit
@@ -99,14 +99,17 @@ class NativeWorker:
     """One C thread running jobs of experts :func:`~moetier.kernels.cpu_experts.check_experts` passed.
 
     :meth:`submit` checks and packs a job as :meth:`CpuExpertsLibrary.run_checked` does (ValueError for
-    what it refuses) and queues it; :meth:`close` runs what is queued and ends the thread.
+    what it refuses) and queues it; :meth:`close` runs what is queued and ends the thread. After a job the
+    thread spins ``spin_seconds`` for the next one before it sleeps (0: it sleeps at once).
     """
 
-    def __init__(self, lib: CpuExpertsLibrary) -> None:
+    def __init__(self, lib: CpuExpertsLibrary, spin_seconds: float = 0.0) -> None:
         entry = _entry(lib)
         if entry is None:
             raise RuntimeError(f"cpu_experts: {lib.path.name} has no native worker")
-        handle = entry.start()
+        if not 0.0 <= spin_seconds <= 1.0:
+            raise ValueError(f"cpu_experts: spin_seconds must be in [0, 1], got {spin_seconds}")
+        handle = entry.start(float(spin_seconds))
         if not handle:
             raise RuntimeError("cpu_experts: could not start the native worker thread")
         self._entry, self._handle = entry, handle

@@ -25,6 +25,7 @@ queued while no Python job is outstanding, and a Python job first waits for the 
 
 from __future__ import annotations
 
+import logging
 import operator
 import os
 import time
@@ -43,6 +44,7 @@ from moetier.tiers.experts import ExpertWeights, swiglu_expert
 from moetier.tiers.gpu_wait import FlagRelease
 
 TORCH_KERNEL = "torch"
+log = logging.getLogger(__name__)
 
 
 def default_cpu_threads() -> int:
@@ -167,15 +169,14 @@ class CpuExpertTier:
             return None
         out = job.out if job.out is not None else torch.empty(job.hidden.shape, dtype=torch.float32)
         plan = self._kernel_for(job, out)
-        if plan is None or not cpu_worker.supported(plan.lib):
+        worker = None if plan is None else self._native_worker(plan.lib)
+        if worker is None:
             return None
         try:
             hidden, checked = job.hidden.contiguous(), self._checked(job, plan)
             rows, gates = [g.rows for g in job.groups], [g.gates for g in job.groups]
             flag = None if done is None else (done.address, done.value)
-            native = self._native_worker(plan.lib).submit(
-                checked, hidden, rows, gates, self.swiglu_limit, self.threads, out, flag
-            )
+            native = worker.submit(checked, hidden, rows, gates, self.swiglu_limit, self.threads, out, flag)
         except Exception as exc:  # noqa: BLE001 - the future carries it, as the Python worker's would
             if done is not None:
                 done()
@@ -185,10 +186,17 @@ class CpuExpertTier:
         self.last_kernel = plan.kernel_name
         return NativeFuture(native, plan.kernel_name, _pairs(job))
 
-    def _native_worker(self, lib: cpu_experts.CpuExpertsLibrary) -> cpu_worker.NativeWorker:
-        if not self._native:
-            self._native.append(cpu_worker.NativeWorker(lib))
-        return self._native[0]
+    def _native_worker(self, lib: cpu_experts.CpuExpertsLibrary) -> cpu_worker.NativeWorker | None:
+        """The native worker, started on first use; None (and the Python worker from then on) for a build
+        without one, or when its thread cannot start (one warning)."""
+        if not self._native and self.native:
+            try:
+                if cpu_worker.supported(lib):
+                    self._native.append(cpu_worker.NativeWorker(lib))
+            except RuntimeError as exc:
+                log.warning("the CPU tier's native worker is unavailable, jobs run on a Python thread: %s", exc)
+            self.native = bool(self._native)
+        return self._native[0] if self._native else None
 
     def run(self, job: CpuJob) -> CpuResult:
         """Compute ``job`` in the calling thread (then call its ``on_done``, even on failure)."""

@@ -6,7 +6,9 @@ Per call:
    expert; a group is a hit when its expert is resident;
 2. split the misses between the CPU tier and the copy path by a cost model (measured at start-up on
    CUDA and kept true while serving, or a fixed ``cpu_share``): groups of at least ``fat_threshold``
-   tokens always go to the device, the rest by longest-processing-time;
+   tokens always go to the device, the rest by longest-processing-time; a decode step whose batch size
+   measured faster with copies only (:class:`SplitChooser`, chosen at the step's first MoE layer) sends
+   every miss to the copy path (and reads no rows for the CPU tier);
 3. tell the policy what the layer used and reserve cache slots for the misses it admits (never
    evicting an expert this call reads);
 4. enqueue the copy-path copies (into their cache slot when admitted, into the staging ring
@@ -58,6 +60,8 @@ from moetier.tiers.tiered_config import TieredConfig, default_staging_slots
 log = logging.getLogger(__name__)
 # A longer gap between two decode steps is idle time (no requests), not a step: it is not timed.
 _STEP_GAP_S = 1.0
+# How long the CPU tier's native worker spins for its next job on CUDA: longer than a decode layer (~1-2 ms).
+DECODE_SPIN_S = 0.002
 
 
 class TieredDispatcher(ExpertDispatcher):
@@ -116,7 +120,9 @@ class TieredDispatcher(ExpertDispatcher):
         n_slots = cfg.cache_slots if cfg.cache_slots is not None else cfg.cache_bytes // self.block_bytes
         staging = cfg.staging_slots or default_staging_slots(layout.top_k)
         self.cache = ExpertCache(self.store, device, n_slots, self.policy, staging, self.metrics)
-        self.cpu_tier = CpuExpertTier(layout.swiglu_limit, cfg.cpu_threads)
+        # On CUDA the native worker spins between a step's jobs (one per MoE layer): host cores only launch there.
+        spin = DECODE_SPIN_S if device.type == "cuda" else 0.0
+        self.cpu_tier = CpuExpertTier(layout.swiglu_limit, cfg.cpu_threads, spin_seconds=spin)
         self._copy_timings = CopyTimings(self.adapter, self.cache.copy_stream)
         self.device = device
         if cfg.gpu_waits_for_cpu and device.type == "cuda":
