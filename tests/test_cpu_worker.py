@@ -156,7 +156,7 @@ def test_cpu_job_rows_are_gathered_per_group():
 
 
 def test_a_worker_that_cannot_start_leaves_the_jobs_to_the_python_worker(monkeypatch, caplog):
-    def refuse(lib):
+    def refuse(lib, spin_seconds=0.0):
         raise RuntimeError("cpu_experts: could not start the native worker thread")
 
     monkeypatch.setattr(cpu_worker, "NativeWorker", refuse)

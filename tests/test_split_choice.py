@@ -100,8 +100,11 @@ def test_the_dispatcher_copies_every_miss_once_copies_only_measured_faster(monke
     assert sum(trial[:4]) > 0 and trial[4:] == [0] * 5  # the split's steps gave the CPU tier misses
     assert read_rows == [True] * 4 + [False] * 5  # a copies-only step reads no rows for the CPU tier
     assert dispatcher.chooser.report()[1]["route"] == "copy"
+    observed, observe = [], dispatcher.adapter.observe
+    monkeypatch.setattr(dispatcher.adapter, "observe", lambda route, *a: observed.append(route) or observe(route, *a))
     after = _decode_calls(dispatcher, 6, seed=1)
     assert after == [0] * 6 and dispatcher._step_route == "copy"
+    assert observed == []  # copies-only steps' copies do not price the split's (no CPU tier beside them)
     # A prefill-sized (streaming) call is not a decode step: it is not timed and uses the configured route.
     hidden = torch.randn(64, store.layout.hidden_size)
     ids = torch.randint(0, store.layout.num_experts, (64, store.layout.top_k))

@@ -120,12 +120,14 @@ class CpuExpertTier:
         threads: int | None = None,
         use_kernel: bool = True,
         native: bool | None = None,
+        spin_seconds: float = 0.0,
     ) -> None:
         self.threads = default_cpu_threads() if threads is None else threads
         if self.threads < 1:
             raise ConfigError(f"cpu tier threads must be >= 1, got {self.threads}")
         # Whether jobs may go to the native worker (None: unless MOETIER_CPU_WORKER=python, the A/B switch).
         self.native = native if native is not None else os.environ.get("MOETIER_CPU_WORKER", "native") != "python"
+        self.spin_seconds = spin_seconds  # the native worker's spin for its next job (cpu_worker.NativeWorker)
         self.swiglu_limit = swiglu_limit
         # Build (or load) the kernel now rather than inside the first decode step.
         self.use_kernel = use_kernel and cpu_experts.available()
@@ -192,7 +194,7 @@ class CpuExpertTier:
         if not self._native and self.native:
             try:
                 if cpu_worker.supported(lib):
-                    self._native.append(cpu_worker.NativeWorker(lib))
+                    self._native.append(cpu_worker.NativeWorker(lib, self.spin_seconds))
             except RuntimeError as exc:
                 log.warning("the CPU tier's native worker is unavailable, jobs run on a Python thread: %s", exc)
             self.native = bool(self._native)

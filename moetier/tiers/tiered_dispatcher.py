@@ -199,7 +199,9 @@ class TieredDispatcher(ExpertDispatcher):
             self._start_step(hidden.shape[0], streaming)
         with phase("tiers.route"):  # the host waits here for the router's ids
             routing = self._route(layer, hidden, topk_ids, topk_weights, streaming)
-        adapt = self._adapting(streaming)
+        # A copies-only step (SplitChooser) tells the adapter nothing of the split: its copies run without the
+        # CPU tier beside them, so their times would price the split's copies too low.
+        adapt = self._adapting(streaming) and self._step_route == "auto"
         with phase("tiers.split"):
             hits, cpu_groups, copy_groups = self._split(layer, routing, adapt)
         # The GPU (not this thread) waits for a decode call's CPU sums, except at the last MoE layer,
@@ -251,7 +253,6 @@ class TieredDispatcher(ExpertDispatcher):
         prefetched = [g for g in misses if self.cache.is_prefetched((layer, g.expert))]
         others = [g for g in misses if not self.cache.is_prefetched((layer, g.expert))]
         route = self._step_route
-        adapt = adapt and route == "auto"  # a copies-only step (SplitChooser) tells the adapter nothing of the split
         probe = self.adapter.probe() if adapt else None  # a starved route gets one group, to be measured again
         costs, fat = self._costs(adapt), self.config.fat_threshold
         cpu_idx, copy_idx = split_misses([g.count for g in others], route, costs, fat, probe)
