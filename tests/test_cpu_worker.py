@@ -126,12 +126,16 @@ def test_jobs_keep_their_order_across_the_native_and_the_python_worker():
     tier.close()
 
 
-def test_the_worker_refuses_jobs_once_closed_and_its_jobs_stay_waitable():
-    lib = cpu_experts.library()
+def _bf16_job():
+    """The library, a bf16 job of two experts, its checked experts, rows and gates: what NativeWorker.submit takes."""
     experts = _experts(2, "bf16")
     job = _job(experts)
     checked = cpu_experts.check_experts(None, job.hidden, None, [(w.gate_up, w.down) for w in experts])
-    rows, gates = [g.rows for g in job.groups], [g.gates for g in job.groups]
+    return cpu_experts.library(), job, checked, [g.rows for g in job.groups], [g.gates for g in job.groups]
+
+
+def test_the_worker_refuses_jobs_once_closed_and_its_jobs_stay_waitable():
+    lib, job, checked, rows, gates = _bf16_job()
     worker = cpu_worker.NativeWorker(lib)
     queued = [worker.submit(checked, job.hidden, rows, gates, 0.4, 1) for _ in range(4)]
     worker.close()  # runs what is queued first
@@ -172,11 +176,7 @@ def test_a_worker_that_cannot_start_leaves_the_jobs_to_the_python_worker(monkeyp
 
 
 def test_a_spinning_worker_takes_jobs_while_spinning_and_after_it_slept():
-    lib = cpu_experts.library()
-    experts = _experts(2, "bf16")
-    job = _job(experts)
-    checked = cpu_experts.check_experts(None, job.hidden, None, [(w.gate_up, w.down) for w in experts])
-    rows, gates = [g.rows for g in job.groups], [g.gates for g in job.groups]
+    lib, job, checked, rows, gates = _bf16_job()
     with pytest.raises(ValueError, match="spin_seconds"):
         cpu_worker.NativeWorker(lib, spin_seconds=2.0)
     worker = cpu_worker.NativeWorker(lib, spin_seconds=0.002)
