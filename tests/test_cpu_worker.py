@@ -186,3 +186,13 @@ def test_a_spinning_worker_takes_jobs_while_spinning_and_after_it_slept():
         queued = worker.submit(checked, job.hidden, rows, gates, 0.4, 1)
         assert queued.wait()[0] == 0 and torch.equal(queued.out, expected)
     worker.close()
+
+
+def test_an_unknown_worker_switch_is_refused(monkeypatch):
+    from moetier.errors import ConfigError
+
+    monkeypatch.setenv("MOETIER_CPU_WORKER", "pyhton")
+    with pytest.raises(ConfigError, match="MOETIER_CPU_WORKER must be 'native' or 'python'"):
+        CpuExpertTier(0.4, threads=1)
+    monkeypatch.setenv("MOETIER_CPU_WORKER", "python")
+    assert not CpuExpertTier(0.4, threads=1).native

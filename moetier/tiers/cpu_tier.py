@@ -126,7 +126,7 @@ class CpuExpertTier:
         if self.threads < 1:
             raise ConfigError(f"cpu tier threads must be >= 1, got {self.threads}")
         # Whether jobs may go to the native worker (None: unless MOETIER_CPU_WORKER=python, the A/B switch).
-        self.native = native if native is not None else os.environ.get("MOETIER_CPU_WORKER", "native") != "python"
+        self.native = native if native is not None else _native_wanted()
         self.spin_seconds = spin_seconds  # the native worker's spin for its next job (cpu_worker.NativeWorker)
         self.swiglu_limit = swiglu_limit
         # Build (or load) the kernel now rather than inside the first decode step.
@@ -318,6 +318,14 @@ def _shut_down(pool: ThreadPoolExecutor, native: list[cpu_worker.NativeWorker]) 
     pool.shutdown(wait=False)
     for worker in native:
         worker.close()
+
+
+def _native_wanted() -> bool:
+    """``MOETIER_CPU_WORKER``: ``native`` (the default) or ``python``; anything else is refused."""
+    value = os.environ.get("MOETIER_CPU_WORKER", "native").strip().lower()
+    if value not in ("native", "python"):
+        raise ConfigError(f"MOETIER_CPU_WORKER must be 'native' or 'python', got {value!r}: unset it for the default")
+    return value == "native"
 
 
 def _pairs(job: CpuJob) -> int:
