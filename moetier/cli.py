@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from moetier import __version__
 from moetier.errors import MoetierError
+from moetier.tiers.tiered_config import MISS_ROUTES
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -89,7 +90,10 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-policy", default="lfu", help="expert cache policy (lru, lfu, static)")
     parser.add_argument("--cpu-threads", type=int, default=None, help="threads of the CPU expert tier")
     parser.add_argument(
-        "--miss-route", default="auto", choices=["auto", "cpu", "copy"], help="where cache misses run (default auto)"
+        "--miss-route",
+        default="auto",
+        choices=list(MISS_ROUTES),
+        help="where cache misses run (default auto: split by cost; mapped: the GPU reads them from pinned RAM)",
     )
     parser.add_argument(
         "--kv-reserve-streams",

@@ -137,5 +137,8 @@ def test_metrics_export_the_choice():
     dispatcher.metrics.split_choices = dispatcher.chooser.report
     for route in ("auto", "copy"):
         dispatcher.chooser.observe(1, route, {"auto": 2e-3, "copy": 1e-3}[route])
-    line = next(x for x in server.render().decode().splitlines() if x.startswith("moetier:tier_split_copies_only{"))
+    lines = server.render().decode().splitlines()
+    line = next(x for x in lines if x.startswith("moetier:tier_split_copies_only{"))
     assert line.endswith(" 1.0") and 'tokens="1"' in line
+    line = next(x for x in lines if x.startswith("moetier:tier_decode_route{"))
+    assert line.endswith(" 1.0") and 'route="copy"' in line and 'tokens="1"' in line

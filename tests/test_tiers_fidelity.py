@@ -103,7 +103,9 @@ def forced_logits(loaded, prompt: torch.Tensor, tokens: list[int]) -> tuple[torc
     return prefill, steps
 
 
-@pytest.mark.parametrize(("route", "policy"), [("cpu", "lru"), ("copy", "lfu"), ("auto", "static")])
+@pytest.mark.parametrize(
+    ("route", "policy"), [("cpu", "lru"), ("copy", "lfu"), ("auto", "static"), ("mapped", "lfu")]
+)
 def test_tiered_fp32_decode_matches_resident(family, tmp_path, route, policy):
     path, prompt, (ref_prefill, ref_steps, ref_tokens), resident = family
     options: dict = {"miss_route": route, "policy": policy}
@@ -120,6 +122,7 @@ def test_tiered_fp32_decode_matches_resident(family, tmp_path, route, policy):
     dispatcher: TieredDispatcher = loaded.model.dispatcher
     prefill, steps, tokens = moetier_run(loaded, prompt, STEPS)
     dispatcher.close()
+    dispatcher.flush_metrics()
     snap = dispatcher.metrics.snapshot()
     errors = [relative_error(a, b) for a, b in zip(steps, ref_steps, strict=True)]
     _record(
@@ -144,7 +147,8 @@ def test_tiered_fp32_decode_matches_resident(family, tmp_path, route, policy):
     totals = snap["totals"]
     assert (totals["cpu_pairs"] > 0) == (route in ("cpu", "auto"))
     assert (totals["copy_pairs"] > 0) == (route in ("copy", "auto"))
-    assert totals["uses_miss"] == totals["cpu_pairs"] + totals["copy_pairs"]
+    assert (totals["mapped_pairs"] > 0) == (route == "mapped")
+    assert totals["uses_miss"] == totals["cpu_pairs"] + totals["copy_pairs"] + totals["mapped_pairs"]
     assert arena.used_bytes == loaded.store.total_bytes()
     if policy == "static":
         assert totals["admissions"] == 0 and set(dispatcher.cache.resident()) == set(dispatcher.policy.preferred(slots))
@@ -230,7 +234,7 @@ def _routing(
     return hidden, ids, (weights / weights.sum(-1, keepdim=True)).to(dtype)
 
 
-@pytest.mark.parametrize("route", ["cpu", "copy", "auto"])
+@pytest.mark.parametrize("route", ["cpu", "copy", "auto", "mapped"])
 def test_dispatch_with_many_misses_per_call_matches_resident(route):
     """Prefill-sized calls: more copied experts than staging slots, evictions within one forward."""
     layout = ExpertLayout((0, 1), num_experts=8, hidden_size=32, intermediate_size=16, top_k=3, swiglu_limit=2.0)
@@ -244,6 +248,7 @@ def test_dispatch_with_many_misses_per_call_matches_resident(route):
             ours = tiered.dispatch(layer, hidden, ids, weights)
             assert relative_error(ours, resident.dispatch(layer, hidden, ids, weights)) < 1e-6
     tiered.close()
+    tiered.flush_metrics()
     totals, block = tiered.metrics.snapshot()["totals"], tiered.block_bytes
     assert totals["evictions"] > 0 and totals["uses_hit"] > 0
     # Every expert crosses PCIe once per miss on the copy path, once per admission on the CPU path.
@@ -251,7 +256,10 @@ def test_dispatch_with_many_misses_per_call_matches_resident(route):
         assert totals["copy_bytes"] == 0 and totals["admit_bytes"] == totals["admissions"] * block
     if route == "copy":
         assert totals["admit_bytes"] == 0 and totals["copy_bytes"] == totals["experts_miss"] * block
-    assert totals["uses_miss"] == totals["cpu_pairs"] + totals["copy_pairs"]
+    if route == "mapped":  # no copy computes a miss: the kernels read every missed pair's block
+        assert totals["copy_bytes"] == 0 and totals["admit_bytes"] == totals["admissions"] * block
+        assert totals["mapped_bytes"] == totals["mapped_pairs"] * block
+    assert totals["uses_miss"] == totals["cpu_pairs"] + totals["copy_pairs"] + totals["mapped_pairs"]
 
 
 def test_cpu_tier_matches_resident_kernel_in_bf16():
@@ -319,7 +327,7 @@ def test_resize_between_steps_keeps_decoding_exact(family):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("saver", _families())
-@pytest.mark.parametrize("route", ["cpu", "copy", "auto"])
+@pytest.mark.parametrize("route", ["cpu", "copy", "auto", "mapped"])
 def test_tiered_on_cuda_matches_resident(tmp_path, saver, route):
     saver(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -335,6 +343,7 @@ def test_tiered_on_cuda_matches_resident(tmp_path, saver, route):
     dispatcher: TieredDispatcher = loaded.model.dispatcher
     prefill, steps, tokens = moetier_run(loaded, prompt, STEPS)
     dispatcher.close()
+    dispatcher.flush_metrics()
     snap = dispatcher.metrics.snapshot()
     errors = [relative_error(a, b) for a, b in zip(steps, ref_steps, strict=True)]
     _record(
@@ -354,6 +363,7 @@ def test_tiered_on_cuda_matches_resident(tmp_path, saver, route):
     assert relative_error(prefill, ref_prefill) < FP32_REL
     assert max(errors) < FP32_REL
     assert (snap["totals"]["cpu_pairs"] > 0) == (route in ("cpu", "auto"))
+    assert (snap["totals"]["mapped_pairs"] > 0) == (route == "mapped")
 
 
 @pytest.mark.gpu
@@ -369,7 +379,7 @@ def test_tiered_bf16_on_cuda_stays_within_bf16_noise(tmp_path, saver):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("route", ["cpu", "copy", "auto"])
+@pytest.mark.parametrize("route", ["cpu", "copy", "auto", "mapped"])
 def test_cuda_streams_never_read_a_slot_early(route):
     """Large blocks (copies take time), one staging slot, prefill-sized calls: any missing wait shows up."""
     layout = ExpertLayout((0, 1), num_experts=16, hidden_size=1024, intermediate_size=1024, top_k=4)

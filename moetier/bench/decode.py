@@ -13,6 +13,9 @@ The same loaded model (one pinned home copy of the experts) is measured with eac
   when it cannot). Not in the default modes.
 - ``tiered-nohint``: ``tiered`` without the next-layer prefetch driven by the model's hints
   (``decode_prefetch=0``; ``naive`` never prefetches). Not in the default modes.
+- ``mapped``: the same cache, every miss read by the GPU's kernels from the pinned home copy over PCIe
+  (``miss_route="mapped"``, :mod:`moetier.tiers.mapped`: no host wait inside a step). Not in the default modes
+  (``tiered`` tries it by measured step time where the kernels take the call).
 - ``resident-host``: ``resident`` with launch tables built on the host from the router's ids (one wait
   per MoE layer), where ``resident`` builds them on the device (:mod:`moetier.kernels.device_routing`).
   Not in the default modes.
@@ -67,7 +70,7 @@ from moetier.tiers.tiered_dispatcher import TieredDispatcher
 from moetier.weights.loader import LoadedModel
 
 _PROFILED_STEPS = 3  # steps the torch profiler records per mode (after one warm-up step)
-MODES = ("resident", "naive", "cpu", "copy", "tiered", "tiered-host", "tiered-nohint", "resident-host")
+MODES = ("resident", "naive", "cpu", "copy", "tiered", "tiered-host", "tiered-nohint", "resident-host", "mapped")
 DEFAULT_MODES = MODES[:5]
 
 
@@ -165,7 +168,9 @@ def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[fl
     for _ in range(run.cfg.warmup):
         tokens = run.step(tokens)
     metrics = getattr(dispatcher, "metrics", None)
+    flush = getattr(dispatcher, "flush_metrics", lambda: None)  # counts the device still holds (mapped route)
     if metrics is not None:
+        flush()
         metrics.reset()
     seconds, first_stream = [], []
     for _ in range(run.cfg.repeats):
@@ -176,6 +181,7 @@ def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[fl
             first_stream.append(tokens[0])
         sync_device(device)
         seconds.append(time.perf_counter() - start)
+    flush()
     return seconds, [int(t) for t in first_stream]
 
 
@@ -291,6 +297,7 @@ def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams
         # Every missed expert is read from host DRAM once per step, by the CPU tier or by the DMA engine.
         "missed_bytes_per_step": total.experts_miss * block_bytes / steps,
         "copy_bytes_per_token": total.copy_bytes / tokens,
+        "mapped_bytes_per_token": total.mapped_bytes / tokens,  # the mapped route's reads over PCIe
         "cpu_pairs_per_token": total.cpu_pairs / tokens,
         "cpu_ms_per_layer_call": 1e3 * total.cpu_seconds / max(1, total.calls),
         # Next-layer prefetch from the model's hints: experts copied ahead that were used / never needed,
@@ -465,7 +472,7 @@ def markdown_table(receipt: dict[str, Any]) -> str:
 _PHASE_COLUMNS = (
     "segments", "v4.attend", "v4.dispatch", "tiers.wait", "tiers.route", "tiers.split", "tiers.policy",
     "tiers.copy_submit", "tiers.cpu_submit", "tiers.to_device", "tiers.device", "tiers.after", "tiers.cpu_sums",
-    "tiers.cpu_wait", "tiers.cpu_job",
+    "tiers.cpu_wait", "tiers.cpu_job", "tiers.mapped",
 )  # fmt: skip
 
 

@@ -295,6 +295,15 @@ class _TierCollector(Collector):
             for tokens, choice in choices.items():
                 family.add_metric([name, str(tokens)], float(choice["route"] == "copy"))
             yield family
+            family = GaugeMetricFamily(
+                PREFIX + "tier_decode_route",
+                "1 for the miss route decode steps of this many tokens chose by measured step time "
+                "(auto: the split, copy: copies only, mapped: the GPU reads misses from pinned host memory).",
+                labels=["model_name", "tokens", "route"],
+            )
+            for tokens, choice in choices.items():
+                family.add_metric([name, str(tokens), str(choice["route"])], 1.0)
+            yield family
 
 
 class ServerMetrics:

@@ -73,6 +73,9 @@ class ExpertCache:
         self._prefetched: dict[Key, Slot] = {}
         self._lent: list[Slot] = []  # cache slots serving as staging during a streaming prefill
         self._lent_keys: list[Key] = []  # what they held, reloaded when they come back
+        # Bumped whenever a key gains or loses its slot: readers that mirror the map (the mapped route's device
+        # table) rescan it only after a change.
+        self.version = 0
         self.resize(n_slots)
 
     # --- lookups ------------------------------------------------------------------------------
@@ -99,6 +102,24 @@ class ExpertCache:
 
     def __contains__(self, key: Key) -> bool:
         return self.get(key) is not None
+
+    def items(self) -> list[tuple[Key, Slot]]:
+        """Every resident key with its slot (copies may still be in flight: see :meth:`landed`)."""
+        return [(key, slot) for key, slot in self._map.items() if slot.filled]
+
+    def all_slots(self) -> list[Slot]:
+        """Every slot the cache holds now: its own and the staging ring's (lent slots are the ring's)."""
+        return self._slots + self._staging
+
+    @property
+    def anchor(self) -> ExpertWeights:
+        """A block that lives as long as the cache (the first staging slot is never lent or freed): a fixed
+        base address for tables of byte offsets to blocks anywhere (slots, the home copy)."""
+        return self._staging[0].weights
+
+    def landed(self, slot: Slot) -> bool:
+        """Whether the slot's last copy has finished (asked without waiting; always True off CUDA)."""
+        return slot.filled and (slot.ready is None or slot.ready.query())
 
     # --- ordering (CUDA) -----------------------------------------------------------------------
 
@@ -168,6 +189,7 @@ class ExpertCache:
         slot = self._free.pop()
         slot.key, slot.filled = key, False
         self._map[key] = slot
+        self.version += 1
         self.policy.inserted(key)
         self.metrics.layer(key[0]).admissions += 1  # bytes are counted by whoever enqueues the copy
         return slot
@@ -175,6 +197,7 @@ class ExpertCache:
     def evict(self, key: Key) -> None:
         slot = self._map.pop(key)
         slot.key, slot.filled = None, False
+        self.version += 1
         self._free.append(slot)
         self.policy.removed(key)
         self.metrics.layer(key[0]).evictions += 1
@@ -186,6 +209,7 @@ class ExpertCache:
         slot = self._free.pop()
         slot.key = key
         self._map[key] = slot
+        self.version += 1
         self.fill(slot, self.store.expert(*key).block)
         self.policy.inserted(key)
         self.metrics.layer(key[0]).admit_bytes += self.block_bytes

@@ -23,7 +23,9 @@ class LayerCounters:
     copied ahead by the previous MoE layer's call (a streaming call's guess, or a decode call's hint);
     ``prefetch_used`` / ``prefetch_wasted`` count the prefetched experts this layer computed / never needed.
     Hinted decode calls (``ExpertDispatcher.hint``): ``hint_experts`` distinct experts predicted,
-    ``hint_correct`` of them used, ``hint_actual`` distinct experts those calls used.
+    ``hint_correct`` of them used, ``hint_actual`` distinct experts those calls used. The mapped route
+    (:mod:`moetier.tiers.mapped`) counts from the device's tallies, so its ``calls`` are steps and a window
+    of several steps counts each expert once in ``experts_*``; ``mapped_bytes`` are its reads over PCIe.
     """
 
     calls: int = 0
@@ -43,6 +45,8 @@ class LayerCounters:
     prefetch_used: int = 0
     prefetch_wasted: int = 0
     cpu_jobs_gpu_waited: int = 0  # CPU-tier jobs the compute stream waited for (the host went on)
+    mapped_pairs: int = 0  # missed pairs the device's kernels computed from the home copy (mapped route)
+    mapped_bytes: int = 0  # what their kernels read over PCIe (each pair reads its expert's block)
     hint_experts: int = 0
     hint_correct: int = 0
     hint_actual: int = 0
@@ -110,6 +114,7 @@ class TierMetrics:
             "cpu_wait_seconds": total.cpu_wait_seconds,
             "copy_bytes": total.copy_bytes,
             "admit_bytes": total.admit_bytes,
+            "mapped_bytes": total.mapped_bytes,
             "totals": total.as_dict(),
             "per_layer": {str(layer): c.as_dict() for layer, c in sorted(self.layers.items())},
         }

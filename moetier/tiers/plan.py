@@ -37,6 +37,7 @@ from moetier.models.base import ExpertTarget, IgnoreTarget
 from moetier.tiers.dispatcher import make_dispatcher
 from moetier.tiers.experts import ExpertLayout, ExpertStore
 from moetier.tiers.kv_estimate import KvEstimate, kv_estimate  # noqa: F401 - re-exported
+from moetier.tiers.tiered_config import MISS_ROUTES
 from moetier.tiers.tiered_dispatcher import default_staging_slots
 from moetier.tiers.workspace import WORKSPACE_HIDDEN_ROWS as WORKSPACE_HIDDEN_ROWS  # re-export
 from moetier.tiers.workspace import (
@@ -527,8 +528,8 @@ class TierOptions:
         parse_size(self.gpu_memory, "--gpu-memory", total=100)  # syntax now; percentages resolve on the device
         if self.host_memory is not None:
             parse_size(self.host_memory, "--host-memory")
-        if self.miss_route not in ("auto", "cpu", "copy"):
-            raise ConfigError(f"--miss-route must be auto, cpu or copy, got {self.miss_route!r}")
+        if self.miss_route not in MISS_ROUTES:
+            raise ConfigError(f"--miss-route must be one of {', '.join(MISS_ROUTES)}, got {self.miss_route!r}")
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or self.cpu_threads < 1):
             raise ConfigError(f"--cpu-threads must be >= 1, got {self.cpu_threads!r}")
         from moetier.tiers.policies import POLICIES

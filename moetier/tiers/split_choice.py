@@ -1,4 +1,5 @@
-"""Which miss route a decode step takes, chosen by measured step time: the cost model's split, or copies only.
+"""Which miss route a decode step takes, chosen by measured step time: the cost model's split, copies only, or
+(where the device kernels take the call) the mapped route, which reads misses from the pinned home copy.
 
 The split's cost model (:mod:`moetier.tiers.route_costs`) prices each route's own work. It cannot price
 what the CPU tier's load costs the thread that launches the device's work: on the H200 host the same
@@ -14,14 +15,16 @@ from dataclasses import dataclass, field
 
 from moetier.errors import ConfigError
 
-SPLIT_ROUTES = ("auto", "copy")  # the cost model's split, and every miss through the copy path
+# The cost model's split, every miss through the copy path, every miss read by the kernels over PCIe (mapped).
+SPLIT_ROUTES = ("auto", "copy", "mapped")
 
 
 @dataclass
 class _BatchTrial:
-    """One batch size's state: the trial's visit (``index``; visit i runs route i mod routes), its samples, the
-    winner."""
+    """One batch size's state: its routes, the trial's visit (``index``; visit i runs route i mod routes), its
+    samples, the winner."""
 
+    routes: tuple[str, ...]
     index: int = 0
     seen: int = 0  # steps of the current visit, counted or not
     samples: dict[str, list[float]] = field(default_factory=dict)
@@ -40,7 +43,9 @@ class SplitChooser:
     ones. The first route (the cost model's split) wins unless another's median step time is lower by more
     than ``margin``; the winner runs for ``revisit_steps`` steps, then the trial runs again (routing, load
     and the cache's contents change over a session). :meth:`route` names the route of the step about to
-    run, :meth:`observe` takes the seconds of a step that ran with the route it was given.
+    run (a batch size's routes are ``routes``, or those its first :meth:`route` call passes: the mapped route
+    takes decode-sized calls only), :meth:`observe` takes the seconds of a step that ran with the route it
+    was given.
     """
 
     block_steps: int = 3
@@ -48,7 +53,7 @@ class SplitChooser:
     settle_steps: int = 1
     revisit_steps: int = 256
     margin: float = 0.03
-    routes: tuple[str, ...] = SPLIT_ROUTES
+    routes: tuple[str, ...] = ("auto", "copy")
     _trials: dict[int, _BatchTrial] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -59,23 +64,22 @@ class SplitChooser:
             )
         if not 0.0 <= self.margin < 1.0:
             raise ConfigError(f"split chooser margin must be in [0, 1), got {self.margin}")
-        if not self.routes or any(route not in SPLIT_ROUTES for route in self.routes):
-            raise ConfigError(f"split chooser routes must be some of {SPLIT_ROUTES}, got {self.routes}")
+        _check_routes(self.routes)
 
-    def route(self, tokens: int) -> str:
-        """The route for a step of ``tokens`` tokens per call."""
-        trial = self._trials.setdefault(tokens, _BatchTrial())
+    def route(self, tokens: int, routes: tuple[str, ...] | None = None) -> str:
+        """The route for a step of ``tokens`` tokens per call (``routes``: that batch size's, if it is new)."""
+        trial = self._trial(tokens, routes)
         if trial.winner is not None and trial.since_trial < self.revisit_steps:
             return trial.winner
-        return self.routes[trial.index % len(self.routes)]
+        return trial.routes[trial.index % len(trial.routes)]
 
     def observe(self, tokens: int, route: str, seconds: float) -> None:
         """A step of ``tokens`` tokens per call ran with ``route`` (from :meth:`route`) in ``seconds``."""
-        trial = self._trials.setdefault(tokens, _BatchTrial())
+        trial = self._trial(tokens, None)
         if trial.winner is not None and trial.since_trial < self.revisit_steps:
             trial.since_trial += 1
             return
-        if route != self.routes[trial.index % len(self.routes)]:
+        if route != trial.routes[trial.index % len(trial.routes)]:
             return  # a step routed before the trial moved on
         trial.seen += 1
         if trial.seen <= self.settle_steps:
@@ -84,12 +88,18 @@ class SplitChooser:
         if trial.seen < self.settle_steps + self.block_steps:
             return
         trial.index, trial.seen = trial.index + 1, 0
-        if trial.index == len(self.routes) * self.rounds:
+        if trial.index == len(trial.routes) * self.rounds:
             self._decide(trial)
 
+    def _trial(self, tokens: int, routes: tuple[str, ...] | None) -> _BatchTrial:
+        trial = self._trials.get(tokens)
+        if trial is None:
+            trial = self._trials[tokens] = _BatchTrial(_check_routes(routes) if routes else self.routes)
+        return trial
+
     def _decide(self, trial: _BatchTrial) -> None:
-        trial.medians = {r: statistics.median(trial.samples[r]) for r in self.routes}
-        default, best = self.routes[0], min(self.routes, key=trial.medians.__getitem__)
+        trial.medians = {r: statistics.median(trial.samples[r]) for r in trial.routes}
+        default, best = trial.routes[0], min(trial.routes, key=trial.medians.__getitem__)
         beats = trial.medians[best] < (1.0 - self.margin) * trial.medians[default]
         trial.winner = best if beats else default
         trial.index, trial.samples, trial.since_trial = 0, {}, 0
@@ -101,3 +111,9 @@ class SplitChooser:
             for tokens, t in sorted(self._trials.items())
             if t.winner is not None
         }
+
+
+def _check_routes(routes: tuple[str, ...]) -> tuple[str, ...]:
+    if not routes or any(route not in SPLIT_ROUTES for route in routes) or len(set(routes)) != len(routes):
+        raise ConfigError(f"split chooser routes must be distinct ones of {SPLIT_ROUTES}, got {routes}")
+    return tuple(routes)

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetier.errors import ConfigError
-from moetier.tiers.route_costs import MissRoute
 
 # The seed's measured crossover: from 32 tokens an expert is a GEMM the device runs for the price
 # of its copy, while host cores would spend many times the copy time on it.
@@ -19,6 +18,11 @@ MIN_STAGING_SLOTS = 16
 # A V4-Flash layer's attention over a 16k-token chunk at long context takes ~100+ ms on an H200,
 # during which PCIe could land ~110 experts: lend up to that many cache slots to the ring.
 DEFAULT_LEND_SLOTS = 128
+
+
+# Where a decode call's misses run: split by cost, all on the CPU tier, all copied in, or all read over PCIe by
+# the device's kernels from the pinned home copy (moetier.tiers.mapped; calls those kernels do not take copy).
+MISS_ROUTES = ("auto", "cpu", "copy", "mapped")
 
 
 def default_staging_slots(top_k: int) -> int:
@@ -45,8 +49,10 @@ class TieredConfig:
     measured; ``True``: anywhere; ``auto`` route without ``cpu_share`` only), decode calls rescale each
     route's costs by what its share of each call took (:class:`RouteAdapter`); the split then follows
     wall-clock timings, so it is not reproducible run to run (the math is the same either way).
-    With ``choose_split`` (``None``: whenever costs adapt), each decode batch size runs the cost model's split
-    and copies-only in turn and keeps the one of shorter measured steps (:class:`SplitChooser`).
+    With ``choose_split`` (``None``: whenever costs adapt), each decode batch size runs the cost model's split,
+    copies-only and (with ``mapped``, ``None``: on CUDA where the device kernels take the call) the mapped route
+    in turn and keeps the one of shorter measured steps (:class:`SplitChooser`). A mapped step admits up to
+    ``mapped_admissions`` of the experts it missed (:mod:`moetier.tiers.mapped`).
     A decode call copies up to ``decode_prefetch`` of the experts the model hinted for the next MoE
     layer (:meth:`ExpertDispatcher.hint`) into free staging slots once its own copies are enqueued
     (0: hints are not asked for), and only the ranks of the prediction whose measured precision reaches
@@ -58,7 +64,7 @@ class TieredConfig:
     policy: str = "lru"
     policy_options: dict[str, Any] = field(default_factory=dict)
     cpu_threads: int | None = None
-    miss_route: MissRoute = "auto"
+    miss_route: str = "auto"
     cpu_share: float | None = None
     staging_slots: int | None = None
     calibrate: bool = True
@@ -69,6 +75,8 @@ class TieredConfig:
     gpu_waits_for_cpu: bool = True  # where the driver allows it (moetier.tiers.gpu_wait); else the host waits
     adapt_costs: bool | None = None
     choose_split: bool | None = None
+    mapped: bool | None = None
+    mapped_admissions: int = 2
     decode_prefetch: int = 4
     hint_min_precision: float = 0.8
 
@@ -77,8 +85,11 @@ class TieredConfig:
             raise ConfigError("tiered dispatcher needs exactly one of cache_slots= or cache_bytes=")
         if (self.cache_slots or 0) < 0 or (self.cache_bytes or 0) < 0:
             raise ConfigError("tiered dispatcher cache size must be >= 0")
-        if self.miss_route not in ("auto", "cpu", "copy"):
-            raise ConfigError(f"miss_route must be 'auto', 'cpu' or 'copy', got {self.miss_route!r}")
+        if self.miss_route not in MISS_ROUTES:
+            raise ConfigError(f"miss_route must be one of {', '.join(MISS_ROUTES)}, got {self.miss_route!r}")
+        admissions = self.mapped_admissions
+        if isinstance(admissions, bool) or not isinstance(admissions, int) or admissions < 0:
+            raise ConfigError(f"mapped_admissions must be an integer >= 0, got {self.mapped_admissions!r}")
         if self.cpu_share is not None and not 0.0 <= self.cpu_share <= 1.0:
             raise ConfigError(f"cpu_share must be in [0, 1], got {self.cpu_share}")
         if self.staging_slots is not None and self.staging_slots < 1:

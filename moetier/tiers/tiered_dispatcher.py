@@ -8,7 +8,9 @@ Per call:
    CUDA and kept true while serving, or a fixed ``cpu_share``): groups of at least ``fat_threshold``
    tokens always go to the device, the rest by longest-processing-time; a decode step whose batch size
    measured faster with copies only (:class:`SplitChooser`, chosen at the step's first MoE layer) sends
-   every miss to the copy path (and reads no rows for the CPU tier);
+   every miss to the copy path (and reads no rows for the CPU tier), and one that measured faster mapped
+   skips all of this: its calls read misses from the pinned home copy on the device
+   (:mod:`moetier.tiers.mapped`, no host wait);
 3. tell the policy what the layer used and reserve cache slots for the misses it admits (never
    evicting an expert this call reads);
 4. enqueue the copy-path copies (into their cache slot when admitted, into the staging ring
@@ -51,6 +53,7 @@ from moetier.tiers.expert_cache import ExpertCache, Slot
 from moetier.tiers.experts import ExpertStore
 from moetier.tiers.gpu_wait import HostFlag
 from moetier.tiers.hints import HintBuffer
+from moetier.tiers.mapped import MappedExperts
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.policies import make_policy
 from moetier.tiers.route_costs import RouteAdapter, RouteCosts, split_misses
@@ -80,6 +83,7 @@ class TieredDispatcher(ExpertDispatcher):
         self.metrics = TierMetrics()
         self.policy = make_policy(self.config.policy, **self.config.policy_options)
         self.cache: ExpertCache | None = None
+        self.mapped: MappedExperts | None = None  # the mapped route's device table (made by prepare)
         self.cpu_tier: CpuExpertTier | None = None
         self.costs = RouteCosts.from_share(self.config.cpu_share) if self.config.cpu_share is not None else RouteCosts()
         self.device: torch.device | None = None
@@ -124,6 +128,7 @@ class TieredDispatcher(ExpertDispatcher):
         spin = DECODE_SPIN_S if device.type == "cuda" else 0.0
         self.cpu_tier = CpuExpertTier(layout.swiglu_limit, cfg.cpu_threads, spin_seconds=spin)
         self._copy_timings = CopyTimings(self.adapter, self.cache.copy_stream)
+        self.mapped = MappedExperts(self.store, self.cache, self.policy, self.metrics, cfg.mapped_admissions)
         self.device = device
         if cfg.gpu_waits_for_cpu and device.type == "cuda":
             self._flag = HostFlag.create(device)
@@ -147,8 +152,10 @@ class TieredDispatcher(ExpertDispatcher):
         return self.config.decode_prefetch > 0 and self.config.miss_route != "cpu"
 
     def hint(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """Keep a decode call's prediction for ``layer`` (copied to the host without a sync, see :mod:`hints`)."""
-        if self.wants_hints and 0 < topk_ids.shape[0] < self.config.stream_min_tokens:
+        """Keep a decode call's prediction for ``layer`` (copied to the host without a sync, see :mod:`hints`);
+        a mapped step copies nothing ahead, so it ignores them."""
+        mapped = self._step_route == "mapped"
+        if self.wants_hints and not mapped and 0 < topk_ids.shape[0] < self.config.stream_min_tokens:
             self._hints.record(layer, topk_ids)
 
     @property
@@ -164,7 +171,13 @@ class TieredDispatcher(ExpertDispatcher):
         """Elastic cache: grow or shrink to ``n_slots`` between steps; returns the size reached."""
         if self.cache is None:
             raise ConfigError("prepare() the tiered dispatcher before resizing its cache")
+        self.mapped.release(self._current_stream())  # a shrink may evict what the table reads
         return self.cache.resize(n_slots)
+
+    def flush_metrics(self) -> None:
+        """Bring the metrics up to date with counts the device still holds (the mapped route's; waits for it)."""
+        if self.mapped is not None:
+            self.mapped.flush()
 
     def close(self) -> None:
         if self.cpu_tier is not None:
@@ -195,8 +208,14 @@ class TieredDispatcher(ExpertDispatcher):
         if layer == self._first_layer:
             self.step += 1
             self.metrics.tokens += hidden.shape[0]
+            if self._step_route == "mapped":  # before anything below may evict a slot the table read
+                self.mapped.release(self._stream)
             self._lend_or_reclaim(streaming)
-            self._start_step(hidden.shape[0], streaming)
+            self._start_step(hidden, streaming)
+        if self._step_route == "mapped" and not streaming:
+            with phase("tiers.mapped"):
+                self.mapped.dispatch(layer, out, hidden, topk_ids, topk_weights)
+            return out.to(hidden.dtype)
         with phase("tiers.route"):  # the host waits here for the router's ids
             routing = self._route(layer, hidden, topk_ids, topk_weights, streaming)
         # A copies-only step (SplitChooser) tells the adapter nothing of the split: its copies run without the
@@ -260,16 +279,28 @@ class TieredDispatcher(ExpertDispatcher):
             self.adapter.note_split(len(cpu_idx), len(copy_idx))
         return hits, [others[i] for i in cpu_idx], prefetched + [others[i] for i in copy_idx]
 
-    def _start_step(self, tokens: int, streaming: bool) -> None:
-        """First MoE layer of a forward: time the previous decode step for the chooser, pick this step's route."""
-        now, mark = time.perf_counter(), self._step_mark
-        self._step_mark, self._step_route = None, self.config.miss_route
-        if streaming or not self._choosing():
-            return
-        if mark is not None and mark[0] == tokens and now - mark[2] < _STEP_GAP_S:
-            self.chooser.observe(tokens, mark[1], now - mark[2])
-        self._step_route = self.chooser.route(tokens)
-        self._step_mark = (tokens, self._step_route, now)
+    def _start_step(self, hidden: torch.Tensor, streaming: bool) -> None:
+        """First MoE layer of a forward: time the previous decode step for the chooser, pick this step's route
+        (a mapped one then brings the device table up to date)."""
+        now, mark, tokens = time.perf_counter(), self._step_mark, hidden.shape[0]
+        mapped = not streaming and self.mapped.usable(hidden, tokens)
+        route = self.config.miss_route
+        self._step_mark, self._step_route = None, route if route != "mapped" or mapped else "copy"
+        if not streaming and self._choosing():
+            if mark is not None and mark[0] == tokens and now - mark[2] < _STEP_GAP_S:
+                self.chooser.observe(tokens, mark[1], now - mark[2])
+            routes = ("auto", "copy", "mapped") if mapped and self._mapped_wanted() else ("auto", "copy")
+            self._step_route = self.chooser.route(tokens, routes)
+            self._step_mark = (tokens, self._step_route, now)
+        if self._step_route == "mapped":
+            if self._pending:  # the last split step's CPU jobs: done (the host has read the step's tokens since)
+                self._collect_pending()
+            self.mapped.begin_step(self.step, self._stream)
+
+    def _mapped_wanted(self) -> bool:
+        """Whether the chooser may try the mapped route (``TieredConfig.mapped``; ``None``: on CUDA)."""
+        wanted = self.config.mapped
+        return self.device.type == "cuda" if wanted is None else wanted
 
     def _choosing(self) -> bool:
         """Whether decode steps choose between the split and copies only (``TieredConfig.choose_split``)."""

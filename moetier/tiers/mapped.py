@@ -1,0 +1,280 @@
+"""The mapped route: a decode call's misses read by the device's kernels straight from the pinned home copy.
+
+The copy and CPU routes decide on the host, per MoE layer, where each miss runs: the host first waits for the
+router's ids, then launches copies, a CPU job and the compute. At a few streams that host thread is the
+critical path. Here the decode call needs no host decision at all. One device table holds, for every (layer,
+expert), the byte offset of the block the kernels read, from one fixed base (:attr:`ExpertCache.anchor`):
+its cache slot when it is resident, else its home copy in the pinned host arena, which the GPU reads over
+PCIe (pinned memory is mapped into the device's address space). A call is the resident dispatcher's
+device-built launch (:func:`~moetier.kernels.device_routing.run_routed`) over that table, plus one
+``index_add_`` counting its experts on the device, so the host never waits inside a step and the arithmetic,
+and so the bits, are the resident path's (measured on the H200: host-read blocks give the VRAM blocks' bits;
+the kernels read bf16 blocks over PCIe at 0.92x the copy engine's rate, fp4 at 0.62x).
+
+Between steps (:meth:`MappedExperts.begin_step`, at a mapped step's first MoE layer) the host catches up
+without waiting: the counts copied back after an earlier step (an event it only queries) tell the policy and
+the metrics what was used, up to ``admissions`` missed experts a step are admitted (copied into cache slots
+on the copy stream), and the table follows the cache. Ordering on CUDA:
+- an entry is pointed at a slot only once the slot's copy has landed (its ``ready`` event, queried);
+- before a slot's key changes, its entry is pointed home again on the compute stream, and the slot's
+  ``released`` event is recorded after that, so the copy into it waits for every kernel that read it
+  through the table (:meth:`release`, also called before any other route's step, which may evict);
+- the table is changed only by compute-stream copies enqueued between steps, so a step's calls all read
+  one table.
+Off CUDA the same table is read on the host, block by block, and the call runs the per-expert path: the
+CPU tests check the table's bookkeeping against the resident results.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moetier.kernels import grouped_experts
+from moetier.kernels.device_routing import DEVICE_ROUTING_MAX_PAIRS, LayerBlocks, device_routing_fits, run_routed
+from moetier.kernels.grouped_experts import run_experts
+from moetier.tiers.call_routing import sort_pairs, sorted_pairs_on_device
+from moetier.tiers.expert_cache import ExpertCache, Slot
+from moetier.tiers.experts import ExpertStore, ExpertWeights
+from moetier.tiers.metrics import TierMetrics
+from moetier.tiers.policies import CachePolicy, Key
+
+# Missed experts admitted per mapped step: each copy shares PCIe with the step's own host reads.
+DEFAULT_MAPPED_ADMISSIONS = 2
+
+
+class MappedExperts:
+    """The device table of every expert's block and the host bookkeeping that keeps it equal to the cache.
+
+    Contract: :meth:`begin_step` once before a mapped decode step's first call, then :meth:`dispatch` per MoE
+    layer (device work only: it may run inside a CUDA graph), and :meth:`release` before anything else may
+    change the cache (another route's step, a resize, a prefill lending slots). ``usable`` says whether the
+    device kernels take a call; off CUDA dispatch reads the table on the host instead.
+    """
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        cache: ExpertCache,
+        policy: CachePolicy,
+        metrics: TierMetrics,
+        admissions: int = DEFAULT_MAPPED_ADMISSIONS,
+    ) -> None:
+        layout = store.layout
+        self.store, self.cache, self.policy, self.metrics = store, cache, policy, metrics
+        self.admissions = admissions
+        self.device, self.cuda = cache.device, cache.device.type == "cuda"
+        self.layers = sorted(layout.moe_layers)
+        self._row = {layer: i for i, layer in enumerate(self.layers)}
+        self.experts = layout.num_experts
+        self.anchor: ExpertWeights = cache.anchor
+        self.base = self.anchor.block.data_ptr()
+        homes = [store.expert(layer, e).block for layer in self.layers for e in range(self.experts)]
+        self._home = [block.data_ptr() - self.base for block in homes]
+        self.table = torch.tensor(self._home, dtype=torch.int64, device=self.device)
+        self.counts = torch.zeros(len(self._home), dtype=torch.int64, device=self.device)
+        self._ones = torch.ones(DEVICE_ROUTING_MAX_PAIRS, dtype=torch.int64, device=self.device)
+        self._count_rows = {layer: self.counts[self._span(layer)] for layer in self.layers}
+        self._aligned = all(offset % 16 == 0 for offset in self._home) and self.base % 16 == 0
+        self._blocks: dict[tuple[int, torch.dtype], LayerBlocks | None] = {}
+        self._pointed: dict[Key, Slot] = {}  # entries that point at a cache slot now
+        self._version = -1  # the cache version the pointed entries were last compared with
+        self._landing: set[Key] = set()  # resident keys whose copy had not landed at the last comparison
+        self._seen = [0] * len(self._home)  # the counts harvested so far
+        self._readback: tuple[torch.Tensor, Any, int] | None = None  # (host counts, event, steps covered)
+        self._steps = 0  # steps begun since the last readback started
+        self._step = 0
+        self._by_address: dict[int, ExpertWeights] = {}
+
+    # --- the call -------------------------------------------------------------------------------
+
+    def usable(self, hidden: torch.Tensor, tokens: int) -> bool:
+        """Whether a decode call of ``tokens`` rows takes the device kernels (off CUDA: always, on the host)."""
+        if not self.cuda:
+            return True
+        return (
+            self._aligned
+            and device_routing_fits(hidden, tokens, tokens * self.store.layout.top_k)
+            and (self._layer_blocks(self.layers[0], hidden.dtype) is not None)
+        )
+
+    def dispatch(
+        self, layer: int, out: torch.Tensor, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> None:
+        """Add the layer's routed experts into ``out`` (float32 ``[T, H]``), each read where the table says."""
+        flat = topk_ids.reshape(-1)
+        ones = self._ones[: flat.numel()] if flat.numel() <= self._ones.numel() else torch.ones_like(flat)
+        self._count_rows[layer].index_add_(0, flat, ones)
+        limit = self.store.layout.swiglu_limit
+        if self.cuda:
+            run_routed(out, hidden, topk_ids, topk_weights, self._layer_blocks(layer, hidden.dtype), limit)
+            return
+        order, experts, counts = sort_pairs(topk_ids)
+        offsets = self.table[self._span(layer)].tolist()
+        groups, start = [], 0
+        for expert, count in zip(experts, counts, strict=True):
+            groups.append((self._block_at(offsets[expert]), start, count))
+            start += count
+        top_k = topk_ids.shape[1]
+        tokens, gates = sorted_pairs_on_device(order, order // top_k, topk_weights, hidden.device)
+        run_experts(out, hidden, tokens, gates, groups, limit, order // top_k, top_k)
+
+    # --- between steps --------------------------------------------------------------------------
+
+    def begin_step(self, step: int, stream: Any) -> None:
+        """Before a mapped step: take in the counts that came back, admit, bring the table up to date, and
+        start copying the counts back again (nothing here waits for the device)."""
+        self._step = step
+        admitted = self._admit(self._harvest())
+        self._follow_cache(stream, [slot for slot, _ in admitted])
+        if admitted:
+            self.cache.fill_many([(slot, self.store.expert(*key).block) for slot, key in admitted])
+            for _, key in admitted:
+                self.metrics.layer(key[0]).admit_bytes += self.cache.block_bytes
+            self._landing.update(key for _, key in admitted)  # pointed at from the step their copies landed by
+        self._steps += 1
+        self._start_readback(stream)
+
+    def release(self, stream: Any, extra: list[Slot] = ()) -> None:
+        """Record, on ``stream``, that every kernel reading a slot through the table has been enqueued: a later
+        copy into one of those slots (or into ``extra``) waits for them."""
+        slots = list(self._pointed.values()) + list(extra)
+        if slots:
+            self.cache.mark_released(slots, stream)
+
+    def flush(self) -> None:
+        """Take in every count so far, waiting for the device (a measured window's metrics; tests)."""
+        for _ in range(2):  # the readback in flight, then one of the counts as they are now
+            if self._readback is not None and self._readback[1] is not None:
+                self._readback[1].synchronize()
+            self._harvest()
+            self._start_readback(torch.cuda.current_stream(self.device) if self.cuda else None)
+
+    def _harvest(self) -> dict[Key, int]:
+        """The experts used since the counts last came back (if they have), told to the policy and metrics."""
+        if self._readback is None or not (self._readback[1] is None or self._readback[1].query()):
+            return {}
+        host, _, steps = self._readback
+        self._readback = None
+        now = host.tolist()
+        used: dict[Key, int] = {}
+        for i, (new, old) in enumerate(zip(now, self._seen, strict=True)):
+            if new != old:
+                used[(self.layers[i // self.experts], i % self.experts)] = new - old
+        self._seen = now
+        self._record(used, steps)
+        return used
+
+    def _record(self, used: dict[Key, int], steps: int) -> None:
+        by_layer: dict[int, list[tuple[int, int]]] = {}
+        for (layer, expert), count in used.items():
+            by_layer.setdefault(layer, []).append((expert, count))
+        block = self.cache.block_bytes
+        for layer in self.layers:
+            pairs = by_layer.get(layer, [])
+            experts, counts = [e for e, _ in pairs], [c for _, c in pairs]
+            counters = self.metrics.layer(layer)
+            counters.calls += steps
+            if not pairs:
+                continue
+            self.policy.record(layer, experts, counts, self._step)
+            self.metrics.record_routing(layer, experts, counts)
+            for expert, count in pairs:
+                hit = (layer, expert) in self._pointed
+                counters.experts_hit += hit
+                counters.experts_miss += not hit
+                counters.uses_hit += count if hit else 0
+                counters.uses_miss += 0 if hit else count
+                if not hit:  # every missed pair's kernels read its expert's block over PCIe
+                    counters.mapped_pairs += count
+                    counters.mapped_bytes += count * block
+
+    def _admit(self, used: dict[Key, int]) -> list[tuple[Slot, Key]]:
+        """Reserve slots for up to ``admissions`` of the missed experts the policy admits, most used first
+        (never evicting an expert of the same layer used in the same window)."""
+        admitted: list[tuple[Slot, Key]] = []
+        missed = sorted((k for k in used if self.cache.get(k) is None), key=lambda k: -used[k])
+        for key in missed:
+            if len(admitted) == self.admissions:
+                break
+            protected = {k for k in used if k[0] == key[0]}
+            slot = self.cache.plan_admission(key, protected)
+            if slot is not None:
+                admitted.append((slot, key))
+        return admitted
+
+    def _follow_cache(self, stream: Any, refilled: list[Slot]) -> None:
+        """Point entries home whose slot lost its key, and at slots whose copies landed; then order the copies
+        into ``refilled`` after every read of them through the table."""
+        changes: dict[int, int] = {}
+        if self.cache.version != self._version or self._landing:
+            for key, slot in list(self._pointed.items()):
+                if self.cache.get(key) is not slot:
+                    del self._pointed[key]
+                    changes[self._index(key)] = self._home[self._index(key)]
+            self._landing = set()
+            for key, slot in self.cache.items():
+                if key in self._pointed or key[0] not in self._row:
+                    continue
+                address = slot.tensor.data_ptr()
+                if not self.cache.landed(slot) or (self.cuda and address % 16):
+                    self._landing.add(key)
+                    continue
+                self._pointed[key] = slot
+                changes[self._index(key)] = address - self.base
+            self._version = self.cache.version
+        if changes:
+            self._write(changes)
+        if refilled:
+            self.release(stream, refilled)
+
+    def _write(self, changes: dict[int, int]) -> None:
+        """Enqueue the table's changed entries (on the current stream: after the kernels enqueued before)."""
+        update = torch.tensor([list(changes), list(changes.values())], dtype=torch.int64)
+        if self.cuda:
+            update = update.pin_memory().to(self.device, non_blocking=True)
+        self.table.index_copy_(0, update[0], update[1])
+
+    def _start_readback(self, stream: Any) -> None:
+        """Copy the counts back to the host (non-blocking; harvested once its event has passed)."""
+        if self._readback is not None:
+            return
+        if not self.cuda:
+            self._readback = (self.counts.clone(), None, self._steps)
+        else:
+            host = torch.empty(self.counts.shape, dtype=self.counts.dtype, pin_memory=True)
+            host.copy_(self.counts, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._readback = (host, event, self._steps)
+        self._steps = 0
+
+    # --- lookups --------------------------------------------------------------------------------
+
+    def _span(self, layer: int) -> slice:
+        row = self._row[layer]
+        return slice(row * self.experts, (row + 1) * self.experts)
+
+    def _index(self, key: Key) -> int:
+        return self._row[key[0]] * self.experts + key[1]
+
+    def _layer_blocks(self, layer: int, dtype: torch.dtype) -> LayerBlocks | None:
+        """The kernels' view of the layer's table entries (offsets from the anchor), judged once per dtype."""
+        key = (layer, dtype)
+        if key not in self._blocks:
+            probe = torch.empty((1, 1), dtype=dtype, device=self.device)
+            placement = grouped_experts._grouped_placement(probe, [(self.anchor, 0, 1)])
+            offsets = self.table[self._span(layer)]
+            self._blocks[key] = None if placement is None else LayerBlocks(self.anchor, offsets, 16, placement)
+        return self._blocks[key]
+
+    def _block_at(self, offset: int) -> ExpertWeights:
+        """The block an entry addresses (host reads of the table, off CUDA): a slot's or a home copy's."""
+        address = self.base + offset
+        if address not in self._by_address:
+            homes = [weights for _, weights in self.store.items()]
+            self._by_address = {w.block.data_ptr(): w for w in homes + [s.weights for s in self.cache.all_slots()]}
+        if address not in self._by_address:
+            raise RuntimeError(f"mapped expert table points at an unknown block (offset {offset})")
+        return self._by_address[address]
