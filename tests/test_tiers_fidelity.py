@@ -103,9 +103,7 @@ def forced_logits(loaded, prompt: torch.Tensor, tokens: list[int]) -> tuple[torc
     return prefill, steps
 
 
-@pytest.mark.parametrize(
-    ("route", "policy"), [("cpu", "lru"), ("copy", "lfu"), ("auto", "static"), ("mapped", "lfu")]
-)
+@pytest.mark.parametrize(("route", "policy"), [("cpu", "lru"), ("copy", "lfu"), ("auto", "static"), ("mapped", "lfu")])
 def test_tiered_fp32_decode_matches_resident(family, tmp_path, route, policy):
     path, prompt, (ref_prefill, ref_steps, ref_tokens), resident = family
     options: dict = {"miss_route": route, "policy": policy}
