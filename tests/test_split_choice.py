@@ -109,7 +109,7 @@ def test_the_dispatcher_copies_every_miss_once_copies_only_measured_faster(monke
     hidden = torch.randn(64, store.layout.hidden_size)
     ids = torch.randint(0, store.layout.num_experts, (64, store.layout.top_k))
     dispatcher.dispatch(0, hidden, ids, torch.rand(64, store.layout.top_k))
-    assert dispatcher._step_route == "auto" and dispatcher._step_mark is None
+    assert dispatcher._step_route == "auto" and not dispatcher._timer.timing
 
 
 def test_the_chooser_is_off_where_nothing_is_chosen_and_when_asked():
@@ -123,7 +123,7 @@ def test_the_chooser_is_off_where_nothing_is_chosen_and_when_asked():
         dispatcher = TieredDispatcher(store, cache_slots=0, calibrate=False, **options)
         dispatcher.prepare("cpu")
         _decode_calls(dispatcher, 10)
-        assert dispatcher.chooser.report() == {} and dispatcher._step_mark is None, options
+        assert dispatcher.chooser.report() == {} and not dispatcher._timer.timing, options
 
 
 def test_metrics_export_the_choice():

@@ -361,7 +361,8 @@ def test_tiered_on_cuda_matches_resident(tmp_path, saver, route):
     assert relative_error(prefill, ref_prefill) < FP32_REL
     assert max(errors) < FP32_REL
     assert (snap["totals"]["cpu_pairs"] > 0) == (route in ("cpu", "auto"))
-    assert (snap["totals"]["mapped_pairs"] > 0) == (route == "mapped")
+    if route != "auto":  # on CUDA the split's chooser may also try the mapped route
+        assert (snap["totals"]["mapped_pairs"] > 0) == (route == "mapped")
 
 
 @pytest.mark.gpu

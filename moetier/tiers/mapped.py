@@ -42,6 +42,8 @@ from moetier.tiers.policies import CachePolicy, Key
 
 # Missed experts admitted per mapped step: each copy shares PCIe with the step's own host reads.
 DEFAULT_MAPPED_ADMISSIONS = 2
+# Steps the host may run ahead of the counts it reads back before it waits for them.
+LAG_STEPS = 2
 
 
 class MappedExperts:
@@ -152,9 +154,18 @@ class MappedExperts:
             self._start_readback(torch.cuda.current_stream(self.device) if self.cuda else None)
 
     def _harvest(self) -> dict[Key, int]:
-        """The experts used since the counts last came back (if they have), told to the policy and metrics."""
-        if self._readback is None or not (self._readback[1] is None or self._readback[1].query()):
+        """The experts used since the counts last came back (if they have), told to the policy and metrics.
+
+        With nothing in a step waiting for the device, the host may run steps ahead (a benchmark that never reads
+        its tokens): once the readback is ``LAG_STEPS`` steps old the host waits for it, which still leaves the
+        device that many steps of queued work, so admissions keep up without idling the device."""
+        if self._readback is None:
             return {}
+        event = self._readback[1]
+        if event is not None and not event.query():
+            if self._steps < LAG_STEPS:
+                return {}
+            event.synchronize()
         host, _, steps = self._readback
         self._readback = None
         now = host.tolist()

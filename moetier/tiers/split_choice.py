@@ -11,7 +11,11 @@ the split is chosen the way a user would judge it, by the wall time of whole dec
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from moetier.errors import ConfigError
 
@@ -117,3 +121,64 @@ def _check_routes(routes: tuple[str, ...]) -> tuple[str, ...]:
     if not routes or any(route not in SPLIT_ROUTES for route in routes) or len(set(routes)) != len(routes):
         raise ConfigError(f"split chooser routes must be distinct ones of {SPLIT_ROUTES}, got {routes}")
     return tuple(routes)
+
+
+@dataclass
+class _Mark:
+    tokens: int
+    host: float
+    event: Any  # torch.cuda.Event recorded at the step's start (None off CUDA)
+    route: str | None = None
+
+
+class StepTimer:
+    """Decode steps timed from one step's start to the next's, for the :class:`SplitChooser`.
+
+    Off CUDA by the host clock. On CUDA by events on the compute stream: a step whose calls never wait for the
+    device (the mapped route) lets the host run steps ahead, so only the device's timeline says how long a step
+    took; where the host is the slower side, the device waits for its launches and the events measure that
+    too. A pair of marks counts only for the same batch size and under ``gap_s`` of host time apart (a longer
+    gap is idle time, not a step); :meth:`stop` (a prefill call, a step nothing is chosen for) ends the pair.
+    """
+
+    def __init__(self, gap_s: float = 1.0) -> None:
+        self.gap_s = gap_s
+        self._marks: deque[_Mark | None] = deque()
+
+    @property
+    def timing(self) -> bool:
+        """Whether a step is being timed (its start marked, its end not yet)."""
+        return bool(self._marks) and self._marks[-1] is not None
+
+    def start(self, tokens: int, now: float, stream: Any) -> None:
+        """Mark a step's start: ``now`` on the host clock, an event on ``stream`` (None off CUDA)."""
+        event = None
+        if stream is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(stream)
+        self._marks.append(_Mark(tokens, now, event))
+
+    def label(self, route: str) -> None:
+        """The route of the step whose start was marked last."""
+        self._marks[-1].route = route
+
+    def stop(self) -> None:
+        if self.timing:
+            self._marks.append(None)
+
+    def finished(self) -> list[tuple[int, str, float]]:
+        """``(tokens, route, seconds)`` of the timed steps whose end the device has passed (asked, not waited for)."""
+        done = []
+        while len(self._marks) >= 2:
+            first, second = self._marks[0], self._marks[1]
+            if first is None or second is None:
+                self._marks.popleft()
+                continue
+            if second.event is not None and not second.event.query():
+                break
+            self._marks.popleft()
+            if first.tokens == second.tokens and second.host - first.host < self.gap_s and first.route:
+                host = second.host - first.host
+                seconds = host if first.event is None else first.event.elapsed_time(second.event) / 1e3
+                done.append((first.tokens, first.route, seconds))
+        return done

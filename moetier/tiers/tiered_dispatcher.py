@@ -57,7 +57,7 @@ from moetier.tiers.mapped import MappedExperts
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.policies import make_policy
 from moetier.tiers.route_costs import RouteAdapter, RouteCosts, split_misses
-from moetier.tiers.split_choice import SplitChooser
+from moetier.tiers.split_choice import SplitChooser, StepTimer
 from moetier.tiers.tiered_config import TieredConfig, default_staging_slots
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class TieredDispatcher(ExpertDispatcher):
         self.chooser = SplitChooser()
         self.metrics.split_choices = self.chooser.report
         self._step_route = self.config.miss_route  # the miss route of the step in progress
-        self._step_mark: tuple[int, str, float] | None = None  # (tokens, route, start) of the decode step timed
+        self._timer = StepTimer(_STEP_GAP_S)  # decode steps' durations, for the chooser
         self._hints = HintBuffer(min_precision=self.config.hint_min_precision)
         self._host_buffers = HostBuffers()  # a decode call's routing, rows and CPU sums on the host
         self._stream: Any = None  # the compute stream of the call in progress (None off CUDA)
@@ -282,16 +282,19 @@ class TieredDispatcher(ExpertDispatcher):
     def _start_step(self, hidden: torch.Tensor, streaming: bool) -> None:
         """First MoE layer of a forward: time the previous decode step for the chooser, pick this step's route
         (a mapped one then brings the device table up to date)."""
-        now, mark, tokens = time.perf_counter(), self._step_mark, hidden.shape[0]
+        now, tokens = time.perf_counter(), hidden.shape[0]
         mapped = not streaming and self.mapped.usable(hidden, tokens)
         route = self.config.miss_route
-        self._step_mark, self._step_route = None, route if route != "mapped" or mapped else "copy"
-        if not streaming and self._choosing():
-            if mark is not None and mark[0] == tokens and now - mark[2] < _STEP_GAP_S:
-                self.chooser.observe(tokens, mark[1], now - mark[2])
+        self._step_route = route if route != "mapped" or mapped else "copy"
+        if streaming or not self._choosing():
+            self._timer.stop()
+        else:
+            self._timer.start(tokens, now, self._stream)
+            for measured in self._timer.finished():
+                self.chooser.observe(*measured)
             routes = ("auto", "copy", "mapped") if mapped and self._mapped_wanted() else ("auto", "copy")
             self._step_route = self.chooser.route(tokens, routes)
-            self._step_mark = (tokens, self._step_route, now)
+            self._timer.label(self._step_route)
         if self._step_route == "mapped":
             if self._pending:  # the last split step's CPU jobs: done (the host has read the step's tokens since)
                 self._collect_pending()

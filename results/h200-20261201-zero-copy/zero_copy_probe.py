@@ -91,10 +91,20 @@ def probe(fmt: str, experts_n: int, tokens_list: list[int]) -> list[dict]:
 
 
 def main() -> None:
+    """``PROBE_SWEEP=1``: fp4 only, over the kernels' column step and row block (module constants, set here)."""
     out_dir = os.environ.get("OUT", ".")
     rows = []
-    for fmt, n in (("fp4", 240), ("bf16", 96)):
-        rows += probe(fmt, n, [1, 2, 4])
+    if os.environ.get("PROBE_SWEEP"):
+        from moetier.kernels import grouped_experts
+
+        for block_k, block_n, block_h in ((256, 16, 32), (512, 16, 32), (1024, 16, 32), (1024, 8, 16), (512, 8, 32)):
+            grouped_experts._FP4_BLOCK_K, grouped_experts._QUANT_BLOCK_N = block_k, block_n
+            grouped_experts._BLOCK_H = block_h
+            for row in probe("fp4", 240, [1, 4]):
+                rows.append({"block_k": block_k, "block_n": block_n, "block_h": block_h, **row})
+    else:
+        for fmt, n in (("fp4", 240), ("bf16", 96)):
+            rows += probe(fmt, n, [1, 2, 4])
     with open(os.path.join(out_dir, "zero_copy_probe.json"), "w") as f:
         json.dump({"argv": sys.argv, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
