@@ -34,6 +34,27 @@ def test_a_trial_visits_each_route_twice_then_keeps_the_faster_until_the_revisit
     assert chooser.report()[1]["route"] == "auto"
 
 
+def test_a_batch_size_is_settled_between_its_trials_only():
+    chooser = SplitChooser(block_steps=1, rounds=1, settle_steps=0, revisit_steps=3)
+    assert not chooser.settled(2)
+    _run(chooser, 2, 2, {"auto": 2.0, "copy": 1.0})
+    assert chooser.settled(2) and not chooser.settled(1)
+    _run(chooser, 2, 3, {"auto": 2.0, "copy": 1.0})
+    assert not chooser.settled(2)  # the revisit is due
+
+
+def test_a_batch_size_can_bring_its_own_routes():
+    chooser = SplitChooser(block_steps=1, rounds=1, settle_steps=0)
+    routes = []
+    for _ in range(3):
+        routes.append(chooser.route(1, ("auto", "copy", "mapped")))
+        chooser.observe(1, routes[-1], {"auto": 3.0, "copy": 2.0, "mapped": 1.0}[routes[-1]] / 1e3)
+    assert routes == ["auto", "copy", "mapped"] and chooser.report()[1]["route"] == "mapped"
+    assert chooser.route(4) == "auto" and chooser.route(4, ("auto", "copy")) == "auto"  # 4: the default routes
+    with pytest.raises(ConfigError):
+        chooser.route(8, ("auto", "auto"))
+
+
 def test_copies_only_must_beat_the_split_by_the_margin():
     chooser = SplitChooser(block_steps=2, rounds=1, settle_steps=0, margin=0.05)
     _run(chooser, 1, 4, {"auto": 10.0, "copy": 9.7})  # 3% faster: within the margin, the split stays

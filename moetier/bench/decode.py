@@ -161,12 +161,22 @@ class _DecodeRun:
         return self.model.compute_logits(hidden).argmax(-1)
 
 
-def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[float], list[int]]:
-    """Seconds per repeat of ``steps`` decode steps (after warm-up), and the tokens of the first stream."""
+# Warm-up steps a decode run may add while the split chooser's trial runs (3 routes x 2 rounds x 4 steps = 24).
+_TRIAL_STEPS_CAP = 96
+
+
+def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[float], list[int], int]:
+    """Seconds per repeat of ``steps`` decode steps (after warm-up), the tokens of the first stream, and the
+    warm-up steps that waited for the dispatcher's split chooser to decide (the steady state is measured: the
+    trial's steps, a few dozen of every 256 in serving, are not)."""
     device = run.model.device
     tokens = run.prefill()
     for _ in range(run.cfg.warmup):
         tokens = run.step(tokens)
+    settled, trial_steps = getattr(dispatcher, "split_settled", lambda tokens: True), 0
+    while not settled(run.streams) and trial_steps < _TRIAL_STEPS_CAP:
+        tokens = run.step(tokens)
+        trial_steps += 1
     metrics = getattr(dispatcher, "metrics", None)
     flush = getattr(dispatcher, "flush_metrics", lambda: None)  # counts the device still holds (mapped route)
     if metrics is not None:
@@ -182,7 +192,7 @@ def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[fl
         sync_device(device)
         seconds.append(time.perf_counter() - start)
     flush()
-    return seconds, [int(t) for t in first_stream]
+    return seconds, [int(t) for t in first_stream], trial_steps
 
 
 def _clock_steps(run: _DecodeRun, steps: int) -> dict[str, Any]:
@@ -375,8 +385,9 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
         for streams in cfg.streams:
             if replay is not None:
                 replay.rewind()  # every mode and stream count replays the trace from its first row
-            seconds, tokens = _time_decode(_DecodeRun(model, streams, cfg, vocab), dispatcher)
+            seconds, tokens, trial_steps = _time_decode(_DecodeRun(model, streams, cfg, vocab), dispatcher)
             traffic = _traffic(dispatcher, block_bytes, cfg.steps * cfg.repeats, streams)
+            traffic["split_trial_warmup_steps"] = trial_steps
             if replay is not None:
                 traffic["routing_trace_wraps"] = max(replay.wraps.values())
             results.append(_result(mode, streams, seconds, traffic, cfg, bounds))

@@ -128,7 +128,7 @@ class MappedExperts:
         """Before a mapped step: take in the counts that came back, admit, bring the table up to date, and
         start copying the counts back again (nothing here waits for the device)."""
         self._step = step
-        admitted = self._admit(self._harvest())
+        admitted = self._admit(*self._harvest())
         self._follow_cache(stream, [slot for slot, _ in admitted])
         if admitted:
             self.cache.fill_many([(slot, self.store.expert(*key).block) for slot, key in admitted])
@@ -147,24 +147,25 @@ class MappedExperts:
 
     def flush(self) -> None:
         """Take in every count so far, waiting for the device (a measured window's metrics; tests)."""
-        for _ in range(2):  # the readback in flight, then one of the counts as they are now
+        for _ in range(2):  # the readback in flight, then one of the counts as they are now (nothing admitted)
             if self._readback is not None and self._readback[1] is not None:
                 self._readback[1].synchronize()
             self._harvest()
             self._start_readback(torch.cuda.current_stream(self.device) if self.cuda else None)
 
-    def _harvest(self) -> dict[Key, int]:
-        """The experts used since the counts last came back (if they have), told to the policy and metrics.
+    def _harvest(self) -> tuple[dict[Key, int], int]:
+        """The experts used since the counts last came back (if they have), told to the policy and metrics, and
+        how many steps they cover.
 
         With nothing in a step waiting for the device, the host may run steps ahead (a benchmark that never reads
         its tokens): once the readback is ``LAG_STEPS`` steps old the host waits for it, which still leaves the
         device that many steps of queued work, so admissions keep up without idling the device."""
         if self._readback is None:
-            return {}
+            return {}, 0
         event = self._readback[1]
         if event is not None and not event.query():
             if self._steps < LAG_STEPS:
-                return {}
+                return {}, 0
             event.synchronize()
         host, _, steps = self._readback
         self._readback = None
@@ -175,7 +176,7 @@ class MappedExperts:
                 used[(self.layers[i // self.experts], i % self.experts)] = new - old
         self._seen = now
         self._record(used, steps)
-        return used
+        return used, steps
 
     def _record(self, used: dict[Key, int], steps: int) -> None:
         by_layer: dict[int, list[tuple[int, int]]] = {}
@@ -201,13 +202,13 @@ class MappedExperts:
                     counters.mapped_pairs += count
                     counters.mapped_bytes += count * block
 
-    def _admit(self, used: dict[Key, int]) -> list[tuple[Slot, Key]]:
-        """Reserve slots for up to ``admissions`` of the missed experts the policy admits, most used first
-        (never evicting an expert of the same layer used in the same window)."""
+    def _admit(self, used: dict[Key, int], steps: int) -> list[tuple[Slot, Key]]:
+        """Reserve slots for up to ``admissions`` per step the counts cover of the missed experts the policy admits,
+        most used first (never evicting an expert of the same layer used in the same window)."""
         admitted: list[tuple[Slot, Key]] = []
         missed = sorted((k for k in used if self.cache.get(k) is None), key=lambda k: -used[k])
         for key in missed:
-            if len(admitted) == self.admissions:
+            if len(admitted) >= self.admissions * steps:
                 break
             protected = {k for k in used if k[0] == key[0]}
             slot = self.cache.plan_admission(key, protected)

@@ -95,6 +95,11 @@ class SplitChooser:
         if trial.index == len(trial.routes) * self.rounds:
             self._decide(trial)
 
+    def settled(self, tokens: int) -> bool:
+        """Whether a batch size of ``tokens`` tokens per call runs its winner (its trial done, the revisit ahead)."""
+        trial = self._trials.get(tokens)
+        return trial is not None and trial.winner is not None and trial.since_trial < self.revisit_steps
+
     def _trial(self, tokens: int, routes: tuple[str, ...] | None) -> _BatchTrial:
         trial = self._trials.get(tokens)
         if trial is None:

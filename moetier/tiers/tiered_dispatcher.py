@@ -300,6 +300,12 @@ class TieredDispatcher(ExpertDispatcher):
                 self._collect_pending()
             self.mapped.begin_step(self.step, self._stream)
 
+    def split_settled(self, tokens: int) -> bool:
+        """Whether decode steps of ``tokens`` tokens per call run a chosen route (no trial under way or ahead)."""
+        if self.device is None or not self._choosing():
+            return True
+        return self.chooser.settled(tokens)
+
     def _mapped_wanted(self) -> bool:
         """Whether the chooser may try the mapped route (``TieredConfig.mapped``; ``None``: on CUDA)."""
         wanted = self.config.mapped

@@ -72,8 +72,15 @@ def probe(fmt: str, experts_n: int, tokens_list: list[int]) -> list[dict]:
             check = torch.zeros(tokens, cfg.hidden, device="cuda")
             run_routed(check, hidden, id_sets[0], weights, blocks, cfg.swiglu_limit)
             outs[name] = check
-            rows.append({"format": fmt, "tokens": tokens, "placement": name, "us_per_call": round(us, 1),
-                         "gbps": round(pairs * expert_bytes / us / 1e3, 1)})
+            rows.append(
+                {
+                    "format": fmt,
+                    "tokens": tokens,
+                    "placement": name,
+                    "us_per_call": round(us, 1),
+                    "gbps": round(pairs * expert_bytes / us / 1e3, 1),
+                }
+            )
         slots = [torch.empty_like(dev[i].block) for i in range(pairs)]
 
         def copy(state={"i": 0}):
@@ -83,9 +90,18 @@ def probe(fmt: str, experts_n: int, tokens_list: list[int]) -> list[dict]:
                 slot.copy_(host[start + i].block, non_blocking=True)
 
         us = timed(copy, 4 * calls)
-        rows.append({"format": fmt, "tokens": tokens, "placement": "h2d-copy-only", "us_per_call": round(us, 1),
-                     "gbps": round(pairs * expert_bytes / us / 1e3, 1)})
-        rows.append({"format": fmt, "tokens": tokens, "host_equals_vram_bits": bool(torch.equal(outs["vram"], outs["host"]))})
+        rows.append(
+            {
+                "format": fmt,
+                "tokens": tokens,
+                "placement": "h2d-copy-only",
+                "us_per_call": round(us, 1),
+                "gbps": round(pairs * expert_bytes / us / 1e3, 1),
+            }
+        )
+        rows.append(
+            {"format": fmt, "tokens": tokens, "host_equals_vram_bits": bool(torch.equal(outs["vram"], outs["host"]))}
+        )
         print(json.dumps(rows[-4:]), flush=True)
     return rows
 
@@ -97,9 +113,13 @@ def main() -> None:
     if os.environ.get("PROBE_SWEEP"):
         from moetier.kernels import grouped_experts
 
-        for block_k, block_n, block_h in ((256, 16, 32), (512, 16, 32), (1024, 16, 32), (1024, 8, 16), (512, 8, 32)):
-            grouped_experts._FP4_BLOCK_K, grouped_experts._QUANT_BLOCK_N = block_k, block_n
-            grouped_experts._BLOCK_H = block_h
+        # The first sweep (f31864b: these names were _FP4_BLOCK_K, _QUANT_BLOCK_N and _BLOCK_H, shared with fp8 and
+        # dense) ran (256, 16, 32), (512, 16, 32), (1024, 16, 32), (1024, 8, 16), (512, 8, 32).
+        sweep = os.environ.get("PROBE_SWEEP_CONFIGS", "1024:8:16,1024:4:8,1024:8:8,2048:4:16,512:4:8")
+        for config in sweep.split(","):
+            block_k, block_n, block_h = (int(v) for v in config.split(":"))
+            grouped_experts._FP4_BLOCK_K, grouped_experts._FP4_BLOCK_N = block_k, block_n
+            grouped_experts._FP4_BLOCK_H = block_h
             for row in probe("fp4", 240, [1, 4]):
                 rows.append({"block_k": block_k, "block_n": block_n, "block_h": block_h, **row})
     else:
