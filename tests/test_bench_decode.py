@@ -181,3 +181,23 @@ def test_long_prompts_are_prefilled_in_chunks_with_the_same_greedy_tokens(bench_
     assert tokens[64] == tokens[7]
     with pytest.raises(ConfigError, match="prefill-chunk"):
         DecodeBenchConfig(model=bench_model, prefill_chunk=0)
+
+
+def test_warm_up_waits_for_the_split_trial_within_the_caches_room(bench_model):
+    """A dispatcher whose split chooser never settles: the warm-up stops at the cap, and the caches hold it all."""
+    from moetier.bench import decode
+    from moetier.bench.common import load_checkpoint
+
+    loaded, _, _ = load_checkpoint(bench_model, "fp32", "cpu")
+    cfg = DecodeBenchConfig(model=bench_model, streams=[1], steps=2, repeats=1, warmup=1, prompt_len=8, dtype="fp32")
+
+    class Unsettled:
+        asked = 0
+
+        def split_settled(self, tokens: int) -> bool:
+            self.asked += 1
+            return False
+
+    run = decode._DecodeRun(loaded.model, 1, cfg, loaded.model.config.vocab_size)
+    seconds, tokens, trial_steps = decode._time_decode(run, Unsettled())
+    assert trial_steps == decode._TRIAL_STEPS_CAP and len(tokens) == 2 and len(seconds) == 1

@@ -133,7 +133,8 @@ class _DecodeRun:
         self.model, self.streams, self.cfg = model, streams, cfg
         self.prompts = hf_baseline.bench_prompts(cfg.seed, streams, cfg.prompt_len, vocab)
         # Room for the timed steps, or for the clocked / profiled passes' steps (each on a fresh run).
-        capacity = cfg.prompt_len + cfg.warmup + max(cfg.steps * cfg.repeats, cfg.host_steps, _PROFILED_STEPS) + 2
+        steps = max(cfg.steps * cfg.repeats, cfg.host_steps, _PROFILED_STEPS)
+        capacity = cfg.prompt_len + cfg.warmup + _TRIAL_STEPS_CAP + steps + 2  # room for the split trial's warm-up
         space = PagedKVSpace(model.device) if cfg.kv_layout == "paged" else None
         with paged_kv(space):
             self.caches = [model.new_cache(capacity, kv_dtype=cfg.kv_dtype) for _ in range(streams)]
