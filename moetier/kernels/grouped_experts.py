@@ -54,8 +54,9 @@ MAX_GROUP_TOKENS = 16  # the token tile of the gate/up kernel; tl.dot needs at l
 _BLOCK_I, _BLOCK_H, _BLOCK_K, _SUM_BLOCK = 32, 32, 128, 1024
 # Quantised gate/up: rows per program (fp8). fp4: rows per gate/up program, output channels per down program,
 # and the column step (32 scale units of 32 values: 512 bytes and 128 bytes of scales a row). Measured on the H200
-# against (16, 32, 256), the same rows and step as fp8's (`results/h200-20261201-zero-copy`): half the rows per
-# program and 4x the step run a 1-token call 19% faster from VRAM and read pinned host blocks at 41 GB/s, not 31.
+# against (16, 32, 256), the same rows and step as fp8's (`results/h200-20261201-f31864b`, one process): the kernels
+# read pinned host blocks at 41 GB/s, not 31 (the mapped route), and a 1-token call from VRAM took 387 us, not 479
+# (VRAM timings of that probe vary up to 1.7x between hosts; the host reads repeated at 41-42 GB/s).
 _QUANT_BLOCK_N = 16
 _FP4_BLOCK_N, _FP4_BLOCK_H, _FP4_BLOCK_K = 8, 16, 1024
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -107,6 +107,11 @@ class ExpertCache:
         """Every resident key with its slot (copies may still be in flight: see :meth:`landed`)."""
         return [(key, slot) for key, slot in self._map.items() if slot.filled]
 
+    @property
+    def free_slots(self) -> int:
+        """Cache slots holding no expert (an admission into one evicts nothing)."""
+        return len(self._free)
+
     def all_slots(self) -> list[Slot]:
         """Every slot the cache holds now: its own and the staging ring's (lent slots are the ring's)."""
         return self._slots + self._staging

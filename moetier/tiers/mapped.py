@@ -203,17 +203,21 @@ class MappedExperts:
                     counters.mapped_bytes += count * block
 
     def _admit(self, used: dict[Key, int], steps: int) -> list[tuple[Slot, Key]]:
-        """Reserve slots for up to ``admissions`` per step the counts cover of the missed experts the policy admits,
-        most used first (never evicting an expert of the same layer used in the same window)."""
+        """Reserve slots for the missed experts the policy admits, most used first (never evicting an expert of the
+        same layer used in the same window): every one a free slot takes (a cold cache fills as fast as the copy
+        path fills it), and up to ``admissions`` per step the counts cover that evict another."""
         admitted: list[tuple[Slot, Key]] = []
+        evicting = 0
         missed = sorted((k for k in used if self.cache.get(k) is None), key=lambda k: -used[k])
         for key in missed:
-            if len(admitted) >= self.admissions * steps:
+            evicts = self.cache.free_slots == 0
+            if evicts and evicting >= self.admissions * steps:
                 break
             protected = {k for k in used if k[0] == key[0]}
             slot = self.cache.plan_admission(key, protected)
             if slot is not None:
                 admitted.append((slot, key))
+                evicting += evicts
         return admitted
 
     def _follow_cache(self, stream: Any, refilled: list[Slot]) -> None:
