@@ -173,3 +173,26 @@ def test_mapped_calls_give_the_resident_kernels_bits(dtype):
     totals = tiered.metrics.snapshot()["totals"]
     assert totals["uses_hit"] > 0 and totals["mapped_pairs"] > 0 and totals["evictions"] > 0
     assert totals["copy_pairs"] == 0 and totals["cpu_pairs"] == 0
+
+
+@pytest.mark.gpu
+def test_a_pageable_home_copy_is_never_read_by_the_kernels():
+    """Pageable memory is not in the GPU's address space: a mapped dispatcher over it copies its misses instead."""
+    layout = ExpertLayout((0, 1), num_experts=8, hidden_size=256, intermediate_size=128, top_k=2)
+    source = _random_store(layout, torch.float32)
+    home = ExpertStore(layout, torch.float32, HostExpertArena(chunk_bytes=16 << 20, pin=False, progress=False))
+    device_store = ExpertStore(layout, torch.float32, device_allocator("cuda"))
+    for key, weights in source.items():
+        home.block_for_loading(*key).block.copy_(weights.block)
+        device_store.block_for_loading(*key).block.copy_(weights.block)
+    resident = ResidentDispatcher(device_store)
+    tiered = TieredDispatcher(home, cache_slots=2, miss_route="mapped")
+    generator = torch.Generator().manual_seed(6)
+    for _ in range(4):
+        for layer in layout.moe_layers:
+            hidden, ids, weights = (t.cuda() for t in _routing(1, layout, generator, torch.float32))
+            ours = tiered.dispatch(layer, hidden, ids, weights)
+            assert relative_error(ours, resident.dispatch(layer, hidden, ids, weights)) < 1e-6
+    tiered.close()
+    totals = tiered.metrics.snapshot()["totals"]
+    assert totals["mapped_pairs"] == 0 and totals["copy_pairs"] > 0

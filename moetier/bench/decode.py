@@ -167,23 +167,24 @@ _TRIAL_STEPS_CAP = 96
 
 
 def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[float], list[int], int]:
-    """Seconds per repeat of ``steps`` decode steps (after warm-up), the tokens of the first stream, and the
-    warm-up steps that waited for the dispatcher's split chooser to decide (the steady state is measured: the
-    trial's steps, a few dozen of every 256 in serving, are not)."""
+    """Seconds per repeat of ``steps`` decode steps (after warm-up), the first stream's tokens from the same
+    position in every mode, and the warm-up steps that waited for the dispatcher's split chooser to decide (the
+    steady state is measured: the trial's steps, a few dozen of every 256 in serving, are not)."""
     device = run.model.device
     tokens = run.prefill()
     for _ in range(run.cfg.warmup):
         tokens = run.step(tokens)
-    settled, trial_steps = getattr(dispatcher, "split_settled", lambda tokens: True), 0
+    settled, trial_steps, first_stream = getattr(dispatcher, "split_settled", lambda tokens: True), 0, []
     while not settled(run.streams) and trial_steps < _TRIAL_STEPS_CAP:
         tokens = run.step(tokens)
+        first_stream.append(tokens[0])  # compared at their positions with the modes that warm up less
         trial_steps += 1
     metrics = getattr(dispatcher, "metrics", None)
     flush = getattr(dispatcher, "flush_metrics", lambda: None)  # counts the device still holds (mapped route)
     if metrics is not None:
         flush()
         metrics.reset()
-    seconds, first_stream = [], []
+    seconds = []
     for _ in range(run.cfg.repeats):
         sync_device(device)
         start = time.perf_counter()
@@ -193,7 +194,7 @@ def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[fl
         sync_device(device)
         seconds.append(time.perf_counter() - start)
     flush()
-    return seconds, [int(t) for t in first_stream], trial_steps
+    return seconds, [int(t) for t in first_stream[: run.cfg.steps * run.cfg.repeats]], trial_steps
 
 
 def _clock_steps(run: _DecodeRun, steps: int) -> dict[str, Any]:

@@ -79,6 +79,9 @@ class MappedExperts:
         self._ones = torch.ones(DEVICE_ROUTING_MAX_PAIRS, dtype=torch.int64, device=self.device)
         self._count_rows = {layer: self.counts[self._span(layer)] for layer in self.layers}
         self._aligned = all(offset % 16 == 0 for offset in self._home) and self.base % 16 == 0
+        # The GPU reads pinned memory only (mapped into its address space): a pageable home copy (pinning failed
+        # or was turned off) keeps the other routes.
+        self._readable = not self.cuda or all(block.is_pinned() for block in homes)
         self._blocks: dict[tuple[int, torch.dtype], LayerBlocks | None] = {}
         self._pointed: dict[Key, Slot] = {}  # entries that point at a cache slot now
         self._version = -1  # the cache version the pointed entries were last compared with
@@ -96,7 +99,8 @@ class MappedExperts:
         if not self.cuda:
             return True
         return (
-            self._aligned
+            self._readable
+            and self._aligned
             and device_routing_fits(hidden, tokens, tokens * self.store.layout.top_k)
             and (self._layer_blocks(self.layers[0], hidden.dtype) is not None)
         )
