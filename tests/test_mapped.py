@@ -196,3 +196,27 @@ def test_a_pageable_home_copy_is_never_read_by_the_kernels():
     tiered.close()
     totals = tiered.metrics.snapshot()["totals"]
     assert totals["mapped_pairs"] == 0 and totals["copy_pairs"] > 0
+
+
+def test_a_failing_mapped_call_falls_back_to_copies_and_stays_off(monkeypatch, caplog):
+    store = _random_store(LAYOUT, torch.float32)
+    resident = ResidentDispatcher(store)
+    tiered = TieredDispatcher(store, cache_slots=3, miss_route="mapped")
+    tiered.prepare("cpu")
+    calls = []
+
+    def broken(layer, out, *args):
+        calls.append(layer)
+        out += 1.0  # a partial result the fallback must not keep
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(tiered.mapped, "dispatch", broken)
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        for layer in LAYOUT.moe_layers:
+            hidden, ids, weights = _routing(1, LAYOUT, generator, torch.float32)
+            ours = tiered.dispatch(layer, hidden, ids, weights)
+            assert relative_error(ours, resident.dispatch(layer, hidden, ids, weights)) < 1e-6
+    tiered.close()
+    assert calls == [0] and "mapped expert route failed" in caplog.text
+    assert tiered.metrics.total().copy_pairs > 0

@@ -104,6 +104,7 @@ class TieredDispatcher(ExpertDispatcher):
         self.metrics.split_choices = self.chooser.report
         self._step_route = self.config.miss_route  # the miss route of the step in progress
         self._timer = StepTimer(_STEP_GAP_S)  # decode steps' durations, for the chooser
+        self._mapped_failed = False  # a mapped call raised: that route is off from then on
         self._hints = HintBuffer(min_precision=self.config.hint_min_precision)
         self._host_buffers = HostBuffers()  # a decode call's routing, rows and CPU sums on the host
         self._stream: Any = None  # the compute stream of the call in progress (None off CUDA)
@@ -213,9 +214,9 @@ class TieredDispatcher(ExpertDispatcher):
             self._lend_or_reclaim(streaming)
             self._start_step(hidden, streaming)
         if self._step_route == "mapped" and not streaming:
-            with phase("tiers.mapped"):
-                self.mapped.dispatch(layer, out, hidden, topk_ids, topk_weights)
-            return out.to(hidden.dtype)
+            if self._dispatch_mapped(layer, out, hidden, topk_ids, topk_weights):
+                return out.to(hidden.dtype)
+            out.zero_()  # the failed call's partial sums; the rest of the step copies its misses
         with phase("tiers.route"):  # the host waits here for the router's ids
             routing = self._route(layer, hidden, topk_ids, topk_weights, streaming)
         # A copies-only step (SplitChooser) tells the adapter nothing of the split: its copies run without the
@@ -263,6 +264,17 @@ class TieredDispatcher(ExpertDispatcher):
         self.cache.mark_released(read, self._compute_stream())
         return out.to(hidden.dtype)
 
+    def _dispatch_mapped(self, layer, out, hidden, topk_ids, topk_weights) -> bool:
+        """The call on the mapped route; False after a failure (logged once; the copy route from then on)."""
+        try:
+            with phase("tiers.mapped"):
+                self.mapped.dispatch(layer, out, hidden, topk_ids, topk_weights)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
+            log.warning("mapped expert route failed (%s); copying misses from now on", exc)
+            self._mapped_failed, self._step_route = True, "copy"
+            return False
+
     def _split(self, layer: int, routing: Routing, adapt: bool) -> tuple[list, list, list]:
         """The call's hits, CPU-routed misses and copy-path misses (prefetched misses are the copy path's)."""
         hits = [g for g in routing.groups if g.slot is not None]
@@ -283,7 +295,7 @@ class TieredDispatcher(ExpertDispatcher):
         """First MoE layer of a forward: time the previous decode step for the chooser, pick this step's route
         (a mapped one then brings the device table up to date)."""
         now, tokens = time.perf_counter(), hidden.shape[0]
-        mapped = not streaming and self.mapped.usable(hidden, tokens)
+        mapped = not streaming and not self._mapped_failed and self.mapped.usable(hidden, tokens)
         route = self.config.miss_route
         self._step_route = route if route != "mapped" or mapped else "copy"
         if streaming or not self._choosing():
