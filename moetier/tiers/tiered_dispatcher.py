@@ -55,6 +55,7 @@ from moetier.tiers.gpu_wait import HostFlag
 from moetier.tiers.hints import HintBuffer
 from moetier.tiers.mapped import MappedExperts
 from moetier.tiers.metrics import TierMetrics
+from moetier.tiers.next_layer import NextLayerPrefetch
 from moetier.tiers.policies import make_policy
 from moetier.tiers.route_costs import RouteAdapter, RouteCosts, split_misses
 from moetier.tiers.split_choice import SplitChooser, StepTimer
@@ -89,10 +90,6 @@ class TieredDispatcher(ExpertDispatcher):
         self.device: torch.device | None = None
         self.step = 0
         self._first_layer = min(store.layout.moe_layers)
-        moe = sorted(store.layout.moe_layers)
-        # The MoE layer after each one; the last wraps to the first (the next chunk's first layer).
-        self._next_layer = dict(zip(moe, moe[1:] + moe[:1], strict=True))
-        self._stream_history: dict[int, list[int]] = {}  # layer -> experts its last streaming call used, fat first
         self._last_layer = max(store.layout.moe_layers)
         self._flag: HostFlag | None = None
         # CPU jobs the GPU waits for (not the host): (layer, future, buffers kept alive until the GPU is past them)
@@ -106,6 +103,9 @@ class TieredDispatcher(ExpertDispatcher):
         self._timer = StepTimer(_STEP_GAP_S)  # decode steps' durations, for the chooser
         self._mapped_failed = False  # a mapped call raised: that route is off from then on
         self._hints = HintBuffer(min_precision=self.config.hint_min_precision)
+        # A streaming call copies its experts of at least this many tokens (auto: the fat ones; cpu: none).
+        floor = {"cpu": 0, "auto": self.config.fat_threshold}.get(self.config.miss_route, 1)
+        self._ahead = NextLayerPrefetch(store.layout.moe_layers, store.layout.num_experts, floor, self._hints)
         self._host_buffers = HostBuffers()  # a decode call's routing, rows and CPU sums on the host
         self._stream: Any = None  # the compute stream of the call in progress (None off CUDA)
 
@@ -249,9 +249,9 @@ class TieredDispatcher(ExpertDispatcher):
                 self._copy_timings.stop(timer, sum(self.costs.copy(g.count) for g in copy_groups))
             with phase("tiers.after"):  # prefetches and the CPU-routed admissions' copies
                 if streaming and self.config.prefetch:
-                    self._prefetch_next(layer, routing)
+                    self._ahead.prefetch_streamed(layer, int(routing.tokens_host.numel()), self.cache, self.metrics)
                 elif not streaming and self.wants_hints:
-                    self._prefetch_hinted(layer)
+                    self._ahead.prefetch_hinted(layer, self.config.decode_prefetch, self.cache, self.metrics)
                 self._admit_cpu_routed(layer, cpu_groups)
         except BaseException:
             if started is not None:
@@ -344,10 +344,10 @@ class TieredDispatcher(ExpertDispatcher):
         experts = [g.expert for g in routing.groups]
         counts = [g.count for g in routing.groups]
         if streaming:
-            self._remember_streamed(layer, experts, counts)
+            self._ahead.remember_streamed(layer, experts, counts)
         else:
             self.policy.record(layer, experts, counts, self.step)
-            self._score_hint(layer, experts)
+            self._ahead.score_hint(layer, experts, self.metrics)
         self.metrics.record_routing(layer, experts, counts)
 
     def _submit_cpu(
@@ -520,55 +520,6 @@ class TieredDispatcher(ExpertDispatcher):
             staged.append((group, slot))
             work.append((group, slot))
         self._copy_in(layer, work)
-
-    def _remember_streamed(self, layer: int, experts: list[int], counts: list[int]) -> None:
-        """Keep the experts this streaming call will send to the device, most tokens first: next chunk's guess."""
-        cfg = self.config
-        if cfg.miss_route == "cpu":
-            self._stream_history[layer] = []
-            return
-        floor = cfg.fat_threshold if cfg.miss_route == "auto" else 1
-        ranked = sorted(zip(counts, experts, strict=True), reverse=True)
-        self._stream_history[layer] = [expert for count, expert in ranked if count >= floor]
-
-    def _prefetch_next(self, layer: int, routing: Routing) -> None:
-        """Start copying the next MoE layer's likely experts into the free staging slots (streaming calls)."""
-        if self.config.miss_route == "cpu":
-            return
-        nxt = self._next_layer[layer]
-        guess = self._stream_history.get(nxt)
-        if guess is None:
-            pairs = int(routing.tokens_host.numel())
-            if pairs < 4 * self.store.layout.num_experts:
-                return  # a small first chunk touches few experts: a guess would mostly waste PCIe
-            guess = range(self.store.layout.num_experts)
-        counters = self.metrics.layer(nxt)
-        for expert in guess:
-            if self.cache.free_staging == 0:
-                return
-            if self.cache.prefetch((nxt, expert)):
-                counters.copy_bytes += self.block_bytes
-                counters.prefetch_bytes += self.block_bytes
-
-    def _prefetch_hinted(self, layer: int) -> None:
-        """Copy the next MoE layer's hinted experts that are not resident into free staging slots (decode)."""
-        nxt = self._next_layer[layer]
-        counters, started = self.metrics.layer(nxt), 0
-        for expert in self._hints.trusted(self._hints.take(nxt)):
-            if started == self.config.decode_prefetch or self.cache.free_staging == 0:
-                return
-            if self.cache.prefetch((nxt, expert)):
-                started += 1
-                counters.copy_bytes += self.block_bytes
-                counters.prefetch_bytes += self.block_bytes
-
-    def _score_hint(self, layer: int, experts: list[int]) -> None:
-        hinted, correct = self._hints.score(layer, experts)
-        if hinted:
-            counters = self.metrics.layer(layer)
-            counters.hint_experts += hinted
-            counters.hint_correct += correct
-            counters.hint_actual += len(experts)
 
     def _copy_in(self, layer: int, work: list[tuple[Group, Slot]]) -> None:
         if not work:
