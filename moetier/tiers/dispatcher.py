@@ -11,7 +11,7 @@ import torch
 from moetier.kernels.device_routing import LayerBlocks, device_routing_fits, run_routed
 from moetier.kernels.grouped_experts import mark_broken, run_experts
 from moetier.tiers.call_routing import sort_pairs, sorted_pairs_on_device
-from moetier.tiers.experts import ExpertStore
+from moetier.tiers.experts import ExpertStore, ExpertWeights
 
 
 class ExpertDispatcher(ABC):
@@ -68,6 +68,30 @@ def expert_accumulator(hidden: torch.Tensor) -> torch.Tensor:
     return torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
 
 
+def run_host_sorted(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    block_of: Callable[[int], ExpertWeights],
+    swiglu_limit: float | None,
+) -> None:
+    """Add every pair's ``weight * expert(hidden[token])`` into ``out``, each expert read from ``block_of(expert)``.
+
+    Sorting the (token, k) pairs by expert gives each expert one contiguous run of tokens. The sort runs on the
+    host (the groups must be there anyway): one wait for the ids, one copy back.
+    """
+    order_host, experts, counts = sort_pairs(topk_ids)
+    groups, start = [], 0
+    for expert, count in zip(experts, counts, strict=True):
+        groups.append((block_of(expert), start, count))
+        start += count
+    top_k = topk_ids.shape[1]
+    tokens_host = order_host // top_k
+    token_of_pair, weight_of_pair = sorted_pairs_on_device(order_host, tokens_host, topk_weights, hidden.device)
+    run_experts(out, hidden, token_of_pair, weight_of_pair, groups, swiglu_limit, tokens_host, top_k)
+
+
 class ResidentDispatcher(ExpertDispatcher):
     """All experts live on the compute device; each active expert runs once over its tokens.
 
@@ -92,18 +116,8 @@ class ResidentDispatcher(ExpertDispatcher):
             if blocks is not None and (routed := self._routed(hidden, topk_ids, topk_weights, blocks)) is not None:
                 return routed
         out = expert_accumulator(hidden)
-        # Sorting the (token, slot) pairs by expert gives each expert one contiguous run of tokens. The
-        # sort runs on the host (the groups must be there anyway): one wait for the ids, one copy back.
-        order_host, experts, counts = sort_pairs(topk_ids)
-        groups, start = [], 0
-        for expert, count in zip(experts, counts, strict=True):
-            groups.append((self.store.expert(layer, expert), start, count))
-            start += count
-        top_k = topk_ids.shape[1]
-        tokens_host = order_host // top_k
-        token_of_pair, weight_of_pair = sorted_pairs_on_device(order_host, tokens_host, topk_weights, hidden.device)
-        limit = self.store.layout.swiglu_limit
-        run_experts(out, hidden, token_of_pair, weight_of_pair, groups, limit, tokens_host, top_k)
+        block_of, limit = (lambda expert: self.store.expert(layer, expert)), self.store.layout.swiglu_limit
+        run_host_sorted(out, hidden, topk_ids, topk_weights, block_of, limit)
         return out.to(hidden.dtype)
 
     def graphable(self, tokens: int) -> bool:

@@ -93,7 +93,7 @@ class ExpertCache:
         return self.store.layout.block_bytes(self.store.dtype)
 
     def resident(self) -> list[Key]:
-        return [key for key, slot in self._map.items() if slot.filled]
+        return [key for key, _ in self.items()]
 
     def get(self, key: Key) -> Slot | None:
         """The slot holding ``key`` (its copy may still be in flight: see :meth:`wait_ready`), or None."""

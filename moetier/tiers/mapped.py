@@ -33,8 +33,7 @@ import torch
 
 from moetier.kernels import grouped_experts
 from moetier.kernels.device_routing import DEVICE_ROUTING_MAX_PAIRS, LayerBlocks, device_routing_fits, run_routed
-from moetier.kernels.grouped_experts import run_experts
-from moetier.tiers.call_routing import sort_pairs, sorted_pairs_on_device
+from moetier.tiers.dispatcher import run_host_sorted
 from moetier.tiers.expert_cache import ExpertCache, Slot
 from moetier.tiers.experts import ExpertStore, ExpertWeights
 from moetier.tiers.metrics import TierMetrics
@@ -116,21 +115,14 @@ class MappedExperts:
         if self.cuda:
             run_routed(out, hidden, topk_ids, topk_weights, self._layer_blocks(layer, hidden.dtype), limit)
             return
-        order, experts, counts = sort_pairs(topk_ids)
         offsets = self.table[self._span(layer)].tolist()
-        groups, start = [], 0
-        for expert, count in zip(experts, counts, strict=True):
-            groups.append((self._block_at(offsets[expert]), start, count))
-            start += count
-        top_k = topk_ids.shape[1]
-        tokens, gates = sorted_pairs_on_device(order, order // top_k, topk_weights, hidden.device)
-        run_experts(out, hidden, tokens, gates, groups, limit, order // top_k, top_k)
+        run_host_sorted(out, hidden, topk_ids, topk_weights, lambda e: self._block_at(offsets[e]), limit)
 
     # --- between steps --------------------------------------------------------------------------
 
     def begin_step(self, step: int, stream: Any) -> None:
         """Before a mapped step: take in the counts that came back, admit, bring the table up to date, and
-        start copying the counts back again (nothing here waits for the device)."""
+        start copying the counts back again (the host waits only for counts ``LAG_STEPS`` steps old)."""
         self._step = step
         admitted = self._admit(*self._harvest())
         self._follow_cache(stream, [slot for slot, _ in admitted])
