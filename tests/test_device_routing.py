@@ -27,6 +27,18 @@ def test_the_table_gives_every_pair_its_own_group_and_sums_each_token_by_expert_
     assert pair_tokens.tolist() == [0, 0, 0, 1, 1, 1]
 
 
+def test_skipped_pairs_get_no_tokens_no_down_row_and_no_place_in_their_tokens_sum():
+    offsets = torch.arange(8, dtype=torch.int64) * 1000
+    ids = torch.tensor([[5, 2, 7], [1, 5, 3]])
+    skip = torch.tensor([[False, True, False], [False, False, True]])
+    table, layout, _ = device_tables(offsets, ids, skip=skip)
+    groups = table[: 3 * 6].view(6, 3).tolist()
+    assert [count for _, _, count in groups] == [1, 0, 1, 1, 1, 0]
+    by_pair = table[layout.pair_at : layout.token_at].view(6, 2)[:, 0].tolist()
+    assert by_pair == [0, -1, 2, 3, 4, -1]
+    assert table[layout.token_at :].view(2, 5).tolist() == [[0, -1, 0, 2, -1], [1, 3, -1, 4, -1]]
+
+
 _SAME_BITS = """
 import json, torch
 import moetier.kernels.grouped_experts as k
@@ -52,8 +64,17 @@ def case(seed, dtype, tokens, top_k, limit, device):
     device_path = ResidentDispatcher(store, device_routing=True)
     ours = device_path.dispatch(0, x, ids, weights)
     again = device_path.dispatch(0, x, ids, weights)
-    blocks = device_path._layer_blocks(0, dtype) is not None
+    layer_blocks = device_path._layer_blocks(0, dtype)
+    blocks = layer_blocks is not None
+    # Pairs left to another tier: the bits of the call with their weights zeroed (each adds +-0 to its token).
+    skip = torch.zeros(ids.shape, dtype=torch.bool)
+    skip[0, 0] = skip[-1, -1] = True
+    skip = skip.to(device)
+    part, zeroed = (torch.zeros(x.shape, dtype=torch.float32, device=device) for _ in range(2))
+    run_routed(part, x, ids, weights, layer_blocks, limit, skip)
+    run_routed(zeroed, x, ids, torch.where(skip, torch.zeros_like(weights), weights), layer_blocks, limit)
     return {"fits": device_routing_fits(x, tokens, ids.numel()), "blocks": blocks,
+            "skip_same": bool(torch.equal(part, zeroed)), "skip_changes": not bool(torch.equal(part, host.float())),
             "same": bool(torch.equal(host, ours)), "repeat": bool(torch.equal(ours, again)),
             "rel": ((host.double() - ours.double()).norm() / host.double().norm()).item(), "broken": list(k._BROKEN)}
 
@@ -76,6 +97,7 @@ def _check(results: list[dict]) -> None:
         # The device table ran (not the host path under its name) and gave the host table's bits.
         assert r["fits"] and r["blocks"] and not r["broken"], r
         assert r["same"] and r["repeat"] and r["rel"] == 0.0, r
+        assert r["skip_same"] and r["skip_changes"], r  # skipped pairs are left out, and only those
 
 
 def test_device_tables_give_the_host_tables_bits_under_the_interpreter():

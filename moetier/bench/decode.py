@@ -14,8 +14,11 @@ The same loaded model (one pinned home copy of the experts) is measured with eac
 - ``tiered-nohint``: ``tiered`` without the next-layer prefetch driven by the model's hints
   (``decode_prefetch=0``; ``naive`` never prefetches). Not in the default modes.
 - ``mapped``: the same cache, every miss read by the GPU's kernels from the pinned home copy over PCIe
-  (``miss_route="mapped"``, :mod:`moetier.tiers.mapped`: no host wait inside a step). Not in the default modes
-  (``tiered`` tries it by measured step time where the kernels take the call).
+  (``miss_route="mapped"``, ``mapped_cpu_share=0``, :mod:`moetier.tiers.mapped`: no host wait inside a step).
+  Not in the default modes (``tiered`` tries it by measured step time where the kernels take the call).
+- ``mapped-cpu``: ``mapped`` with the CPU tier beside it, fed by the device: the share of uncached experts that
+  balances the two links' measured rates runs on host cores (:mod:`moetier.tiers.mapped_cpu`; still no host
+  wait). Not in the default modes (``tiered``'s mapped route is this one where the CPU tier can run).
 - ``resident-host``: ``resident`` with launch tables built on the host from the router's ids (one wait
   per MoE layer), where ``resident`` builds them on the device (:mod:`moetier.kernels.device_routing`).
   Not in the default modes.
@@ -70,7 +73,10 @@ from moetier.tiers.tiered_dispatcher import TieredDispatcher
 from moetier.weights.loader import LoadedModel
 
 _PROFILED_STEPS = 3  # steps the torch profiler records per mode (after one warm-up step)
-MODES = ("resident", "naive", "cpu", "copy", "tiered", "tiered-host", "tiered-nohint", "resident-host", "mapped")
+MODES = (
+    *("resident", "naive", "cpu", "copy", "tiered"),
+    *("tiered-host", "tiered-nohint", "resident-host", "mapped", "mapped-cpu"),
+)
 DEFAULT_MODES = MODES[:5]
 
 
@@ -162,8 +168,9 @@ class _DecodeRun:
         return self.model.compute_logits(hidden).argmax(-1)
 
 
-# Warm-up steps a decode run may add while the split chooser's trial runs (3 routes x 2 rounds x 4 steps = 24).
-_TRIAL_STEPS_CAP = 96
+# Warm-up steps a decode run may add while the split chooser decides: its trial (3 routes x 2 rounds x 4 steps
+# = 24), then a playoff of the two closest (2 x 24 steps = 48), with room for steps observed late.
+_TRIAL_STEPS_CAP = 128
 
 
 def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[float], list[int], int]:
@@ -286,8 +293,11 @@ def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: t
     if mode == "naive":  # the seed's baseline: every active expert copied when it is needed, nothing ahead
         options |= {"cache_slots": 0, "miss_route": "copy", "calibrate": False, "decode_prefetch": 0}
     else:
-        options |= {"cache_slots": slots, "miss_route": "auto" if mode.startswith("tiered") else mode}
+        route = "auto" if mode.startswith("tiered") else mode.removesuffix("-cpu")
+        options |= {"cache_slots": slots, "miss_route": route}
         options["gpu_waits_for_cpu"] = mode != "tiered-host"
+        if mode == "mapped":  # the kernels' PCIe reads alone (mapped-cpu: the default share beside them)
+            options["mapped_cpu_share"] = 0.0
         if mode == "tiered-nohint":  # tiered without the next-layer prefetch the model's hints drive
             options["decode_prefetch"] = 0
     dispatcher = TieredDispatcher(store, **options)

@@ -52,7 +52,7 @@ typedef uint16_t bf16_t;
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-enum { MOETIER_OK = 0, MOETIER_BAD_ARGS = -1, MOETIER_NO_MEMORY = -2 };
+enum { MOETIER_OK = 0, MOETIER_BAD_ARGS = -1, MOETIER_NO_MEMORY = -2, MOETIER_ABANDONED = -3 };
 /* How a job's weights are stored (the `quant` argument of moetier_cpu_experts_quantised). */
 enum { QUANT_NONE = 0, QUANT_E4M3 = 1, QUANT_E2M1 = 2 };
 

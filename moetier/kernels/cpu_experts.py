@@ -47,7 +47,11 @@ log = logging.getLogger(__name__)
 # one thread, 11.0 against 18.4 on two; 31 against 122 at 4 tokens. fp4 experts (--formats fp4, same host, the
 # second core busy with other jobs): 26 against torch's ~1000 ms per 1-token job on one thread, 47 against 1400 at 4.
 FAST_ISAS = ("avx512_bf16", "avx512f", "avx2")
-_ERRORS = {-1: "bad arguments (offsets or a row index out of range)", -2: "out of memory for the activations"}
+_ERRORS = {
+    -1: "bad arguments (an expert id, offsets or a row index out of range)",
+    -2: "out of memory for the activations",
+    -3: "abandoned: the worker stopped before the device stored the job's start value",
+}
 # The C kernel's QUANT_* codes: how a quantised job's weights are stored.
 QUANT_E4M3, QUANT_E2M1 = 1, 2
 

@@ -10,6 +10,13 @@
  * A submitted job owns copies of its small arrays (pointer tables, offsets, rows, gates); `hidden`, `out`
  * and the expert weights are the caller's and must stay alive until the job is done.
  *
+ * A fed job (moetier_worker_submit_fed) is queued before its inputs exist: the GPU writes them (a decode layer's
+ * pair ids, gates and hidden rows) into pinned memory and then stores a start value into a pinned word with a
+ * stream write (cuStreamWriteValue32, ordered after the copies). The worker spins on that word, reads the pairs
+ * whose id is >= 0 (the device marked the others -1: it computes those itself), groups them by expert over the
+ * layer's static table of home-copy pointers, and runs them as any job. So no host thread reads the router's
+ * ids: the device decides which pairs the CPU takes, and the step needs no host wait.
+ *
  * After a job the worker may spin for a while before it sleeps (`spin_seconds` of moetier_worker_start):
  * decode submits a job every MoE layer (every ~1-2 ms), and waking a sleeping thread costs the submitting
  * thread a futex call and, on a virtual machine, an interrupt to another CPU. A spinning worker is only told
@@ -28,9 +35,23 @@
 #endif
 
 
+/* A fed job's inputs, written by the device (see the header). */
+typedef struct {
+    const int32_t *start; /* the word the device's stream write stores start_value into */
+    int32_t start_value;
+    const int64_t *ids;    /* [pairs]: the layer's expert of each (token, k) pair, -1 where the device runs it */
+    const float *weights;  /* [pairs] */
+    int64_t pairs, top_k;
+    const uint64_t *table; /* the layer's pointers, part by part (parts x n_layer), alive as long as the worker */
+    int64_t n_layer, parts;
+} feed_t;
+
 typedef struct queued {
     struct queued *next;
     job_t job;
+    feed_t *feed;           /* NULL: an ordinary job, its arrays given */
+    uint64_t *fed_table;    /* a fed job's: its experts' pointers, part by part (parts x pairs) */
+    int64_t *fed_order;     /* a fed job's: its pairs sorted by expert */
     int threads;
     int32_t *flag; /* NULL: no flag */
     int32_t flag_value;
@@ -69,6 +90,58 @@ static void spin_for_work(worker_t *w) {
     }
 }
 
+/* Spin until the device's stream write stored the job's start value (1), or stop is asked first (0: the
+ * device never will, e.g. its step failed before the write; the job is abandoned). */
+static int wait_for_start(worker_t *w, const feed_t *f) {
+    for (int i = 0;; ++i) {
+        const uint32_t now = (uint32_t)__atomic_load_n(f->start, __ATOMIC_ACQUIRE);
+        if ((int32_t)(now - (uint32_t)f->start_value) >= 0) return 1; /* cyclic, as the stream's GEQ wait */
+        if ((i & 1023) == 1023 && __atomic_load_n(&w->stop, __ATOMIC_ACQUIRE)) return 0;
+        CPU_RELAX();
+    }
+}
+
+/* The fed job's pairs (ids >= 0) grouped by expert, in increasing expert order and, within one, increasing
+ * pair order, into the job's arrays (allocated for every pair at submit), then run. A pair's row of `hidden`
+ * and `out` is its token (pair / top_k). */
+static int run_fed(queued_t *q) {
+    const feed_t *f = q->feed;
+    job_t *job = &q->job;
+    int64_t *order = q->fed_order, n = 0;
+    for (int64_t p = 0; p < f->pairs; ++p) {
+        const int64_t e = f->ids[p];
+        if (e >= f->n_layer) return MOETIER_BAD_ARGS;
+        if (e < 0) continue;
+        int64_t i = n++; /* insertion sort by (expert, pair): a decode layer has a few dozen pairs */
+        while (i > 0 && f->ids[order[i - 1]] > e) {
+            order[i] = order[i - 1];
+            --i;
+        }
+        order[i] = p;
+    }
+    uint64_t *table = q->fed_table;
+    int64_t *offsets = (int64_t *)job->offsets, *rows = (int64_t *)job->rows;
+    float *gates = (float *)job->gates;
+    int64_t experts = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t e = f->ids[order[i]];
+        if (i == 0 || e != f->ids[order[i - 1]]) {
+            for (int64_t part = 0; part < f->parts; ++part)
+                table[part * f->pairs + experts] = f->table[part * f->n_layer + e];
+            offsets[experts++] = i;
+        }
+        rows[i] = order[i] / f->top_k;
+        gates[i] = f->weights[order[i]];
+    }
+    offsets[experts] = n;
+    job->n_experts = experts;
+    if (experts == 0) { /* nothing on the CPU this layer: the sums are zeros */
+        memset(job->out, 0, (size_t)(job->out_rows * job->hidden_size) * sizeof(float));
+        return MOETIER_OK;
+    }
+    return run_job(job, q->threads);
+}
+
 static void *worker_main(void *arg) {
     worker_t *w = arg;
     for (;;) {
@@ -84,9 +157,13 @@ static void *worker_main(void *arg) {
         __atomic_store_n(&w->head, q->next, __ATOMIC_RELEASE);
         if (w->head == NULL) w->tail = NULL;
         pthread_mutex_unlock(&w->lock);
-        const double start = now_seconds();
-        q->status = run_job(&q->job, q->threads);
-        q->seconds = now_seconds() - start;
+        if (q->feed != NULL && !wait_for_start(w, q->feed)) {
+            q->status = MOETIER_ABANDONED;
+        } else {
+            const double start = now_seconds();
+            q->status = q->feed != NULL ? run_fed(q) : run_job(&q->job, q->threads);
+            q->seconds = now_seconds() - start;
+        }
         /* The sums are in `out`: release a stream waiting for them (x86-TSO and this barrier keep the order). */
         if (q->flag != NULL) __atomic_store_n(q->flag, q->flag_value, __ATOMIC_RELEASE);
         pthread_mutex_lock(&w->lock);
@@ -132,6 +209,32 @@ void moetier_worker_stop(void *handle) {
     free(w);
 }
 
+/* Point a job's expert arrays at a table of `stride` pointers per part (bf16: gate_up, down; quantised: gate,
+ * up, down, then their scales). */
+static void point_experts(job_t *job, const uint64_t *table, int64_t stride) {
+    const void *const *ptrs = (const void *const *)table;
+    if (job->quant == QUANT_NONE) {
+        job->gate_up = (const bf16_t *const *)ptrs;
+        job->down = (const bf16_t *const *)(ptrs + stride);
+    } else {
+        for (int m = 0; m < 3; ++m) {
+            job->codes[m] = (const uint8_t *const *)(ptrs + m * stride);
+            job->scales[m] = (const float *const *)(ptrs + (3 + m) * stride);
+        }
+    }
+}
+
+static void enqueue(worker_t *w, queued_t *q) {
+    pthread_mutex_lock(&w->lock);
+    if (w->tail == NULL)
+        __atomic_store_n(&w->head, q, __ATOMIC_RELEASE);
+    else
+        w->tail->next = q;
+    w->tail = q;
+    if (w->sleeping) pthread_cond_signal(&w->wake); /* a spinning worker sees the queue itself */
+    pthread_mutex_unlock(&w->lock);
+}
+
 /* Queue one job, as moetier_cpu_experts (quant QUANT_NONE; `table` holds the gate_up then the down pointers,
  * n_experts each) or moetier_cpu_experts_quantised (`table`: gate, up, down, their scales, n_experts each)
  * would run it, then the flag store. Returns the job's handle, or NULL with *status MOETIER_BAD_ARGS (bad
@@ -174,25 +277,62 @@ void *moetier_worker_submit(void *handle, int quant, int64_t n_experts, const ui
     job_t job = {.n_experts = n_experts, .offsets = o, .rows = r, .gates = g, .hidden = hidden,
                  .out_rows = out_rows, .hidden_size = hidden_size, .inter = inter, .has_limit = has_limit,
                  .limit = limit, .out = out, .quant = quant, .tile_rows = tile_rows, .tile_cols = tile_cols};
-    const void *const *ptrs = (const void *const *)t;
-    if (quant == QUANT_NONE) {
-        job.gate_up = (const bf16_t *const *)ptrs;
-        job.down = (const bf16_t *const *)(ptrs + n_experts);
-    } else {
-        for (int m = 0; m < 3; ++m) {
-            job.codes[m] = (const uint8_t *const *)(ptrs + m * n_experts);
-            job.scales[m] = (const float *const *)(ptrs + (3 + m) * n_experts);
-        }
-    }
+    point_experts(&job, t, n_experts);
     q->job = job;
-    pthread_mutex_lock(&w->lock);
-    if (w->tail == NULL)
-        __atomic_store_n(&w->head, q, __ATOMIC_RELEASE);
-    else
-        w->tail->next = q;
-    w->tail = q;
-    if (w->sleeping) pthread_cond_signal(&w->wake); /* a spinning worker sees the queue itself */
-    pthread_mutex_unlock(&w->lock);
+    enqueue(w, q);
+    *status = MOETIER_OK;
+    return q;
+}
+
+/* Queue a fed job (see the header): once *start >= start_value (as a wrapping int32 difference), the pairs of
+ * ids / weights ([tokens * top_k], pinned, written by the device) whose id is >= 0 are computed from `table`
+ * (the layer's n_layer experts, laid out as moetier_worker_submit's table; the caller keeps it alive while the
+ * worker runs) over hidden [tokens, H] into out [tokens, H] (overwritten: rows without a pair are zeros), then
+ * `value` is stored into `flag`. Returns the handle, or NULL with *status MOETIER_BAD_ARGS / MOETIER_NO_MEMORY.
+ * A job abandoned at stop (its start never came) has status MOETIER_ABANDONED and still stores its flag. */
+void *moetier_worker_submit_fed(void *handle, int quant, int64_t n_layer, const uint64_t *table, int64_t tile_rows,
+                                int64_t tile_cols, const int32_t *start, int32_t start_value, const int64_t *ids,
+                                const float *weights, int64_t tokens, int64_t top_k, const bf16_t *hidden,
+                                int64_t hidden_size, int64_t inter, int has_limit, float limit, float *out,
+                                int threads, int32_t *flag, int32_t flag_value, int *status) {
+    worker_t *w = handle;
+    *status = MOETIER_BAD_ARGS;
+    if (w == NULL || n_layer < 1 || tokens < 1 || top_k < 1 || threads < 1 || quant < QUANT_NONE ||
+        quant > QUANT_E2M1 || start == NULL || ids == NULL || weights == NULL || table == NULL)
+        return NULL;
+    const int64_t pairs = tokens * top_k, parts = quant == QUANT_NONE ? 2 : 6;
+    /* 8-byte arrays first, the 4-byte gates last: every part stays aligned. */
+    const size_t table_bytes = (size_t)(parts * pairs) * sizeof(uint64_t);
+    const size_t offsets_bytes = (size_t)(pairs + 1) * sizeof(int64_t), rows_bytes = (size_t)pairs * sizeof(int64_t);
+    queued_t *q = calloc(1, sizeof(queued_t));
+    feed_t *f = calloc(1, sizeof(feed_t));
+    char *owned = malloc(table_bytes + offsets_bytes + 2 * rows_bytes + (size_t)pairs * sizeof(float));
+    if (q == NULL || f == NULL || owned == NULL) {
+        free(q);
+        free(f);
+        free(owned);
+        *status = MOETIER_NO_MEMORY;
+        return NULL;
+    }
+    *f = (feed_t){.start = start, .start_value = start_value, .ids = ids, .weights = weights, .pairs = pairs,
+                  .top_k = top_k, .table = table, .n_layer = n_layer, .parts = parts};
+    uint64_t *t = (uint64_t *)owned;
+    int64_t *o = (int64_t *)(owned + table_bytes), *r = (int64_t *)(owned + table_bytes + offsets_bytes);
+    job_t job = {.n_experts = 0, .offsets = o, .rows = r, .gates = (float *)(owned + table_bytes + offsets_bytes +
+                                                                            2 * rows_bytes),
+                 .hidden = hidden, .out_rows = tokens, .hidden_size = hidden_size, .inter = inter,
+                 .has_limit = has_limit, .limit = limit, .out = out, .quant = quant, .tile_rows = tile_rows,
+                 .tile_cols = tile_cols};
+    point_experts(&job, t, pairs);
+    q->job = job;
+    q->feed = f;
+    q->fed_table = t;
+    q->fed_order = r + pairs;
+    q->owned = owned;
+    q->threads = threads;
+    q->flag = flag;
+    q->flag_value = flag_value;
+    enqueue(w, q);
     *status = MOETIER_OK;
     return q;
 }
@@ -218,5 +358,6 @@ void moetier_worker_free(void *job) {
     queued_t *q = job;
     if (q == NULL) return;
     free(q->owned);
+    free(q->feed);
     free(q);
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +38,13 @@ class _Entry:
         self.submit.argtypes = [_PTR, _INT, _I64, _PTR, _I64, _I64, *[_PTR] * 4, _I64, _I64, _I64, _INT]
         self.submit.argtypes += [ctypes.c_float, _PTR, _INT, _PTR, ctypes.c_int32, ctypes.POINTER(_INT)]
         self.submit.restype = _PTR
+        self.submit_fed = lib.moetier_worker_submit_fed
+        # worker, quant, n_layer, table, tile rows, cols; start word, its value; ids, weights, tokens, top_k, hidden,
+        # H, I, has_limit, limit, out, threads; flag, its value, status.
+        self.submit_fed.argtypes = [_PTR, _INT, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int32, _PTR, _PTR, _I64, _I64]
+        self.submit_fed.argtypes += [_PTR, _I64, _I64, _INT, ctypes.c_float, _PTR, _INT, _PTR, ctypes.c_int32]
+        self.submit_fed.argtypes += [ctypes.POINTER(_INT)]
+        self.submit_fed.restype = _PTR
         self.done = lib.moetier_worker_done
         self.done.argtypes, self.done.restype = [_PTR], _INT
         self.wait = lib.moetier_worker_wait
@@ -54,7 +62,7 @@ def _entry(lib: CpuExpertsLibrary) -> _Entry | None:
     key = str(lib.path)
     with _entries_lock:
         if key not in _entries:
-            _entries[key] = _Entry(lib.cdll) if hasattr(lib.cdll, "moetier_worker_submit") else None
+            _entries[key] = _Entry(lib.cdll) if hasattr(lib.cdll, "moetier_worker_submit_fed") else None
         return _entries[key]
 
 
@@ -93,6 +101,42 @@ class NativeJob:
     def __del__(self) -> None:  # a job nobody waited for: it still runs; its record is freed once it has
         if getattr(self, "_outcome", True) is None:
             self.wait()
+
+
+@dataclass
+class FedInbox:
+    """A fed job's pinned buffers: ``ids`` int64 and ``weights`` float32 ``[T, K]`` (an id of -1: not the CPU's
+    pair), ``hidden`` bf16 ``[T, H]`` (the device writes these three), ``out`` float32 ``[T, H]`` (the worker's)."""
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+    hidden: torch.Tensor
+    out: torch.Tensor
+
+    @classmethod
+    def allocate(cls, tokens: int, top_k: int, hidden_size: int, pin: bool) -> FedInbox:
+        def empty(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+        return cls(
+            empty((tokens, top_k), torch.int64),
+            empty((tokens, top_k), torch.float32),
+            empty((tokens, hidden_size), torch.bfloat16),
+            empty((tokens, hidden_size), torch.float32),
+        )
+
+    def check(self, experts: CheckedExperts) -> None:
+        """ValueError unless the buffers fit each other and ``experts`` (dtypes, shapes, contiguity)."""
+        tokens, top_k = self.ids.shape
+        want = {
+            "ids": (self.ids, torch.int64, (tokens, top_k)),
+            "weights": (self.weights, torch.float32, (tokens, top_k)),
+            "hidden": (self.hidden, torch.bfloat16, (tokens, experts.key[1])),
+            "out": (self.out, torch.float32, (tokens, experts.key[1])),
+        }
+        for name, (tensor, dtype, shape) in want.items():
+            if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous() or tensor.is_cuda:
+                raise ValueError(f"cpu_experts: fed job's {name} must be contiguous host {dtype} {shape}")
 
 
 class NativeWorker:
@@ -141,6 +185,39 @@ class NativeWorker:
             raise_for(status.value)
             raise RuntimeError("cpu_experts: the native worker refused a job")
         self._last = NativeJob(self._entry, self._handle, handle, job.out, (hidden, job.out))
+        return self._last
+
+    def submit_fed(
+        self,
+        experts: CheckedExperts,
+        start: tuple[int, int],
+        inbox: FedInbox,
+        swiglu_limit: float | None,
+        threads: int,
+        flag: tuple[int, int] | None = None,
+    ) -> NativeJob:
+        """Queue a fed job (``cpu_worker.c``): once the int32 at ``start[0]`` reaches ``start[1]`` (the device's
+        stream write), the pairs of ``inbox`` whose id is >= 0 are computed from ``experts`` (one layer's, all of
+        them, in expert order: ids index it) into ``inbox.out``; then ``flag`` is stored. The caller keeps
+        ``experts`` and the inbox alive until the job ran."""
+        if self._handle is None:
+            raise RuntimeError("cpu_experts: the native worker is closed")
+        inbox.check(experts)
+        code, n, table = experts.key[0], len(experts.pointers), experts.table.buffer_info()[0]
+        tile = experts.key[2] if code else (0, 0)
+        address, value = flag if flag is not None else (0, 0)
+        limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+        tokens, top_k = inbox.ids.shape
+        status = ctypes.c_int(0)
+        handle = self._entry.submit_fed(
+            self._handle, code, n, table, *tile, start[0], start[1], inbox.ids.data_ptr(), inbox.weights.data_ptr(),
+            tokens, top_k, inbox.hidden.data_ptr(), experts.key[1], experts.inter, int(swiglu_limit is not None),
+            limit, inbox.out.data_ptr(), int(threads), address or None, value, ctypes.byref(status),
+        )  # fmt: skip
+        if not handle:
+            raise_for(status.value)
+            raise RuntimeError("cpu_experts: the native worker refused a job")
+        self._last = NativeJob(self._entry, self._handle, handle, inbox.out, (inbox, experts))
         return self._last
 
     def drain(self) -> None:

@@ -58,13 +58,15 @@ class LayerBlocks:
 
 
 def device_tables(
-    offsets: torch.Tensor, topk_ids: torch.Tensor, align: int = 16
+    offsets: torch.Tensor, topk_ids: torch.Tensor, align: int = 16, skip: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, LaunchLayout, torch.Tensor]:
     """The launch table for ``topk_ids`` ``[T, K]`` on their device, its layout (``align``: the blocks'), and
     each pair's token.
 
     Pairs are in ``[token, k]`` order, one group each: groups ``(offset, pair, 1)``, pairs ``(pair, offset)``,
-    tokens ``(token, its K pairs by increasing expert id, -1 padding to a power of two)``.
+    tokens ``(token, its K pairs by increasing expert id, -1 padding to a power of two)``. A pair ``skip``
+    (bool ``[T, K]``) marks is left to another tier: its group has no tokens, its pair row is ``-1`` and its
+    token leaves it out, so the kernels read none of its expert (shapes unchanged: still graph-safe).
     """
     tokens, top_k = topk_ids.shape
     pairs, device = tokens * top_k, topk_ids.device
@@ -73,13 +75,19 @@ def device_tables(
     pair = torch.arange(pairs, dtype=torch.int64, device=device)
     one = torch.ones_like(pair)
     width = 1 << (top_k - 1).bit_length()  # next power of two: the sum kernel's row width, one per model
-    by_expert = torch.argsort(topk_ids, dim=1, stable=True) + pair.view(tokens, top_k)[:, :1]
+    order = torch.argsort(topk_ids, dim=1, stable=True)
+    by_expert = order + pair.view(tokens, top_k)[:, :1]
+    down_pair = pair
+    if skip is not None:
+        none = torch.full_like(pair, -1)
+        one, down_pair = (~skip).reshape(-1).to(torch.int64), torch.where(skip.reshape(-1), none, pair)
+        by_expert = torch.where(skip.gather(1, order), none.view(tokens, top_k), by_expert)
     token = torch.arange(tokens, dtype=torch.int64, device=device)[:, None]
     padding = torch.full((tokens, width - top_k), -1, dtype=torch.int64, device=device)
     table = torch.cat(
         (
             torch.stack((block, pair, one), dim=1).reshape(-1),
-            torch.stack((pair, block), dim=1).reshape(-1),
+            torch.stack((down_pair, block), dim=1).reshape(-1),
             torch.cat((token, by_expert, padding), dim=1).reshape(-1),
         )
     )
@@ -107,9 +115,10 @@ def run_routed(
     topk_weights: torch.Tensor,
     blocks: LayerBlocks,
     swiglu_limit: float | None,
+    skip: torch.Tensor | None = None,
 ) -> None:
-    """Add every pair's ``weight * expert(hidden[token])`` into ``out`` (float32 ``[T, H]``), the table built
-    on the device (:func:`device_tables`); the caller checked :func:`device_routing_fits`."""
-    table, layout, pair_tokens = device_tables(blocks.offsets, topk_ids, blocks.align)
+    """Add every pair's ``weight * expert(hidden[token])`` into ``out`` (float32 ``[T, H]``), but those ``skip``
+    marks, the table built on the device (:func:`device_tables`); the caller checked :func:`device_routing_fits`."""
+    table, layout, pair_tokens = device_tables(blocks.offsets, topk_ids, blocks.align, skip)
     gates = topk_weights.reshape(-1)
     launch_grouped(out, hidden, pair_tokens, gates, blocks.first, blocks.placement, swiglu_limit, table, layout)

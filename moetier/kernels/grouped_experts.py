@@ -103,29 +103,32 @@ if triton is not None:
         weights = blocks_ptr + block_offset(table_ptr + 3 * group, ALIGN)
         start = tl.load(table_ptr + 3 * group + 1)
         count = tl.load(table_ptr + 3 * group + 2)
-        t = tl.arange(0, BLOCK_T)
-        t_ok = t < count
-        rows = tl.load(pair_token_ptr + start + t, mask=t_ok, other=0)
-        i = block * BLOCK_I + tl.arange(0, BLOCK_I)
-        i_ok = i < inter
-        acc_gate = tl.zeros((BLOCK_T, BLOCK_I), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_T, BLOCK_I), dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < hidden
-            x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-            w_mask = i_ok[:, None] & k_ok[None, :]
-            w_gate = dense_tile(weights, GATE, i, k, w_mask, hidden, dtype)
-            w_up = dense_tile(weights, UP, i, k, w_mask, hidden, dtype)
-            if IEEE:  # float32 (or bf16 under the interpreter, whose bf16 dot is wrong): exact products
-                x = x.to(tl.float32)
-                acc_gate += tl.dot(x, tl.trans(w_gate.to(tl.float32)), input_precision="ieee")
-                acc_up += tl.dot(x, tl.trans(w_up.to(tl.float32)), input_precision="ieee")
-            else:
-                acc_gate += tl.dot(x, tl.trans(w_gate))
-                acc_up += tl.dot(x, tl.trans(w_up))
-        act = activation(acc_gate, acc_up, limit, dtype, HAS_LIMIT)
-        tl.store(act_ptr + (start + t)[:, None] * inter + i[None, :], act, mask=t_ok[:, None] & i_ok[None, :])
+        if count > 0:  # a pair the call leaves to another tier (device_routing's skip): read nothing
+            t = tl.arange(0, BLOCK_T)
+            t_ok = t < count
+            rows = tl.load(pair_token_ptr + start + t, mask=t_ok, other=0)
+            i = block * BLOCK_I + tl.arange(0, BLOCK_I)
+            i_ok = i < inter
+            acc_gate = tl.zeros((BLOCK_T, BLOCK_I), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_T, BLOCK_I), dtype=tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < hidden
+                x = tl.load(
+                    x_ptr + rows[:, None] * stride_x + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0
+                )
+                w_mask = i_ok[:, None] & k_ok[None, :]
+                w_gate = dense_tile(weights, GATE, i, k, w_mask, hidden, dtype)
+                w_up = dense_tile(weights, UP, i, k, w_mask, hidden, dtype)
+                if IEEE:  # float32 (or bf16 under the interpreter, whose bf16 dot is wrong): exact products
+                    x = x.to(tl.float32)
+                    acc_gate += tl.dot(x, tl.trans(w_gate.to(tl.float32)), input_precision="ieee")
+                    acc_up += tl.dot(x, tl.trans(w_up.to(tl.float32)), input_precision="ieee")
+                else:
+                    acc_gate += tl.dot(x, tl.trans(w_gate))
+                    acc_up += tl.dot(x, tl.trans(w_up))
+            act = activation(acc_gate, acc_up, limit, dtype, HAS_LIMIT)
+            tl.store(act_ptr + (start + t)[:, None] * inter + i[None, :], act, mask=t_ok[:, None] & i_ok[None, :])
 
     @triton.jit
     def _gate_up_row(
@@ -238,27 +241,28 @@ if triton is not None:
         row, block = tl.program_id(0), tl.program_id(1)
         dtype = act_ptr.dtype.element_ty
         pair = tl.load(table_ptr + 2 * row)
-        weights = blocks_ptr + block_offset(table_ptr + 2 * row + 1, ALIGN)
-        h = block * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_ok = h < hidden
-        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            if QUANT == 2:
-                a_even, a_odd = even_odd(act_ptr + pair * inter, k0, inter, UNIT, BLOCK_K // UNIT)
-                acc += fp4_row_dot(weights, DOWN, DOWN_SCALE, h, h_ok, k0, a_even, a_odd, inter, dtype,
-                                    TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2)  # fmt: skip
-            elif QUANT == 1:
-                a = units(act_ptr + pair * inter, k0, inter, UNIT, BLOCK_K // UNIT)
-                acc += fp8_row_dot(weights, DOWN, DOWN_SCALE, h, h_ok, k0, a, inter, dtype,
-                                   TILE_R, TILE_C, UNIT, BLOCK_K // UNIT)  # fmt: skip
-            else:
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = k < inter
-                a = tl.load(act_ptr + pair * inter + k, mask=k_ok, other=0.0).to(tl.float32)
-                w = dense_tile(weights, DOWN, h, k, h_ok[:, None] & k_ok[None, :], inter, dtype)
-                acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        gate = tl.load(pair_gate_ptr + pair).to(dtype).to(tl.float32)
-        tl.store(y_ptr + row * hidden + h, acc.to(dtype).to(tl.float32) * gate, mask=h_ok)
+        if pair >= 0:  # -1: a pair left to another tier; its row is never summed
+            weights = blocks_ptr + block_offset(table_ptr + 2 * row + 1, ALIGN)
+            h = block * BLOCK_H + tl.arange(0, BLOCK_H)
+            h_ok = h < hidden
+            acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                if QUANT == 2:
+                    a_even, a_odd = even_odd(act_ptr + pair * inter, k0, inter, UNIT, BLOCK_K // UNIT)
+                    acc += fp4_row_dot(weights, DOWN, DOWN_SCALE, h, h_ok, k0, a_even, a_odd, inter, dtype,
+                                        TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2)  # fmt: skip
+                elif QUANT == 1:
+                    a = units(act_ptr + pair * inter, k0, inter, UNIT, BLOCK_K // UNIT)
+                    acc += fp8_row_dot(weights, DOWN, DOWN_SCALE, h, h_ok, k0, a, inter, dtype,
+                                       TILE_R, TILE_C, UNIT, BLOCK_K // UNIT)  # fmt: skip
+                else:
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    k_ok = k < inter
+                    a = tl.load(act_ptr + pair * inter + k, mask=k_ok, other=0.0).to(tl.float32)
+                    w = dense_tile(weights, DOWN, h, k, h_ok[:, None] & k_ok[None, :], inter, dtype)
+                    acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            gate = tl.load(pair_gate_ptr + pair).to(dtype).to(tl.float32)
+            tl.store(y_ptr + row * hidden + h, acc.to(dtype).to(tl.float32) * gate, mask=h_ok)
 
     @triton.jit
     def _sum_kernel(y_ptr, table_ptr, out_ptr, hidden: tl.constexpr, PER_TOKEN: tl.constexpr, BLOCK_H: tl.constexpr):

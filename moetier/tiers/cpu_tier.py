@@ -200,6 +200,22 @@ class CpuExpertTier:
             self.native = bool(self._native)
         return self._native[0] if self._native else None
 
+    def fed_plan(
+        self, experts: list[ExpertWeights], hidden_size: int
+    ) -> tuple[cpu_worker.NativeWorker, cpu_experts.CheckedExperts, str] | None:
+        """For jobs the device feeds (:meth:`cpu_worker.NativeWorker.submit_fed`): the native worker, the C kernel's
+        check of ``experts`` (one layer's, in id order) and the kernel's name; None where either cannot run them."""
+        probe = torch.zeros((1, hidden_size), dtype=torch.bfloat16)
+        job = CpuJob(probe, [CpuGroup(w, [0], [1.0]) for w in experts])
+        plan = self._kernel_for(job, torch.empty((1, hidden_size), dtype=torch.float32))
+        worker = None if plan is None or not self.native else self._native_worker(plan.lib)
+        if plan is None or worker is None:
+            return None
+        try:
+            return worker, self._checked(job, plan), plan.kernel_name
+        except ValueError:
+            return None
+
     def run(self, job: CpuJob) -> CpuResult:
         """Compute ``job`` in the calling thread (then call its ``on_done``, even on failure)."""
         try:

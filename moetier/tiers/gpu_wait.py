@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 _CAN_USE_STREAM_MEM_OPS = 92  # CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+_WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a system-scope fence orders the stream's earlier writes first
 _driver: ctypes.CDLL | None = None
 _probe_lock = threading.Lock()
 _probed: dict[int, bool] = {}
@@ -77,16 +78,18 @@ def _supported(device: torch.device) -> bool:
 
 
 class HostFlag:
-    """A pinned int32 counter: :meth:`wait_on` makes a stream wait for a value, :meth:`release` sets it.
+    """A pinned int32 counter: :meth:`wait_on` makes a stream wait for a value, :meth:`release` sets it from the
+    host, :meth:`write_on` from a stream (after the stream's earlier work, its copies' bytes visible first).
 
     Values only grow (:meth:`next_value` hands out the next one), so a stale wait never blocks.
     """
 
-    def __init__(self, tensor: torch.Tensor, device_pointer: int, wait_fn) -> None:
+    def __init__(self, tensor: torch.Tensor, device_pointer: int, wait_fn, write_fn=None) -> None:
         self.tensor = tensor
         self._cell = tensor.numpy()  # written through numpy: no autograd/inference-mode rules in the worker
         self._device_pointer = device_pointer
         self._wait_fn = wait_fn
+        self._write_fn = write_fn
         self._issued = 0
 
     @classmethod
@@ -99,13 +102,16 @@ class HostFlag:
         get_pointer = _symbol(lib, "cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")
         if wait_fn is None or get_pointer is None:
             return None
-        wait_fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        wait_fn.restype = ctypes.c_int
+        write_fn = _symbol(lib, "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
+        for fn in (wait_fn, write_fn):
+            if fn is not None:
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+                fn.restype = ctypes.c_int
         tensor = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         pointer = ctypes.c_uint64(0)
         if get_pointer(ctypes.byref(pointer), ctypes.c_void_p(tensor.data_ptr()), 0) != 0:
             return None
-        return cls(tensor, pointer.value, wait_fn)
+        return cls(tensor, pointer.value, wait_fn, write_fn)
 
     def next_value(self) -> int:
         self._issued += 1
@@ -114,6 +120,18 @@ class HostFlag:
     def wait_on(self, stream: torch.cuda.Stream, value: int) -> bool:
         """Enqueue on ``stream``: wait until the flag is >= ``value``. False if the driver refused."""
         status = self._wait_fn(ctypes.c_void_p(stream.cuda_stream), self._device_pointer, value, _WAIT_GEQ)
+        return status == 0
+
+    @property
+    def writable(self) -> bool:
+        """Whether :meth:`write_on` can enqueue (the driver has the stream write)."""
+        return self._write_fn is not None
+
+    def write_on(self, stream: torch.cuda.Stream, value: int) -> bool:
+        """Enqueue on ``stream``: store ``value`` once the stream's earlier work is done. False if refused."""
+        if self._write_fn is None:
+            return False
+        status = self._write_fn(ctypes.c_void_p(stream.cuda_stream), self._device_pointer, value, _WRITE_DEFAULT)
         return status == 0
 
     def release(self, value: int) -> None:

@@ -23,6 +23,11 @@ on the copy stream), and the table follows the cache. Ordering on CUDA:
   one table.
 Off CUDA the same table is read on the host, block by block, and the call runs the per-expert path: the
 CPU tests check the table's bookkeeping against the resident results.
+
+With a :class:`~moetier.tiers.mapped_cpu.FedCpuShare`, a fixed share of each layer's experts is the CPU tier's
+whenever it is not cached (:attr:`MappedExperts.pick`, a device tensor the table's writes keep up to date): the
+device copies those pairs to the CPU tier's worker and skips them itself, so both links run in the step and it
+still never waits on the host (:mod:`moetier.tiers.mapped_cpu`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from moetier.kernels.device_routing import DEVICE_ROUTING_MAX_PAIRS, LayerBlocks
 from moetier.tiers.dispatcher import run_host_sorted
 from moetier.tiers.expert_cache import ExpertCache, Slot
 from moetier.tiers.experts import ExpertStore, ExpertWeights
+from moetier.tiers.mapped_cpu import FedCpuShare
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.policies import CachePolicy, Key
 
@@ -61,10 +67,11 @@ class MappedExperts:
         policy: CachePolicy,
         metrics: TierMetrics,
         admissions: int = DEFAULT_MAPPED_ADMISSIONS,
+        cpu: FedCpuShare | None = None,
     ) -> None:
         layout = store.layout
         self.store, self.cache, self.policy, self.metrics = store, cache, policy, metrics
-        self.admissions = admissions
+        self.admissions, self.cpu = admissions, cpu
         self.device, self.cuda = cache.device, cache.device.type == "cuda"
         self.layers = sorted(layout.moe_layers)
         self._row = {layer: i for i, layer in enumerate(self.layers)}
@@ -74,6 +81,11 @@ class MappedExperts:
         homes = [store.expert(layer, e).block for layer in self.layers for e in range(self.experts)]
         self._home = [block.data_ptr() - self.base for block in homes]
         self.table = torch.tensor(self._home, dtype=torch.int64, device=self.device)
+        # Per entry: the CPU computes it (a fed share's pick, while the entry points home).
+        self._picks = list(cpu.picks) if cpu is not None else [False] * len(self._home)
+        self.pick = torch.tensor(self._picks, dtype=torch.bool, device=self.device)
+        self._fed = 0  # calls that fed the CPU tier since the counts last came back
+        self._fed_window = False  # whether the counts harvested last cover calls that fed it
         self.counts = torch.zeros(len(self._home), dtype=torch.int64, device=self.device)
         self._ones = torch.ones(DEVICE_ROUTING_MAX_PAIRS, dtype=torch.int64, device=self.device)
         self._count_rows = {layer: self.counts[self._span(layer)] for layer in self.layers}
@@ -105,18 +117,53 @@ class MappedExperts:
         )
 
     def dispatch(
-        self, layer: int, out: torch.Tensor, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        layer: int,
+        out: torch.Tensor,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        stream: Any = None,
     ) -> None:
-        """Add the layer's routed experts into ``out`` (float32 ``[T, H]``), each read where the table says."""
+        """Add the layer's routed experts into ``out`` (float32 ``[T, H]``), each read where the table says (the
+        CPU tier's picks computed by the fed worker, where there is one; ``stream``: the call's, on CUDA)."""
         flat = topk_ids.reshape(-1)
         ones = self._ones[: flat.numel()] if flat.numel() <= self._ones.numel() else torch.ones_like(flat)
         self._count_rows[layer].index_add_(0, flat, ones)
+        skip, call = None, None
+        if self.cpu is not None and self.cpu.usable(hidden):
+            skip = self.pick[self._span(layer)][topk_ids]
+            call = self.cpu.feed(layer, hidden, topk_ids, topk_weights, skip, stream)
+            skip = skip if call is not None else None
+            self._fed += call is not None
+        try:
+            self._run_device_share(layer, out, hidden, topk_ids, topk_weights, skip)
+        except BaseException:
+            if call is not None:
+                self.cpu.abandon(call)
+            raise
+        if call is not None:
+            self.cpu.collect(call, out, stream)
+
+    def _run_device_share(self, layer, out, hidden, topk_ids, topk_weights, skip: torch.Tensor | None) -> None:
+        """The pairs ``skip`` leaves to the device: on CUDA the device-built launch; off CUDA the table read on the
+        host and the per-expert path over those pairs."""
         limit = self.store.layout.swiglu_limit
         if self.cuda:
-            run_routed(out, hidden, topk_ids, topk_weights, self._layer_blocks(layer, hidden.dtype), limit)
+            run_routed(out, hidden, topk_ids, topk_weights, self._layer_blocks(layer, hidden.dtype), limit, skip)
             return
         offsets = self.table[self._span(layer)].tolist()
-        run_host_sorted(out, hidden, topk_ids, topk_weights, lambda e: self._block_at(offsets[e]), limit)
+        if skip is None:
+            run_host_sorted(out, hidden, topk_ids, topk_weights, lambda e: self._block_at(offsets[e]), limit)
+            return
+        keep = ~skip.reshape(-1)
+        if not bool(keep.any()):
+            return
+        tokens = torch.arange(topk_ids.shape[0]).repeat_interleave(topk_ids.shape[1])[keep]
+        part = torch.zeros((tokens.numel(), out.shape[1]), dtype=torch.float32)
+        ids, weights = topk_ids.reshape(-1, 1)[keep], topk_weights.reshape(-1, 1)[keep]
+        run_host_sorted(part, hidden[tokens], ids, weights, lambda e: self._block_at(offsets[e]), limit)
+        out.index_add_(0, tokens, part)
 
     # --- between steps --------------------------------------------------------------------------
 
@@ -124,6 +171,8 @@ class MappedExperts:
         """Before a mapped step: take in the counts that came back, admit, bring the table up to date, and
         start copying the counts back again (the host waits only for counts ``LAG_STEPS`` steps old)."""
         self._step = step
+        if self.cpu is not None:
+            self.cpu.harvest()
         admitted = self._admit(*self._harvest())
         self._follow_cache(stream, [slot for slot, _ in admitted])
         if admitted:
@@ -143,6 +192,8 @@ class MappedExperts:
 
     def flush(self) -> None:
         """Take in every count so far, waiting for the device (a measured window's metrics; tests)."""
+        if self.cpu is not None:
+            self.cpu.harvest(wait=True)
         for _ in range(2):  # the readback in flight, then one of the counts as they are now (nothing admitted)
             if self._readback is not None and self._readback[1] is not None:
                 self._readback[1].synchronize()
@@ -166,6 +217,7 @@ class MappedExperts:
         host, _, steps = self._readback
         self._readback = None
         now = host.tolist()
+        self._fed_window, self._fed = self._fed > 0, 0
         used: dict[Key, int] = {}
         for i, (new, old) in enumerate(zip(now, self._seen, strict=True)):
             if new != old:
@@ -194,7 +246,11 @@ class MappedExperts:
                 counters.experts_miss += not hit
                 counters.uses_hit += count if hit else 0
                 counters.uses_miss += 0 if hit else count
-                if not hit:  # every missed pair's kernels read its expert's block over PCIe
+                if hit:
+                    continue
+                if self._fed_window and self._picks[self._index((layer, expert))]:
+                    counters.cpu_pairs += count  # computed by the fed CPU tier from the home copy
+                else:  # every missed pair's kernels read its expert's block over PCIe
                     counters.mapped_pairs += count
                     counters.mapped_bytes += count * block
 
@@ -242,11 +298,17 @@ class MappedExperts:
             self.release(stream, refilled)
 
     def _write(self, changes: dict[int, int]) -> None:
-        """Enqueue the table's changed entries (on the current stream: after the kernels enqueued before)."""
-        update = torch.tensor([list(changes), list(changes.values())], dtype=torch.int64)
+        """Enqueue the table's changed entries, and the CPU picks that follow them (an entry pointed at a slot is
+        the device's), on the current stream: after the kernels enqueued before."""
+        static = self.cpu.picks if self.cpu is not None else self._picks
+        picks = [int(static[i] and offset == self._home[i]) for i, offset in changes.items()]
+        for i, pick in zip(changes, picks, strict=True):
+            self._picks[i] = bool(pick)
+        update = torch.tensor([list(changes), list(changes.values()), picks], dtype=torch.int64)
         if self.cuda:
             update = update.pin_memory().to(self.device, non_blocking=True)
         self.table.index_copy_(0, update[0], update[1])
+        self.pick.index_copy_(0, update[0], update[2].bool())
 
     def _start_readback(self, stream: Any) -> None:
         """Copy the counts back to the host (non-blocking; harvested once its event has passed)."""

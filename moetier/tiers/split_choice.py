@@ -25,16 +25,23 @@ SPLIT_ROUTES = ("auto", "copy", "mapped")
 
 @dataclass
 class _BatchTrial:
-    """One batch size's state: its routes, the trial's visit (``index``; visit i runs route i mod routes), its
-    samples, the winner."""
+    """One batch size's state: its routes, the visit (``index``; in the trial visit i runs route i mod routes, in
+    the playoff route ``playoff[i]``), its samples, the winner."""
 
     routes: tuple[str, ...]
     index: int = 0
     seen: int = 0  # steps of the current visit, counted or not
     samples: dict[str, list[float]] = field(default_factory=dict)
+    playoff: tuple[str, ...] = ()  # the trial's pick and its closest rival while their playoff runs
+    pending: dict[str, float] = field(default_factory=dict)  # the trial's medians while its playoff runs
     winner: str | None = None
     since_trial: int = 0  # steps run with the winner since the trial ended
-    medians: dict[str, float] = field(default_factory=dict)  # the last finished trial's, seconds per step
+    # The last finished trial's, seconds per step: per route, and its playoff's as "playoff_<route>".
+    medians: dict[str, float] = field(default_factory=dict)
+
+    def visiting(self) -> str:
+        """The route of the trial's or playoff's current visit."""
+        return self.playoff[self.index] if self.playoff else self.routes[self.index % len(self.routes)]
 
 
 @dataclass
@@ -45,11 +52,17 @@ class SplitChooser:
     measured first, right after a prefill or a change of streams): each visit runs ``settle_steps`` steps
     that are not counted (the cache and the route costs settle after a switch), then ``block_steps`` timed
     ones. The first route (the cost model's split) wins unless another's median step time is lower by more
-    than ``margin``; the winner runs for ``revisit_steps`` steps, then the trial runs again (routing, load
-    and the cache's contents change over a session). :meth:`route` names the route of the step about to
-    run (a batch size's routes are ``routes``, or those its first :meth:`route` call passes: the mapped route
-    takes decode-sized calls only), :meth:`observe` takes the seconds of a step that ran with the route it
-    was given.
+    than ``margin``. Where the trial's pick and its closest rival are within ``playoff_margin`` of each other,
+    a playoff decides: each runs ``playoff_steps`` steps in a row (the pick first), the first
+    ``playoff_settle`` not counted, and the lower median wins (the first route, if it plays, again unless
+    beaten by more than ``margin``). Short visits are biased: the routes change the expert cache differently
+    (copies admit every miss, a mapped step at most two), so a visit inherits the previous route's cache. On
+    the H200 the trial measured mapped at 5.70 ms per step and copies only at 6.00; mapped then ran 6.0 ms in
+    the steady state, copies only alone 5.43. The winner runs for ``revisit_steps`` steps, then the trial
+    (and any playoff) runs again (routing, load and the cache's contents change over a session).
+    :meth:`route` names the route of the step about to run (a batch size's routes are ``routes``, or those
+    its first :meth:`route` call passes: the mapped route takes decode-sized calls only), :meth:`observe`
+    takes the seconds of a step that ran with the route it was given.
     """
 
     block_steps: int = 3
@@ -57,6 +70,9 @@ class SplitChooser:
     settle_steps: int = 1
     revisit_steps: int = 256
     margin: float = 0.03
+    playoff_margin: float = 0.15
+    playoff_steps: int = 24
+    playoff_settle: int = 8
     routes: tuple[str, ...] = ("auto", "copy")
     _trials: dict[int, _BatchTrial] = field(default_factory=dict)
 
@@ -66,8 +82,13 @@ class SplitChooser:
                 "split chooser needs block_steps, rounds, revisit_steps >= 1 and settle_steps >= 0: "
                 f"{self.block_steps}, {self.rounds}, {self.revisit_steps}, {self.settle_steps}"
             )
-        if not 0.0 <= self.margin < 1.0:
-            raise ConfigError(f"split chooser margin must be in [0, 1), got {self.margin}")
+        if not 0 <= self.playoff_settle < self.playoff_steps:
+            raise ConfigError(
+                f"split chooser needs 0 <= playoff_settle < playoff_steps: {self.playoff_settle}, {self.playoff_steps}"
+            )
+        for name in ("margin", "playoff_margin"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"split chooser {name} must be in [0, 1), got {getattr(self, name)}")
         _check_routes(self.routes)
 
     def route(self, tokens: int, routes: tuple[str, ...] | None = None) -> str:
@@ -75,7 +96,7 @@ class SplitChooser:
         trial = self._trial(tokens, routes)
         if trial.winner is not None and trial.since_trial < self.revisit_steps:
             return trial.winner
-        return trial.routes[trial.index % len(trial.routes)]
+        return trial.visiting()
 
     def observe(self, tokens: int, route: str, seconds: float) -> None:
         """A step of ``tokens`` tokens per call ran with ``route`` (from :meth:`route`) in ``seconds``."""
@@ -83,16 +104,20 @@ class SplitChooser:
         if trial.winner is not None and trial.since_trial < self.revisit_steps:
             trial.since_trial += 1
             return
-        if route != trial.routes[trial.index % len(trial.routes)]:
+        if route != trial.visiting():
             return  # a step routed before the trial moved on
         trial.seen += 1
-        if trial.seen <= self.settle_steps:
+        if trial.playoff:
+            settle, steps = self.playoff_settle, self.playoff_steps
+        else:
+            settle, steps = self.settle_steps, self.settle_steps + self.block_steps
+        if trial.seen <= settle:
             return
         trial.samples.setdefault(route, []).append(seconds)
-        if trial.seen < self.settle_steps + self.block_steps:
+        if trial.seen < steps:
             return
         trial.index, trial.seen = trial.index + 1, 0
-        if trial.index == len(trial.routes) * self.rounds:
+        if trial.index == (len(trial.playoff) if trial.playoff else len(trial.routes) * self.rounds):
             self._decide(trial)
 
     def settled(self, tokens: int) -> bool:
@@ -107,14 +132,30 @@ class SplitChooser:
         return trial
 
     def _decide(self, trial: _BatchTrial) -> None:
-        trial.medians = {r: statistics.median(trial.samples[r]) for r in trial.routes}
-        default, best = trial.routes[0], min(trial.routes, key=trial.medians.__getitem__)
-        beats = trial.medians[best] < (1.0 - self.margin) * trial.medians[default]
-        trial.winner = best if beats else default
-        trial.index, trial.samples, trial.since_trial = 0, {}, 0
+        """The trial's or the playoff's end: the winner, or (the trial's pick and rival close) the playoff."""
+        medians = {r: statistics.median(s) for r, s in trial.samples.items()}
+        trial.index, trial.samples = 0, {}
+        if trial.playoff:
+            winner = self._pick(trial.routes[0], trial.playoff, medians)
+            trial.medians = {**trial.pending, **{f"playoff_{r}": m for r, m in medians.items()}}
+        else:
+            winner = self._pick(trial.routes[0], trial.routes, medians)
+            rival = min((r for r in trial.routes if r != winner), key=medians.__getitem__, default=None)
+            if rival is not None and abs(medians[rival] - medians[winner]) <= self.playoff_margin * medians[winner]:
+                trial.playoff, trial.pending = (winner, rival), medians
+                return
+            trial.medians = medians
+        trial.winner, trial.playoff, trial.pending, trial.since_trial = winner, (), {}, 0
+
+    def _pick(self, default: str, routes: tuple[str, ...], medians: dict[str, float]) -> str:
+        """The one of ``routes`` of the lowest median, but ``default`` (if one of them) unless beaten by ``margin``."""
+        best = min(routes, key=medians.__getitem__)
+        beats = default not in routes or medians[best] < (1.0 - self.margin) * medians[default]
+        return best if beats else default
 
     def report(self) -> dict[int, dict[str, float | str]]:
-        """Per batch size that finished a trial: the winning route and each route's median ms per step."""
+        """Per batch size that finished a trial: the winning route and each route's median ms per step (the
+        trial's as ``<route>_ms``, a playoff's as ``playoff_<route>_ms``)."""
         return {
             tokens: {"route": t.winner, **{f"{r}_ms": round(1e3 * s, 3) for r, s in t.medians.items()}}
             for tokens, t in sorted(self._trials.items())

@@ -51,8 +51,11 @@ class TieredConfig:
     wall-clock timings, so it is not reproducible run to run (the math is the same either way).
     With ``choose_split`` (``None``: whenever costs adapt), each decode batch size runs the cost model's split,
     copies-only and (with ``mapped``, ``None``: on CUDA where the device kernels take the call) the mapped route
-    in turn and keeps the one of shorter measured steps (:class:`SplitChooser`). A mapped step admits up to
-    ``mapped_admissions`` of the experts it missed (:mod:`moetier.tiers.mapped`).
+    in turn and keeps the one of shorter measured steps, the two best run again in long visits when close
+    (:class:`SplitChooser`'s playoff). A mapped step admits up to
+    ``mapped_admissions`` of the experts it missed (:mod:`moetier.tiers.mapped`), and ``mapped_cpu_share`` of each
+    layer's experts, while not cached, are computed by the CPU tier fed by the device (:mod:`moetier.tiers.mapped_cpu`;
+    ``None``: the share that balances the measured CPU and PCIe rates; 0: the kernels read every miss).
     A decode call copies up to ``decode_prefetch`` of the experts the model hinted for the next MoE
     layer (:meth:`ExpertDispatcher.hint`) into free staging slots once its own copies are enqueued
     (0: hints are not asked for), and only the ranks of the prediction whose measured precision reaches
@@ -77,6 +80,7 @@ class TieredConfig:
     choose_split: bool | None = None
     mapped: bool | None = None
     mapped_admissions: int = 2
+    mapped_cpu_share: float | None = None
     decode_prefetch: int = 4
     hint_min_precision: float = 0.8
 
@@ -90,8 +94,10 @@ class TieredConfig:
         admissions = self.mapped_admissions
         if isinstance(admissions, bool) or not isinstance(admissions, int) or admissions < 0:
             raise ConfigError(f"mapped_admissions must be an integer >= 0, got {self.mapped_admissions!r}")
-        if self.cpu_share is not None and not 0.0 <= self.cpu_share <= 1.0:
-            raise ConfigError(f"cpu_share must be in [0, 1], got {self.cpu_share}")
+        for name in ("cpu_share", "mapped_cpu_share"):
+            share = getattr(self, name)
+            if share is not None and not 0.0 <= share <= 1.0:
+                raise ConfigError(f"{name} must be in [0, 1], got {share}")
         if self.staging_slots is not None and self.staging_slots < 1:
             raise ConfigError(f"staging_slots must be >= 1, got {self.staging_slots}")
         if self.lend_slots < 0:

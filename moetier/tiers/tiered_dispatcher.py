@@ -54,6 +54,7 @@ from moetier.tiers.experts import ExpertStore
 from moetier.tiers.gpu_wait import HostFlag
 from moetier.tiers.hints import HintBuffer
 from moetier.tiers.mapped import MappedExperts
+from moetier.tiers.mapped_cpu import FedCpuShare, default_share
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.next_layer import NextLayerPrefetch
 from moetier.tiers.policies import make_policy
@@ -129,12 +130,15 @@ class TieredDispatcher(ExpertDispatcher):
         spin = DECODE_SPIN_S if device.type == "cuda" else 0.0
         self.cpu_tier = CpuExpertTier(layout.swiglu_limit, cfg.cpu_threads, spin_seconds=spin)
         self._copy_timings = CopyTimings(self.adapter, self.cache.copy_stream)
-        self.mapped = MappedExperts(self.store, self.cache, self.policy, self.metrics, cfg.mapped_admissions)
         self.device = device
         if cfg.gpu_waits_for_cpu and device.type == "cuda":
             self._flag = HostFlag.create(device)
-        if device.type == "cuda" and cfg.miss_route == "auto" and cfg.cpu_share is None and cfg.calibrate:
+        split_priced = cfg.miss_route == "auto" and cfg.cpu_share is None
+        fed_priced = cfg.miss_route == "mapped" and cfg.mapped_cpu_share is None  # the fed share from measured rates
+        if device.type == "cuda" and (split_priced or fed_priced) and cfg.calibrate:
             self.costs = calibrate_routes(self.store, self.cache, self.cpu_tier, device, self._first_layer)
+        fed = self._fed_cpu_share(device)
+        self.mapped = MappedExperts(self.store, self.cache, self.policy, self.metrics, cfg.mapped_admissions, fed)
         log.info(
             "tiered experts: %d cache slots, %d staging slots, policy %s, route costs %s",
             n_slots,
@@ -142,6 +146,25 @@ class TieredDispatcher(ExpertDispatcher):
             cfg.policy,
             self.costs,
         )
+
+    def _fed_cpu_share(self, device: torch.device) -> FedCpuShare | None:
+        """The CPU tier beside the mapped route (``TieredConfig.mapped_cpu_share``), or None where it has no share
+        or cannot run (no C kernel or native worker for these experts, no stream writes)."""
+        cfg = self.config
+        if cfg.miss_route != "mapped" and not (self._choosing() and self._mapped_wanted()):
+            return None  # no step will be mapped
+        share = cfg.mapped_cpu_share
+        if share is None:
+            share = default_share(self.costs, self._quantised())
+        fed = FedCpuShare(self.store, sorted(self.store.layout.moe_layers), self.cpu_tier, self.metrics, share, device)
+        if fed.broken:
+            return None
+        log.info("mapped route: the CPU tier computes %.0f%% of each layer's uncached experts", 100 * share)
+        return fed
+
+    def _quantised(self) -> bool:
+        layout = self.store.layout
+        return self.store.expert(layout.moe_layers[0], 0).quant_kind is not None
 
     @property
     def hint_rank_precision(self) -> list[float]:
@@ -268,7 +291,7 @@ class TieredDispatcher(ExpertDispatcher):
         """The call on the mapped route; False after a failure (logged once; the copy route from then on)."""
         try:
             with phase("tiers.mapped"):
-                self.mapped.dispatch(layer, out, hidden, topk_ids, topk_weights)
+                self.mapped.dispatch(layer, out, hidden, topk_ids, topk_weights, self._stream)
             return True
         except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
             log.warning("mapped expert route failed (%s); copying misses from now on", exc)

@@ -1,0 +1,193 @@
+"""The CPU tier beside the mapped route, fed by the device: both links at once with no host wait in the step.
+
+The mapped route (:mod:`moetier.tiers.mapped`) has the device's kernels read every miss over PCIe, and a step
+never waits for the host. The split route adds the CPU tier, whose cores read the home copy at DRAM speed,
+but there the host decides per layer, so it first waits for the router's ids. Here the device decides: a fixed
+share of each layer's experts (:func:`cpu_picks`) is the CPU's whenever it is not cached, and a device tensor
+(:attr:`MappedExperts.pick`, kept with the table) says so per (layer, expert). Per MoE layer, on the compute
+stream:
+
+1. the pairs' ids (-1 where the device keeps the pair), their gates and the hidden rows are copied into a pinned
+   inbox, then a stream write stores the call's number into a pinned start word (``cuStreamWriteValue32``: the
+   copies' bytes are visible first);
+2. the kernels run the device's pairs (:func:`~moetier.kernels.device_routing.run_routed` with ``skip``), while
+   the CPU tier's native worker, spinning on the start word, groups the CPU's pairs by expert and computes them
+   from the home copy (a job queued by the host before its inputs exist: ``cpu_worker.c``'s fed jobs);
+3. the stream waits for the worker's done word (``cuStreamWaitValue32``) and adds the CPU's sums.
+
+One inbox per batch size is enough: the stream orders each layer's copies into it after the previous layer's
+wait for the worker, so nothing overwrites an inbox the worker still reads. Off CUDA the host plays the device
+(it copies into the inbox and stores the start word itself), so the CPU tests run the same worker code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moetier.kernels.cpu_experts import CheckedExperts
+from moetier.kernels.cpu_worker import FedInbox, NativeJob, NativeWorker
+from moetier.tiers.cpu_tier import CpuExpertTier
+from moetier.tiers.experts import ExpertStore
+from moetier.tiers.gpu_wait import HostFlag
+from moetier.tiers.metrics import TierMetrics
+from moetier.tiers.route_costs import RouteCosts
+
+log = logging.getLogger(__name__)
+
+# The mapped route's PCIe rate against the copy engine's (H200 probe, results/h200-20261201-zero-copy): the
+# kernels read bf16 blocks at 0.92x, fp4 blocks at 0.75x (41 of 55 GB/s) with their current read shape.
+MAPPED_READ_FACTOR = {False: 0.92, True: 0.75}
+
+
+def default_share(costs: RouteCosts, quantised: bool) -> float:
+    """The share of missed experts that balances the CPU tier against the kernels' PCIe reads, from the measured
+    one-token costs of the CPU and copy routes."""
+    cpu_rate = 1.0 / max(costs.cpu(1), 1e-12)
+    mapped_rate = MAPPED_READ_FACTOR[quantised] / max(costs.copy(1), 1e-12)
+    return cpu_rate / (cpu_rate + mapped_rate)
+
+
+def cpu_picks(layers: int, experts: int, share: float) -> list[bool]:
+    """Per (layer, expert), row by row, whether the CPU computes it when it is not cached: ``share`` of each
+    layer's experts, spread by a fixed hash (not the low ids: routers favour no id range, but skewed test routing
+    may)."""
+    picks = []
+    for layer in range(layers):
+        scores = [_mix(layer * experts + e) for e in range(experts)]
+        chosen = set(sorted(range(experts), key=scores.__getitem__)[: round(share * experts)])
+        picks += [e in chosen for e in range(experts)]
+    return picks
+
+
+def _mix(x: int) -> int:
+    """A 32-bit integer hash (murmur3's finaliser): a fixed, well spread order of a layer's experts."""
+    x = (x * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@dataclass
+class FedCall:
+    """One layer's fed job: its worker job, the inbox it reads and writes, the value its done word gets."""
+
+    layer: int
+    job: NativeJob
+    inbox: FedInbox
+    value: int
+
+
+class FedCpuShare:
+    """The fed CPU tier of the mapped route (see the module docstring).
+
+    Contract: :meth:`usable` for a call, then :meth:`feed` (after the call's router, before its device kernels)
+    and :meth:`collect` (after them) on the same stream; :meth:`harvest` between steps takes the finished jobs'
+    times into the metrics. ``share`` is the fraction of each layer's experts the CPU takes when not cached.
+    """
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        layers: list[int],
+        tier: CpuExpertTier,
+        metrics: TierMetrics,
+        share: float,
+        device: torch.device,
+    ) -> None:
+        layout = store.layout
+        self.store, self.tier, self.metrics, self.share = store, tier, metrics, share
+        self.layers, self.top_k, self.hidden_size = layers, layout.top_k, layout.hidden_size
+        self.picks = cpu_picks(len(layers), layout.num_experts, share)
+        self.cuda = device.type == "cuda"
+        self.worker: NativeWorker | None = None
+        self._checked: dict[int, CheckedExperts] = {}
+        self.kernel: str | None = None
+        self._start: HostFlag | None = None
+        self._done: HostFlag | None = None
+        self._words = (torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+        self._issued = 0
+        self._inboxes: dict[int, FedInbox] = {}
+        self._jobs: deque[FedCall] = deque()
+        self.broken = share <= 0.0 or not self._set_up(device)
+
+    def _set_up(self, device: torch.device) -> bool:
+        """Check every layer's home copy with the C kernel, start the worker, make the flags; False where any of
+        it cannot be had (then the mapped route runs alone)."""
+        experts = self.store.layout.num_experts
+        for layer in self.layers:
+            plan = self.tier.fed_plan([self.store.expert(layer, e) for e in range(experts)], self.hidden_size)
+            if plan is None:
+                return False
+            self.worker, self._checked[layer], self.kernel = plan
+        if self.cuda:
+            self._start, self._done = HostFlag.create(device), HostFlag.create(device)
+            if self._start is None or self._done is None or not self._start.writable:
+                return False
+            self._words = (self._start.tensor, self._done.tensor)
+        return True
+
+    def usable(self, hidden: torch.Tensor) -> bool:
+        """Whether a call over ``hidden`` can have the CPU's share (bf16 activations, the C kernel's)."""
+        return not self.broken and hidden.dtype == torch.bfloat16
+
+    def feed(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        skip: torch.Tensor,
+        stream: Any,
+    ) -> FedCall | None:
+        """Copy the CPU's pairs (``skip`` marks them) and their rows into the inbox, store the start word after
+        them and queue the worker's job; None (nothing queued: the device must run every pair) if refused."""
+        tokens = hidden.shape[0]
+        inbox = self._inboxes.get(tokens)
+        if inbox is None:
+            inbox = FedInbox.allocate(tokens, self.top_k, self.hidden_size, pin=self.cuda)
+            self._inboxes[tokens] = inbox
+        cpu_ids = torch.where(skip, topk_ids.to(torch.int64), -1)
+        for dst, src in ((inbox.ids, cpu_ids), (inbox.weights, topk_weights.float()), (inbox.hidden, hidden)):
+            dst.copy_(src, non_blocking=self.cuda)
+        value = self._issued + 1
+        if self._start is not None and not self._start.write_on(stream, value):
+            log.warning("the device cannot store the CPU tier's start word: mapped steps run without it")
+            self.broken = True
+            return None
+        self._issued = value
+        start_word, done_word = (w.data_ptr() for w in self._words)
+        job = self.worker.submit_fed(
+            self._checked[layer], (start_word, value), inbox, self.store.layout.swiglu_limit, self.tier.threads,
+            (done_word, value),
+        )  # fmt: skip
+        if self._start is None:
+            self._words[0].numpy()[0] = value  # off CUDA the host is the device: its inputs are in place
+        return FedCall(layer, job, inbox, value)
+
+    def collect(self, call: FedCall, out: torch.Tensor, stream: Any) -> None:
+        """Add the CPU's sums into ``out``: the stream waits for them (the host only where it cannot)."""
+        self._jobs.append(call)
+        if self._done is not None and self._done.wait_on(stream, call.value):
+            out.add_(call.inbox.out.to(out.device, non_blocking=True))
+            return
+        call.job.wait()
+        out.add_(call.inbox.out.to(out.device))
+
+    def abandon(self, call: FedCall) -> None:
+        """A call that failed after :meth:`feed`: wait until the worker is done with the inbox."""
+        call.job.wait()
+
+    def harvest(self, wait: bool = False) -> None:
+        """The finished jobs' wall times into each layer's ``cpu_seconds`` (``wait``: every job's)."""
+        while self._jobs and (wait or self._jobs[0].job.done()):
+            call = self._jobs.popleft()
+            status, seconds = call.job.wait()
+            self.metrics.layer(call.layer).cpu_seconds += seconds
+            if status != 0 and not self.broken:
+                log.error("a fed CPU-tier job failed (status %d): mapped steps run without the CPU tier", status)
+                self.broken = True

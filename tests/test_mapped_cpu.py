@@ -1,0 +1,172 @@
+"""The CPU tier beside the mapped route, fed by the device (moetier.tiers.mapped_cpu, cpu_worker.c's fed jobs).
+
+Off CUDA the host plays the device (it fills the inbox and stores the start word), so these run the worker's C
+code, the device table's CPU picks and the combination of both shares against the resident results."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from reference import relative_error
+from test_tiers_fidelity import _random_store, _routing
+
+from moetier.errors import ConfigError
+from moetier.kernels import cpu_experts
+from moetier.kernels.cpu_worker import FedInbox, NativeWorker
+from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
+from moetier.tiers.dispatcher import ResidentDispatcher
+from moetier.tiers.experts import ExpertLayout
+from moetier.tiers.mapped_cpu import cpu_picks, default_share
+from moetier.tiers.route_costs import RouteCosts
+from moetier.tiers.tiered_dispatcher import TieredDispatcher
+
+LAYOUT = ExpertLayout((0, 1), num_experts=12, hidden_size=64, intermediate_size=32, top_k=3, swiglu_limit=2.0)
+needs_kernel = pytest.mark.skipif(not cpu_experts.available(), reason="no C compiler for the CPU tier's kernel")
+
+
+def _layer(store, layer: int) -> list:
+    return [store.expert(layer, e) for e in range(store.layout.num_experts)]
+
+
+@needs_kernel
+def test_a_fed_job_waits_for_its_start_word_and_computes_only_the_pairs_left_to_it():
+    store = _random_store(LAYOUT, torch.bfloat16)
+    tier = CpuExpertTier(LAYOUT.swiglu_limit, threads=2)
+    worker, checked, _ = tier.fed_plan(_layer(store, 0), LAYOUT.hidden_size)
+    hidden, ids, weights = _routing(3, LAYOUT, torch.Generator().manual_seed(1), torch.bfloat16)
+    inbox = FedInbox.allocate(3, LAYOUT.top_k, LAYOUT.hidden_size, pin=False)
+    start, done = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    job = worker.submit_fed(checked, (start.data_ptr(), 7), inbox, LAYOUT.swiglu_limit, 2, (done.data_ptr(), 7))
+    time.sleep(0.02)
+    assert not job.done() and done.item() == 0  # its inputs are not there yet
+    mine = torch.tensor([[True, False, True], [False, False, False], [False, True, True]])
+    inbox.ids.copy_(torch.where(mine, ids, -1))
+    inbox.weights.copy_(weights.float())
+    inbox.hidden.copy_(hidden)
+    start[0] = 7
+    assert job.wait()[0] == 0 and done.item() == 7
+    # The same pairs as an ordinary job of the same kernel: the same bits (rows the CPU has no pair of are zeros).
+    groups = {}
+    for t, k in mine.nonzero().tolist():
+        groups.setdefault(int(ids[t, k]), ([], []))
+        groups[int(ids[t, k])][0].append(t)
+        groups[int(ids[t, k])][1].append(float(weights[t, k]))
+    job_groups = [CpuGroup(store.expert(0, e), rows, gates) for e, (rows, gates) in sorted(groups.items())]
+    expected = tier.run(CpuJob(hidden, job_groups)).out
+    assert torch.equal(inbox.out, expected) and inbox.out[1].abs().max() == 0
+    tier.close()
+
+
+@needs_kernel
+def test_a_fed_job_whose_start_never_comes_is_abandoned_at_close_and_still_releases_its_stream():
+    store = _random_store(LAYOUT, torch.bfloat16)
+    tier = CpuExpertTier(LAYOUT.swiglu_limit, threads=1)
+    _, checked, _ = tier.fed_plan(_layer(store, 1), LAYOUT.hidden_size)
+    worker = NativeWorker(cpu_experts.usable_library())
+    inbox = FedInbox.allocate(1, LAYOUT.top_k, LAYOUT.hidden_size, pin=False)
+    start, done = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    job = worker.submit_fed(checked, (start.data_ptr(), 1), inbox, None, 1, (done.data_ptr(), 3))
+    worker.close()
+    assert job.wait()[0] == -3 and done.item() == 3
+    with pytest.raises(ValueError, match="fed job's hidden"):
+        bad = FedInbox(inbox.ids, inbox.weights, inbox.hidden.float(), inbox.out)
+        NativeWorker(cpu_experts.usable_library()).submit_fed(checked, (start.data_ptr(), 1), bad, None, 1)
+    tier.close()
+
+
+def test_cpu_picks_take_the_share_of_every_layer_spread_over_the_ids():
+    picks = cpu_picks(3, 256, 0.4)
+    rows = [picks[i * 256 : (i + 1) * 256] for i in range(3)]
+    assert all(sum(row) == round(0.4 * 256) for row in rows)
+    assert rows[0] != rows[1]  # each layer its own experts
+    assert 0.25 < sum(rows[0][:128]) / sum(rows[0]) < 0.75  # not the low ids
+    assert cpu_picks(1, 8, 0.0) == [False] * 8 and cpu_picks(1, 8, 1.0) == [True] * 8
+    # Balanced by rate: a CPU tier as fast per expert as the kernels' PCIe reads takes half.
+    assert default_share(RouteCosts(cpu_fixed=1.0, copy_fixed=0.75), quantised=True) == pytest.approx(0.5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [(1, 1, 2, 1, 4, 1, 3, 1, 1, 2)])
+def test_mapped_with_a_fed_cpu_share_matches_resident_in_bf16(tokens):
+    store = _random_store(LAYOUT, torch.bfloat16)
+    resident = ResidentDispatcher(store)
+    tiered = TieredDispatcher(
+        store, cache_slots=4, miss_route="mapped", mapped_cpu_share=0.5, mapped_admissions=1, policy="lfu"
+    )
+    alone = TieredDispatcher(store, cache_slots=4, miss_route="mapped", mapped_cpu_share=0.0, policy="lfu")
+    generator = torch.Generator().manual_seed(3)
+    worst, moved = 0.0, 0
+    for step, n in enumerate(tokens):
+        for layer in LAYOUT.moe_layers:
+            hidden, ids, weights = _routing(n, LAYOUT, generator, torch.bfloat16, skew=1.0)
+            ours = tiered.dispatch(layer, hidden, ids, weights)
+            worst = max(worst, relative_error(ours, resident.dispatch(layer, hidden, ids, weights)))
+            moved += not torch.equal(ours, alone.dispatch(layer, hidden, ids, weights))
+        if step == 5:
+            tiered.resize_cache(2)  # entries pointed home again become the CPU's where picked
+    tiered.flush_metrics()
+    totals = tiered.metrics.snapshot()["totals"]
+    tiered.close()
+    alone.close()
+    # The C kernel's bf16 roundings against torch's (the CPU tier's own tolerance: relative RMS < 0.005).
+    assert worst < 5e-3
+    assert moved > 0  # the CPU's sums are not the device path's bits: the CPU really computed its pairs
+    assert totals["cpu_pairs"] > 0 and totals["mapped_pairs"] > 0 and totals["cpu_seconds"] > 0
+    assert totals["uses_miss"] == totals["cpu_pairs"] + totals["mapped_pairs"]
+    assert tiered.mapped.cpu is not None and alone.mapped.cpu is None
+
+
+def test_the_fed_share_is_off_where_the_kernel_cannot_run_it_and_validated():
+    fp32 = TieredDispatcher(_random_store(LAYOUT, torch.float32), cache_slots=2, miss_route="mapped")
+    hidden, ids, weights = _routing(1, LAYOUT, torch.Generator().manual_seed(0), torch.float32)
+    fp32.dispatch(0, hidden, ids, weights)
+    assert fp32.mapped.cpu is None  # float32 experts: no C kernel, the kernels read every miss
+    fp32.close()
+    copy = TieredDispatcher(_random_store(LAYOUT, torch.bfloat16), cache_slots=2, miss_route="copy")
+    copy.dispatch(0, hidden.bfloat16(), ids, weights.bfloat16())
+    assert copy.mapped.cpu is None  # no step will be mapped: nothing checked, nothing started
+    copy.close()
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match="mapped_cpu_share"):
+            TieredDispatcher(_random_store(LAYOUT, torch.bfloat16), cache_slots=1, mapped_cpu_share=bad)
+
+
+# --- CUDA: the device stores the start words and waits for the done words -----------------------------------
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_fed_steps_enqueued_ahead_of_the_host_match_resident_on_cuda():
+    """Steps launched back to back with no host read in between: the worker holds several fed jobs queued before
+    their inputs exist, each starts when the device stores its word, and the stream waits for each one's sums."""
+    from moetier.tiers.experts import ExpertStore, device_allocator
+    from moetier.tiers.host_store import HostExpertArena
+
+    layout = ExpertLayout((0, 1, 2), num_experts=32, hidden_size=1024, intermediate_size=512, top_k=4, swiglu_limit=7.0)
+    source = _random_store(layout, torch.bfloat16)
+    arena = HostExpertArena(chunk_bytes=64 << 20, progress=False)
+    home = ExpertStore(layout, torch.bfloat16, arena)
+    device_store = ExpertStore(layout, torch.bfloat16, device_allocator("cuda"))
+    for key, weights in source.items():
+        home.block_for_loading(*key).block.copy_(weights.block)
+        device_store.block_for_loading(*key).block.copy_(weights.block)
+    resident = ResidentDispatcher(device_store)
+    tiered = TieredDispatcher(home, cache_slots=6, miss_route="mapped", mapped_cpu_share=0.5, policy="lfu")
+    generator = torch.Generator().manual_seed(9)
+    calls = []
+    for step in range(24):
+        tokens = (1, 2, 4, 1)[step % 4]
+        for layer in layout.moe_layers:
+            hidden, ids, weights = (t.cuda() for t in _routing(tokens, layout, generator, torch.bfloat16, skew=2.0))
+            calls.append((layer, hidden, ids, weights, tiered.dispatch(layer, hidden, ids, weights)))
+    torch.cuda.synchronize()
+    worst = max(relative_error(ours, resident.dispatch(layer, h, i, w)) for layer, h, i, w, ours in calls)
+    tiered.flush_metrics()
+    totals = tiered.metrics.snapshot()["totals"]
+    tiered.close()
+    assert tiered.mapped.cpu is not None and tiered.mapped.cpu._start is not None  # the device stored the words
+    assert worst < 5e-3
+    assert totals["cpu_pairs"] > 0 and totals["mapped_pairs"] > 0 and totals["uses_hit"] > 0
+    assert totals["cpu_seconds"] > 0
