@@ -27,6 +27,47 @@ def test_the_table_gives_every_pair_its_own_group_and_sums_each_token_by_expert_
     assert pair_tokens.tolist() == [0, 0, 0, 1, 1, 1]
 
 
+_TABLE_KERNEL = """
+import json, torch
+from moetier.kernels.device_routing import device_tables
+from moetier.kernels.routing_table import FeedTarget, build_table
+g = torch.Generator().manual_seed(0)
+results = []
+for tokens, top_k, experts in ((1, 1, 4), (3, 6, 16), (4, 3, 8), (2, 8, 32)):
+    offsets = torch.randint(0, 1 << 30, (experts,), generator=g) * 16
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    if top_k > 1:
+        ids[-1, -1] = ids[-1, 0]  # a tie: pair order decides
+    pick = (torch.rand(experts, generator=g) < 0.4).to(torch.uint8)
+    skip = pick[ids].bool()
+    base = torch.zeros(16, dtype=torch.uint8)
+    inbox = (torch.full((tokens, top_k), 99), torch.zeros(tokens, top_k), torch.zeros(tokens, 40, dtype=torch.bfloat16))
+    feed = FeedTarget(base, *(t.data_ptr() - base.data_ptr() for t in inbox))
+    gates, hidden = torch.rand(tokens, top_k, generator=g).bfloat16(), torch.randn(tokens, 40, generator=g).bfloat16()
+    fed, pair_tokens = build_table(offsets, ids, pick, feed, gates, hidden)
+    plain = build_table(offsets, ids)
+    results.append({
+        "plain": torch.equal(plain[0], device_tables(offsets, ids)[0]) and torch.equal(plain[1], pair_tokens),
+        "picked": torch.equal(build_table(offsets, ids, pick)[0], device_tables(offsets, ids, 16, skip)[0]),
+        "fed": torch.equal(fed, device_tables(offsets, ids, 16, skip)[0]),
+        "tokens": torch.equal(pair_tokens, device_tables(offsets, ids)[2]),
+        "inbox": [torch.equal(inbox[0], torch.where(skip, ids, -1)), torch.equal(inbox[1], gates.float()),
+                  torch.equal(inbox[2], hidden)],
+    })
+print(json.dumps(results))
+"""
+
+
+def test_the_table_kernel_writes_the_torch_tables_and_the_cpu_inbox_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", _TABLE_KERNEL], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == 4
+    for r in results:
+        assert r["plain"] and r["picked"] and r["fed"] and r["tokens"] and all(r["inbox"]), r
+
+
 def test_skipped_pairs_get_no_tokens_no_down_row_and_no_place_in_their_tokens_sum():
     offsets = torch.arange(8, dtype=torch.int64) * 1000
     ids = torch.tensor([[5, 2, 7], [1, 5, 3]])
@@ -66,12 +107,12 @@ def case(seed, dtype, tokens, top_k, limit, device):
     again = device_path.dispatch(0, x, ids, weights)
     layer_blocks = device_path._layer_blocks(0, dtype)
     blocks = layer_blocks is not None
-    # Pairs left to another tier: the bits of the call with their weights zeroed (each adds +-0 to its token).
-    skip = torch.zeros(ids.shape, dtype=torch.bool)
-    skip[0, 0] = skip[-1, -1] = True
-    skip = skip.to(device)
+    # Pairs of experts left to another tier: the bits of the call with their weights zeroed (each adds +-0).
+    pick = torch.zeros(layout.num_experts, dtype=torch.uint8, device=device)
+    pick[ids[0, -1]] = pick[ids[-1, -1]] = 1
+    skip = pick[ids].bool()
     part, zeroed = (torch.zeros(x.shape, dtype=torch.float32, device=device) for _ in range(2))
-    run_routed(part, x, ids, weights, layer_blocks, limit, skip)
+    run_routed(part, x, ids, weights, layer_blocks, limit, pick)
     run_routed(zeroed, x, ids, torch.where(skip, torch.zeros_like(weights), weights), layer_blocks, limit)
     return {"fits": device_routing_fits(x, tokens, ids.numel()), "blocks": blocks,
             "skip_same": bool(torch.equal(part, zeroed)), "skip_changes": not bool(torch.equal(part, host.float())),

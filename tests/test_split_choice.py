@@ -130,6 +130,19 @@ def test_a_playoff_of_steps_in_a_row_overturns_a_close_trial():
     assert _run(chooser, 1, 5, {"auto": 9.0, "copy": 5.43, "mapped": 6.0}) == ["copy"] * 5
 
 
+def test_every_close_rival_plays_closest_first():
+    # As measured on the H200 at 4 streams: the trial's medians (ms) split 15.70, copies only 16.79, mapped 16.84;
+    # in the steady state mapped (with its fed CPU share) ran 12.4 and the split 13.06.
+    chooser = SplitChooser(routes=("auto", "copy", "mapped"))
+    trial = {"auto": 15.70, "copy": 16.79, "mapped": 16.84}
+    ms = _inherited(trial, {"auto": 13.06, "copy": 15.88, "mapped": 12.4})
+    ran = _run_streaks(chooser, 4, 24, lambda route, streak: trial[route])
+    playoff = _run_streaks(chooser, 4, 72, ms, ran)
+    assert playoff == ["auto"] * 24 + ["copy"] * 24 + ["mapped"] * 24
+    assert chooser.settled(4) and chooser.report()[4]["route"] == "mapped"
+    assert chooser.report()[4]["playoff_mapped_ms"] == 12.4
+
+
 def test_no_playoff_where_the_rival_is_clearly_slower():
     chooser = SplitChooser()  # a playoff where the rival's median is within 15% of the pick's
     assert _run(chooser, 1, 16, {"auto": 9.5, "copy": 8.0}) == (["auto"] * 4 + ["copy"] * 4) * 2

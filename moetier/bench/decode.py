@@ -170,7 +170,7 @@ class _DecodeRun:
 
 # Warm-up steps a decode run may add while the split chooser decides: its trial (3 routes x 2 rounds x 4 steps
 # = 24), then a playoff of the two closest (2 x 24 steps = 48), with room for steps observed late.
-_TRIAL_STEPS_CAP = 128
+_TRIAL_STEPS_CAP = 160
 
 
 def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[float], list[int], int]:

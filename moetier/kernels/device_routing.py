@@ -20,6 +20,7 @@ import torch
 from moetier.kernels import grouped_experts
 from moetier.kernels.grouped_experts import MAX_GROUP_TOKENS, LaunchLayout, launch_grouped
 from moetier.kernels.rmsnorm import triton_usable
+from moetier.kernels.routing_table import FeedTarget, build_table, table_kernel_usable
 from moetier.tiers.experts import ExpertWeights
 
 # Calls of at most this many (token, expert) pairs take the device table: a few streams of decode.
@@ -108,6 +109,43 @@ def device_routing_fits(hidden: torch.Tensor, tokens: int, pairs: int) -> bool:
     return small and not grouped_experts._BROKEN and triton_usable(hidden)
 
 
+def routed_table(
+    blocks: LayerBlocks,
+    topk_ids: torch.Tensor,
+    pick: torch.Tensor | None = None,
+    feed: FeedTarget | None = None,
+    gates: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LaunchLayout, torch.Tensor]:
+    """The call's launch table, its layout and each pair's token: one kernel where it runs
+    (:func:`~moetier.kernels.routing_table.build_table`, also writing the CPU tier's inbox for ``feed``), else
+    :func:`device_tables`' torch ops. ``pick`` (uint8 ``[E]``) marks the experts whose pairs are left out;
+    ``feed`` needs the kernel (:func:`~moetier.kernels.routing_table.table_kernel_usable`)."""
+    tokens, top_k = topk_ids.shape
+    if not table_kernel_usable(topk_ids):
+        if feed is not None:
+            raise ValueError("device_routing: feeding the CPU tier's inbox needs the table kernel")
+        skip = None if pick is None else pick[topk_ids].bool()
+        return device_tables(blocks.offsets, topk_ids, blocks.align, skip)
+    table, pair_tokens = build_table(blocks.offsets, topk_ids, pick, feed, gates, hidden)
+    pairs, width = tokens * top_k, 1 << (top_k - 1).bit_length()
+    return table, LaunchLayout(pairs, 3 * pairs, 5 * pairs, pairs, width, tokens, blocks.align), pair_tokens
+
+
+def launch_routed(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    blocks: LayerBlocks,
+    swiglu_limit: float | None,
+    routed: tuple[torch.Tensor, LaunchLayout, torch.Tensor],
+) -> None:
+    """The grouped kernels over a table from :func:`routed_table`, adding into ``out`` (float32 ``[T, H]``)."""
+    table, layout, pair_tokens = routed
+    gates = topk_weights.reshape(-1)
+    launch_grouped(out, hidden, pair_tokens, gates, blocks.first, blocks.placement, swiglu_limit, table, layout)
+
+
 def run_routed(
     out: torch.Tensor,
     hidden: torch.Tensor,
@@ -115,10 +153,9 @@ def run_routed(
     topk_weights: torch.Tensor,
     blocks: LayerBlocks,
     swiglu_limit: float | None,
-    skip: torch.Tensor | None = None,
+    pick: torch.Tensor | None = None,
 ) -> None:
-    """Add every pair's ``weight * expert(hidden[token])`` into ``out`` (float32 ``[T, H]``), but those ``skip``
-    marks, the table built on the device (:func:`device_tables`); the caller checked :func:`device_routing_fits`."""
-    table, layout, pair_tokens = device_tables(blocks.offsets, topk_ids, blocks.align, skip)
-    gates = topk_weights.reshape(-1)
-    launch_grouped(out, hidden, pair_tokens, gates, blocks.first, blocks.placement, swiglu_limit, table, layout)
+    """Add every pair's ``weight * expert(hidden[token])`` into ``out`` (float32 ``[T, H]``), but those of the
+    experts ``pick`` marks, the table built on the device (:func:`routed_table`); the caller checked
+    :func:`device_routing_fits`."""
+    launch_routed(out, hidden, topk_weights, blocks, swiglu_limit, routed_table(blocks, topk_ids, pick))

@@ -37,7 +37,13 @@ from typing import Any
 import torch
 
 from moetier.kernels import grouped_experts
-from moetier.kernels.device_routing import DEVICE_ROUTING_MAX_PAIRS, LayerBlocks, device_routing_fits, run_routed
+from moetier.kernels.device_routing import (
+    DEVICE_ROUTING_MAX_PAIRS,
+    LayerBlocks,
+    device_routing_fits,
+    launch_routed,
+    routed_table,
+)
 from moetier.tiers.dispatcher import run_host_sorted
 from moetier.tiers.expert_cache import ExpertCache, Slot
 from moetier.tiers.experts import ExpertStore, ExpertWeights
@@ -83,7 +89,8 @@ class MappedExperts:
         self.table = torch.tensor(self._home, dtype=torch.int64, device=self.device)
         # Per entry: the CPU computes it (a fed share's pick, while the entry points home).
         self._picks = list(cpu.picks) if cpu is not None else [False] * len(self._home)
-        self.pick = torch.tensor(self._picks, dtype=torch.bool, device=self.device)
+        self.pick = torch.tensor(self._picks, dtype=torch.uint8, device=self.device)
+        self._base = self.anchor.block.view(torch.uint8)  # the table kernel's pointer origin for the CPU's inbox
         self._fed = 0  # calls that fed the CPU tier since the counts last came back
         self._fed_window = False  # whether the counts harvested last cover calls that fed it
         self.counts = torch.zeros(len(self._home), dtype=torch.int64, device=self.device)
@@ -130,14 +137,20 @@ class MappedExperts:
         flat = topk_ids.reshape(-1)
         ones = self._ones[: flat.numel()] if flat.numel() <= self._ones.numel() else torch.ones_like(flat)
         self._count_rows[layer].index_add_(0, flat, ones)
-        skip, call = None, None
-        if self.cpu is not None and self.cpu.usable(hidden):
-            skip = self.pick[self._span(layer)][topk_ids]
-            call = self.cpu.feed(layer, hidden, topk_ids, topk_weights, skip, stream)
-            skip = skip if call is not None else None
+        fed = self.cpu is not None and self.cpu.usable(hidden)
+        pick = self.pick[self._span(layer)] if fed else None
+        if self.cuda:
+            self._dispatch_on_device(layer, out, hidden, topk_ids, topk_weights, pick, stream)
+            return
+        call = None
+        if fed:  # the host plays the device: it fills the inbox, stores the start word, runs the device's share
+            skip = pick[topk_ids].bool()
+            inbox = self.cpu.inbox(hidden.shape[0])
+            self.cpu.fill(inbox, hidden, topk_ids, topk_weights, skip)
+            call = self.cpu.start(layer, inbox, stream)
             self._fed += call is not None
         try:
-            self._run_device_share(layer, out, hidden, topk_ids, topk_weights, skip)
+            self._run_on_host(layer, out, hidden, topk_ids, topk_weights, skip if call is not None else None)
         except BaseException:
             if call is not None:
                 self.cpu.abandon(call)
@@ -145,13 +158,31 @@ class MappedExperts:
         if call is not None:
             self.cpu.collect(call, out, stream)
 
-    def _run_device_share(self, layer, out, hidden, topk_ids, topk_weights, skip: torch.Tensor | None) -> None:
-        """The pairs ``skip`` leaves to the device: on CUDA the device-built launch; off CUDA the table read on the
-        host and the per-expert path over those pairs."""
-        limit = self.store.layout.swiglu_limit
-        if self.cuda:
-            run_routed(out, hidden, topk_ids, topk_weights, self._layer_blocks(layer, hidden.dtype), limit, skip)
+    def _dispatch_on_device(self, layer, out, hidden, topk_ids, topk_weights, pick, stream) -> None:
+        """The device-built launch over the table; with ``pick``, one kernel writes the table and the CPU tier's
+        inbox, the start word follows it, the kernels run the device's pairs, then the stream adds the CPU's."""
+        blocks, limit = self._layer_blocks(layer, hidden.dtype), self.store.layout.swiglu_limit
+        if pick is None:
+            launch_routed(out, hidden, topk_weights, blocks, limit, routed_table(blocks, topk_ids))
             return
+        inbox = self.cpu.inbox(hidden.shape[0])
+        target = self.cpu.target(inbox, self._base)
+        routed = routed_table(blocks, topk_ids, pick, target, topk_weights, hidden.contiguous())
+        call = self.cpu.start(layer, inbox, stream)
+        if call is None:  # the table leaves the CPU's pairs out: build it again with every pair
+            launch_routed(out, hidden, topk_weights, blocks, limit, routed_table(blocks, topk_ids))
+            return
+        self._fed += 1
+        try:
+            launch_routed(out, hidden, topk_weights, blocks, limit, routed)
+        except BaseException:
+            self.cpu.abandon(call)
+            raise
+        self.cpu.collect(call, out, stream)
+
+    def _run_on_host(self, layer, out, hidden, topk_ids, topk_weights, skip: torch.Tensor | None) -> None:
+        """Off CUDA: the table read on the host and the per-expert path over the pairs ``skip`` leaves."""
+        limit = self.store.layout.swiglu_limit
         offsets = self.table[self._span(layer)].tolist()
         if skip is None:
             run_host_sorted(out, hidden, topk_ids, topk_weights, lambda e: self._block_at(offsets[e]), limit)
@@ -308,7 +339,7 @@ class MappedExperts:
         if self.cuda:
             update = update.pin_memory().to(self.device, non_blocking=True)
         self.table.index_copy_(0, update[0], update[1])
-        self.pick.index_copy_(0, update[0], update[2].bool())
+        self.pick.index_copy_(0, update[0], update[2].to(torch.uint8))
 
     def _start_readback(self, stream: Any) -> None:
         """Copy the counts back to the host (non-blocking; harvested once its event has passed)."""

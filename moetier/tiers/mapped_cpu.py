@@ -7,9 +7,10 @@ share of each layer's experts (:func:`cpu_picks`) is the CPU's whenever it is no
 (:attr:`MappedExperts.pick`, kept with the table) says so per (layer, expert). Per MoE layer, on the compute
 stream:
 
-1. the pairs' ids (-1 where the device keeps the pair), their gates and the hidden rows are copied into a pinned
-   inbox, then a stream write stores the call's number into a pinned start word (``cuStreamWriteValue32``: the
-   copies' bytes are visible first);
+1. the kernel that builds the call's launch table (:mod:`moetier.kernels.routing_table`) also writes the pairs'
+   ids (-1 where the device keeps the pair), their gates and the hidden rows into a pinned inbox (the GPU
+   addresses pinned memory directly), then a stream write stores the call's number into a pinned start word
+   (``cuStreamWriteValue32``: the kernel's writes are visible first);
 2. the kernels run the device's pairs (:func:`~moetier.kernels.device_routing.run_routed` with ``skip``), while
    the CPU tier's native worker, spinning on the start word, groups the CPU's pairs by expert and computes them
    from the home copy (a job queued by the host before its inputs exist: ``cpu_worker.c``'s fed jobs);
@@ -17,7 +18,8 @@ stream:
 
 One inbox per batch size is enough: the stream orders each layer's copies into it after the previous layer's
 wait for the worker, so nothing overwrites an inbox the worker still reads. Off CUDA the host plays the device
-(it copies into the inbox and stores the start word itself), so the CPU tests run the same worker code.
+(it copies into the inbox with torch and stores the start word itself), so the CPU tests run the same worker code;
+the table kernel's inbox writes are tested under Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 
 from moetier.kernels.cpu_experts import CheckedExperts
 from moetier.kernels.cpu_worker import FedInbox, NativeJob, NativeWorker
+from moetier.kernels.routing_table import FeedTarget
 from moetier.tiers.cpu_tier import CpuExpertTier
 from moetier.tiers.experts import ExpertStore
 from moetier.tiers.gpu_wait import HostFlag
@@ -85,8 +88,9 @@ class FedCall:
 class FedCpuShare:
     """The fed CPU tier of the mapped route (see the module docstring).
 
-    Contract: :meth:`usable` for a call, then :meth:`feed` (after the call's router, before its device kernels)
-    and :meth:`collect` (after them) on the same stream; :meth:`harvest` between steps takes the finished jobs'
+    Contract: :meth:`usable` for a call; its :meth:`inbox` written (by the table kernel at :meth:`target`, or by
+    :meth:`fill`), then :meth:`start` (before the device's kernels) and :meth:`collect` (after them), all on one
+    stream; :meth:`harvest` between steps takes the finished jobs'
     times into the metrics. ``share`` is the fraction of each layer's experts the CPU takes when not cached.
     """
 
@@ -135,25 +139,32 @@ class FedCpuShare:
         """Whether a call over ``hidden`` can have the CPU's share (bf16 activations, the C kernel's)."""
         return not self.broken and hidden.dtype == torch.bfloat16
 
-    def feed(
-        self,
-        layer: int,
-        hidden: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        skip: torch.Tensor,
-        stream: Any,
-    ) -> FedCall | None:
-        """Copy the CPU's pairs (``skip`` marks them) and their rows into the inbox, store the start word after
-        them and queue the worker's job; None (nothing queued: the device must run every pair) if refused."""
-        tokens = hidden.shape[0]
+    def inbox(self, tokens: int) -> FedInbox:
+        """The pinned buffers of calls of ``tokens`` tokens (one per batch size: see the module docstring)."""
         inbox = self._inboxes.get(tokens)
         if inbox is None:
             inbox = FedInbox.allocate(tokens, self.top_k, self.hidden_size, pin=self.cuda)
+            inbox.check(self._checked[self.layers[0]])
             self._inboxes[tokens] = inbox
+        return inbox
+
+    @staticmethod
+    def target(inbox: FedInbox, base: torch.Tensor) -> FeedTarget:
+        """The inbox as the table kernel addresses it: byte offsets from ``base`` (uint8, on the device)."""
+        origin = base.data_ptr()
+        return FeedTarget(base, *(t.data_ptr() - origin for t in (inbox.ids, inbox.weights, inbox.hidden)))
+
+    @staticmethod
+    def fill(inbox: FedInbox, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, skip) -> None:
+        """Copy the CPU's pairs (``skip`` marks them; the others' ids become -1), their gates and the hidden rows
+        into the inbox with torch copies (where the table kernel does not write it)."""
         cpu_ids = torch.where(skip, topk_ids.to(torch.int64), -1)
         for dst, src in ((inbox.ids, cpu_ids), (inbox.weights, topk_weights.float()), (inbox.hidden, hidden)):
-            dst.copy_(src, non_blocking=self.cuda)
+            dst.copy_(src, non_blocking=src.is_cuda)
+
+    def start(self, layer: int, inbox: FedInbox, stream: Any) -> FedCall | None:
+        """Once the inbox is written (on ``stream``): store the start word after it and queue the worker's job;
+        None (nothing queued: the device must run every pair) if the device cannot store the word."""
         value = self._issued + 1
         if self._start is not None and not self._start.write_on(stream, value):
             log.warning("the device cannot store the CPU tier's start word: mapped steps run without it")

@@ -32,7 +32,7 @@ class _BatchTrial:
     index: int = 0
     seen: int = 0  # steps of the current visit, counted or not
     samples: dict[str, list[float]] = field(default_factory=dict)
-    playoff: tuple[str, ...] = ()  # the trial's pick and its closest rival while their playoff runs
+    playoff: tuple[str, ...] = ()  # the trial's pick and its close rivals while their playoff runs
     pending: dict[str, float] = field(default_factory=dict)  # the trial's medians while its playoff runs
     winner: str | None = None
     since_trial: int = 0  # steps run with the winner since the trial ended
@@ -52,13 +52,15 @@ class SplitChooser:
     measured first, right after a prefill or a change of streams): each visit runs ``settle_steps`` steps
     that are not counted (the cache and the route costs settle after a switch), then ``block_steps`` timed
     ones. The first route (the cost model's split) wins unless another's median step time is lower by more
-    than ``margin``. Where the trial's pick and its closest rival are within ``playoff_margin`` of each other,
-    a playoff decides: each runs ``playoff_steps`` steps in a row (the pick first), the first
+    than ``margin``. Where other routes' medians are within ``playoff_margin`` of the trial's pick, a playoff
+    decides: the pick, then those rivals (closest first), each runs ``playoff_steps`` steps in a row, the first
     ``playoff_settle`` not counted, and the lower median wins (the first route, if it plays, again unless
     beaten by more than ``margin``). Short visits are biased: the routes change the expert cache differently
     (copies admit every miss, a mapped step at most two), so a visit inherits the previous route's cache. On
     the H200 the trial measured mapped at 5.70 ms per step and copies only at 6.00; mapped then ran 6.0 ms in
-    the steady state, copies only alone 5.43. The winner runs for ``revisit_steps`` steps, then the trial
+    the steady state, copies only alone 5.43; and at 4 streams a 16.84 ms trial median left out the mapped route
+    that alone ran 12.4 ms a step (so every close rival plays, not only the closest). The winner runs for
+    ``revisit_steps`` steps, then the trial
     (and any playoff) runs again (routing, load and the cache's contents change over a session).
     :meth:`route` names the route of the step about to run (a batch size's routes are ``routes``, or those
     its first :meth:`route` call passes: the mapped route takes decode-sized calls only), :meth:`observe`
@@ -132,7 +134,7 @@ class SplitChooser:
         return trial
 
     def _decide(self, trial: _BatchTrial) -> None:
-        """The trial's or the playoff's end: the winner, or (the trial's pick and rival close) the playoff."""
+        """The trial's or the playoff's end: the winner, or (rivals close to the trial's pick) the playoff."""
         medians = {r: statistics.median(s) for r, s in trial.samples.items()}
         trial.index, trial.samples = 0, {}
         if trial.playoff:
@@ -140,9 +142,11 @@ class SplitChooser:
             trial.medians = {**trial.pending, **{f"playoff_{r}": m for r, m in medians.items()}}
         else:
             winner = self._pick(trial.routes[0], trial.routes, medians)
-            rival = min((r for r in trial.routes if r != winner), key=medians.__getitem__, default=None)
-            if rival is not None and abs(medians[rival] - medians[winner]) <= self.playoff_margin * medians[winner]:
-                trial.playoff, trial.pending = (winner, rival), medians
+            close = self.playoff_margin * medians[winner]
+            rivals = sorted((r for r in trial.routes if r != winner and abs(medians[r] - medians[winner]) <= close),
+                            key=medians.__getitem__)  # fmt: skip
+            if rivals:
+                trial.playoff, trial.pending = (winner, *rivals), medians
                 return
             trial.medians = medians
         trial.winner, trial.playoff, trial.pending, trial.since_trial = winner, (), {}, 0

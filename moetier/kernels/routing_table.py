@@ -1,0 +1,134 @@
+"""A decode call's device launch table in one kernel (and, for the mapped route's fed CPU tier, its inbox).
+
+:func:`moetier.kernels.device_routing.device_tables` builds the table from ~15 torch ops (a gather, a per-token
+argsort, stacks and a cat), and the mapped route's fed CPU share adds a gather, a select and three copies: each a
+launch the host pays for on every MoE layer of every step (measured on the H200: the mapped route's host time
+was 0.58 ms a layer, 1.0 ms with the fed share, while its kernels took less). :func:`build_table` writes the same
+table from one program per token: each pair's group ``(offset, pair, count)`` and down row ``(pair, offset)``,
+and the token's row (its pairs by increasing expert id, ties in pair order, ``-1`` padding), the sort done as
+ranks (a token has top-k pairs, a handful). With a ``pick`` vector the pairs whose expert it marks are left
+out (count 0, down row -1, not in the token's row: the kernels read none of their expert), and with a
+:class:`FeedTarget` the same program writes them to the CPU tier's inbox in pinned host memory (the GPU
+addresses it directly): their ids (-1 for the device's pairs), the gates as float32 and the token's hidden row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moetier.kernels.rmsnorm import triton_usable
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs use device_tables' torch ops.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+
+@dataclass(frozen=True)
+class FeedTarget:
+    """Where the table kernel writes the CPU tier's inputs: byte offsets from ``base`` (a uint8 device tensor, the
+    kernel's pointer origin) of the inbox's ids (int64 ``[T, K]``), gates (float32 ``[T, K]``) and hidden rows
+    (bf16 ``[T, H]``), which live in pinned host memory the device can address."""
+
+    base: torch.Tensor
+    ids: int
+    gates: int
+    hidden: int
+
+
+if triton is not None:
+
+    @triton.jit
+    def _table_kernel(
+        ids_ptr,
+        offsets_ptr,
+        pick_ptr,
+        table_ptr,
+        gates_ptr,
+        hidden_ptr,
+        base_ptr,
+        feed_ids,
+        feed_gates,
+        feed_hidden,
+        stride_h,
+        TOP_K: tl.constexpr,
+        WIDTH: tl.constexpr,
+        PAIRS: tl.constexpr,
+        HIDDEN: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        PICK: tl.constexpr,
+        FEED: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        k = tl.arange(0, WIDTH)
+        k_ok = k < TOP_K
+        pair = t * TOP_K + k
+        ids = tl.load(ids_ptr + pair, mask=k_ok, other=0).to(tl.int64)
+        block = tl.load(offsets_ptr + ids, mask=k_ok, other=0)
+        skip = tl.zeros((WIDTH,), dtype=tl.int1)
+        if PICK:
+            skip = (tl.load(pick_ptr + ids, mask=k_ok, other=0) != 0) & k_ok
+        none = tl.full((WIDTH,), -1, dtype=tl.int64)
+        kept = tl.where(skip, none, pair.to(tl.int64))
+        tl.store(table_ptr + 3 * pair, block, mask=k_ok)
+        tl.store(table_ptr + 3 * pair + 1, pair.to(tl.int64), mask=k_ok)
+        tl.store(table_ptr + 3 * pair + 2, tl.where(skip, 0, 1).to(tl.int64), mask=k_ok)
+        tl.store(table_ptr + 3 * PAIRS + 2 * pair, kept, mask=k_ok)
+        tl.store(table_ptr + 3 * PAIRS + 2 * pair + 1, block, mask=k_ok)
+        # Pair k's place in the token's row: the pairs before it by (expert id, k), as a stable argsort orders.
+        before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (k[None, :] < k[:, None]))
+        rank = tl.sum((before & k_ok[None, :]).to(tl.int32), axis=1)
+        row = table_ptr + 5 * PAIRS + t * (WIDTH + 1)
+        tl.store(row, t.to(tl.int64))
+        tl.store(row + 1 + rank, kept, mask=k_ok)
+        tl.store(row + 1 + k, none, mask=k >= TOP_K)
+        tl.store(table_ptr + 5 * PAIRS + (PAIRS // TOP_K) * (WIDTH + 1) + pair, t.to(tl.int64), mask=k_ok)
+        if FEED:
+            cpu_ids = tl.where(skip, ids, none)
+            tl.store((base_ptr + feed_ids).to(tl.pointer_type(tl.int64), bitcast=True) + pair, cpu_ids, mask=k_ok)
+            gates = tl.load(gates_ptr + pair, mask=k_ok, other=0.0).to(tl.float32)
+            tl.store((base_ptr + feed_gates).to(tl.pointer_type(tl.float32), bitcast=True) + pair, gates, mask=k_ok)
+            dst = (base_ptr + feed_hidden).to(tl.pointer_type(tl.bfloat16), bitcast=True) + t * HIDDEN
+            for h0 in range(0, HIDDEN, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                h_ok = h < HIDDEN
+                tl.store(dst + h, tl.load(hidden_ptr + t * stride_h + h, mask=h_ok), mask=h_ok)
+
+
+def table_kernel_usable(ids: torch.Tensor) -> bool:
+    """Whether :func:`build_table` runs for ids on this device (CUDA with Triton, or Triton's interpreter)."""
+    return triton is not None and triton_usable(ids)
+
+
+def build_table(
+    offsets: torch.Tensor,
+    topk_ids: torch.Tensor,
+    pick: torch.Tensor | None = None,
+    feed: FeedTarget | None = None,
+    gates: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch table of :func:`~moetier.kernels.device_routing.device_tables` for ``topk_ids`` ``[T, K]`` and
+    each pair's token, with the pairs whose expert ``pick`` (uint8 ``[E]``) marks left out and, with ``feed``,
+    written with ``gates`` and ``hidden`` (bf16) to the CPU tier's inbox; the caller checked
+    :func:`table_kernel_usable`. Both come from one allocation the kernel fills (nothing made ahead: the call may
+    be captured in a CUDA graph)."""
+    tokens, top_k = topk_ids.shape
+    pairs, width = tokens * top_k, 1 << (top_k - 1).bit_length()
+    size = 5 * pairs + tokens * (width + 1)
+    table = torch.empty(size + pairs, dtype=torch.int64, device=topk_ids.device)
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    fed = feed is not None
+    base = feed.base if fed else table
+    hidden_size = hidden.shape[1] if fed else 1
+    _table_kernel[(tokens,)](
+        ids, offsets, pick if pick is not None else table, table,
+        gates.contiguous() if fed else table, hidden if fed else table, base,
+        feed.ids if fed else 0, feed.gates if fed else 0, feed.hidden if fed else 0,
+        hidden.stride(0) if fed else 0,
+        TOP_K=top_k, WIDTH=width, PAIRS=pairs, HIDDEN=hidden_size, BLOCK_H=1024, PICK=pick is not None, FEED=fed,
+    )  # fmt: skip
+    return table[:size], table[size:]
