@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -112,6 +112,7 @@ class FedInbox:
     weights: torch.Tensor
     hidden: torch.Tensor
     out: torch.Tensor
+    _fits: tuple | None = field(default=None, repr=False)  # the experts' key the buffers were checked for
 
     @classmethod
     def allocate(cls, tokens: int, top_k: int, hidden_size: int, pin: bool) -> FedInbox:
@@ -126,7 +127,10 @@ class FedInbox:
         )
 
     def check(self, experts: CheckedExperts) -> None:
-        """ValueError unless the buffers fit each other and ``experts`` (dtypes, shapes, contiguity)."""
+        """ValueError unless the buffers fit each other and ``experts`` (dtypes, shapes, contiguity); checked once
+        per experts' kind (a decode step submits a fed job every MoE layer)."""
+        if self._fits == experts.key:
+            return
         tokens, top_k = self.ids.shape
         want = {
             "ids": (self.ids, torch.int64, (tokens, top_k)),
@@ -137,6 +141,7 @@ class FedInbox:
         for name, (tensor, dtype, shape) in want.items():
             if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous() or tensor.is_cuda:
                 raise ValueError(f"cpu_experts: fed job's {name} must be contiguous host {dtype} {shape}")
+        self._fits = experts.key
 
 
 class NativeWorker:
