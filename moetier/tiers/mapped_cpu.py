@@ -25,6 +25,7 @@ the table kernel's inbox writes are tested under Triton's interpreter.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,12 @@ log = logging.getLogger(__name__)
 # The mapped route's PCIe rate against the copy engine's (H200 probe, results/h200-20261201-zero-copy): the
 # kernels read bf16 blocks at 0.92x, fp4 blocks at 0.75x (41 of 55 GB/s) with their current read shape.
 MAPPED_READ_FACTOR = {False: 0.92, True: 0.75}
+# An adaptive share times the device's share of every SAMPLE_EVERY-th call (two events) against its CPU job and
+# rebalances from BALANCE_SAMPLES of them (the CPU tier's fp4 kernel is compute-bound at ~22-26 GB/s as stored on
+# the H200 host, the kernels' PCIe reads ~41: a share from the start-up costs was off by a fifth).
+SAMPLE_EVERY = 4
+BALANCE_SAMPLES = 12
+BALANCE_LIMITS = (0.05, 0.95)
 
 
 def default_share(costs: RouteCosts, quantised: bool) -> float:
@@ -53,6 +60,17 @@ def default_share(costs: RouteCosts, quantised: bool) -> float:
     cpu_rate = 1.0 / max(costs.cpu(1), 1e-12)
     mapped_rate = MAPPED_READ_FACTOR[quantised] / max(costs.copy(1), 1e-12)
     return cpu_rate / (cpu_rate + mapped_rate)
+
+
+def balanced_share(share: float, cpu_seconds: float, device_seconds: float) -> float:
+    """The next share from one measured at ``share``: the CPU's job took ``cpu_seconds``, the device's share of the
+    same calls ``device_seconds``. Each side's time is taken as its share over its rate, the share that gives both
+    the same time is the CPU's rate over the sum, and the step goes half way there (the measurements are noisy;
+    the share stays in [0.05, 0.95], so either side keeps being measured)."""
+    cpu_rate = share / max(cpu_seconds, 1e-9)
+    device_rate = (1.0 - share) / max(device_seconds, 1e-9)
+    target = cpu_rate / (cpu_rate + device_rate)
+    return min(max(0.5 * (share + target), BALANCE_LIMITS[0]), BALANCE_LIMITS[1])
 
 
 def cpu_picks(layers: int, experts: int, share: float) -> list[bool]:
@@ -83,6 +101,7 @@ class FedCall:
     job: NativeJob
     inbox: FedInbox
     value: int
+    timing: list[Any] | None = None  # a sampled call's device-share marks: CUDA events, or host clock readings
 
 
 class FedCpuShare:
@@ -91,7 +110,8 @@ class FedCpuShare:
     Contract: :meth:`usable` for a call; its :meth:`inbox` written (by the table kernel at :meth:`target`, or by
     :meth:`fill`), then :meth:`start` (before the device's kernels) and :meth:`collect` (after them), all on one
     stream; :meth:`harvest` between steps takes the finished jobs'
-    times into the metrics. ``share`` is the fraction of each layer's experts the CPU takes when not cached.
+    times into the metrics (and, ``adaptive``, rebalances the share: :func:`balanced_share`; ``picks_version``
+    counts the changes). ``share`` is the fraction of each layer's experts the CPU takes when not cached.
     """
 
     def __init__(
@@ -102,8 +122,10 @@ class FedCpuShare:
         metrics: TierMetrics,
         share: float,
         device: torch.device,
+        adaptive: bool = False,
     ) -> None:
         layout = store.layout
+        self.adaptive, self.picks_version = adaptive, 0
         self.store, self.tier, self.metrics, self.share = store, tier, metrics, share
         self.layers, self.top_k, self.hidden_size = layers, layout.top_k, layout.hidden_size
         self.picks = cpu_picks(len(layers), layout.num_experts, share)
@@ -117,6 +139,8 @@ class FedCpuShare:
         self._issued = 0
         self._inboxes: dict[int, FedInbox] = {}
         self._jobs: deque[FedCall] = deque()
+        self._samples: list[tuple[float, float]] = []  # (CPU job seconds, device share seconds) of sampled calls
+        self._calls = 0
         self.broken = share <= 0.0 or not self._set_up(device)
 
     def _set_up(self, device: torch.device) -> bool:
@@ -180,6 +204,25 @@ class FedCpuShare:
             self._words[0].numpy()[0] = value  # off CUDA the host is the device: its inputs are in place
         return FedCall(layer, job, inbox, value)
 
+    def mark_start(self, call: FedCall, stream: Any) -> None:
+        """Before the device's share of a call: on every ``SAMPLE_EVERY``-th call of an adaptive share, the first of
+        two marks :meth:`harvest` times (:meth:`mark_end` the second)."""
+        self._calls += 1
+        if self.adaptive and self._calls % SAMPLE_EVERY == 0:
+            call.timing = [self._mark(stream)]
+
+    def mark_end(self, call: FedCall, stream: Any) -> None:
+        """After the device's share of a call (its kernels enqueued, off CUDA run)."""
+        if call.timing is not None:
+            call.timing.append(self._mark(stream))
+
+    def _mark(self, stream: Any) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
     def collect(self, call: FedCall, out: torch.Tensor, stream: Any) -> None:
         """Add the CPU's sums into ``out``: the stream waits for them (the host only where it cannot)."""
         self._jobs.append(call)
@@ -190,15 +233,46 @@ class FedCpuShare:
         out.add_(call.inbox.out.to(out.device))
 
     def abandon(self, call: FedCall) -> None:
-        """A call that failed after :meth:`feed`: wait until the worker is done with the inbox."""
+        """A call that failed after :meth:`start`: wait until the worker is done with the inbox."""
         call.job.wait()
 
     def harvest(self, wait: bool = False) -> None:
-        """The finished jobs' wall times into each layer's ``cpu_seconds`` (``wait``: every job's)."""
-        while self._jobs and (wait or self._jobs[0].job.done()):
+        """The finished jobs' wall times into each layer's ``cpu_seconds`` (``wait``: every job's), their sampled
+        device times into the next rebalance."""
+        while self._jobs and (wait or self._done_with(self._jobs[0])):
             call = self._jobs.popleft()
             status, seconds = call.job.wait()
             self.metrics.layer(call.layer).cpu_seconds += seconds
             if status != 0 and not self.broken:
                 log.error("a fed CPU-tier job failed (status %d): mapped steps run without the CPU tier", status)
                 self.broken = True
+            if call.timing is not None and len(call.timing) == 2 and status == 0:
+                self._sample(seconds, call.timing)
+        if len(self._samples) >= BALANCE_SAMPLES:
+            self._rebalance()
+
+    def _done_with(self, call: FedCall) -> bool:
+        """Whether the call's job ran and its marks (if any) have passed on the device (never waits)."""
+        marks_passed = not self.cuda or call.timing is None or all(e.query() for e in call.timing)
+        return call.job.done() and marks_passed
+
+    def _sample(self, cpu_seconds: float, marks: list[Any]) -> None:
+        if self.cuda:
+            marks[1].synchronize()  # passed already (see _done_with); a flush waits here
+            device_seconds = marks[0].elapsed_time(marks[1]) / 1e3
+        else:
+            device_seconds = marks[1] - marks[0]
+        self._samples.append((cpu_seconds, device_seconds))
+
+    def _rebalance(self) -> None:
+        """A new share from the samples' totals; new picks where it moved by a step of the picks (1/E)."""
+        cpu_total, device_total = (sum(column) for column in zip(*self._samples, strict=True))
+        self._samples = []
+        share, before = balanced_share(self.share, cpu_total, device_total), self.share
+        self.share, experts = share, self.store.layout.num_experts
+        if round(share * experts) == round(before * experts):
+            return  # less than one expert a layer: kept (the share itself moves on)
+        log.info("mapped route: the CPU tier's share %.2f -> %.2f (CPU %.2f ms, device %.2f ms over the samples)",
+                 before, share, 1e3 * cpu_total, 1e3 * device_total)  # fmt: skip
+        self.picks = cpu_picks(len(self.layers), experts, share)
+        self.picks_version += 1

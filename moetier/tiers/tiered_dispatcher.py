@@ -156,7 +156,8 @@ class TieredDispatcher(ExpertDispatcher):
         share = cfg.mapped_cpu_share
         if share is None:
             share = default_share(self.costs, self._quantised())
-        fed = FedCpuShare(self.store, sorted(self.store.layout.moe_layers), self.cpu_tier, self.metrics, share, device)
+        layers, adaptive = sorted(self.store.layout.moe_layers), cfg.mapped_cpu_share is None
+        fed = FedCpuShare(self.store, layers, self.cpu_tier, self.metrics, share, device, adaptive)
         if fed.broken:
             return None
         log.info("mapped route: the CPU tier computes %.0f%% of each layer's uncached experts", 100 * share)
