@@ -105,7 +105,7 @@ class MappedExperts:
         self._pointed: dict[Key, Slot] = {}  # entries that point at a cache slot now
         self._version = -1  # the cache version the pointed entries were last compared with
         self._landing: set[Key] = set()  # resident keys whose copy had not landed at the last comparison
-        self._seen = [0] * len(self._home)  # the counts harvested so far
+        self._seen = torch.zeros(len(self._home), dtype=torch.int64)  # the counts harvested so far (host)
         self._readback: tuple[torch.Tensor, Any, int] | None = None  # (host counts, event, steps covered)
         self._steps = 0  # steps begun since the last readback started
         self._step = 0
@@ -265,13 +265,14 @@ class MappedExperts:
             event.synchronize()
         host, _, steps = self._readback
         self._readback = None
-        now = host.tolist()
         self._fed_window, self._fed = self._fed > 0, 0
+        # Only the entries that moved (a step's pairs), found by torch: a real model has ~11k entries.
+        changed = torch.nonzero(host != self._seen).flatten()
+        counts = (host[changed] - self._seen[changed]).tolist()
         used: dict[Key, int] = {}
-        for i, (new, old) in enumerate(zip(now, self._seen, strict=True)):
-            if new != old:
-                used[(self.layers[i // self.experts], i % self.experts)] = new - old
-        self._seen = now
+        for i, count in zip(changed.tolist(), counts, strict=True):
+            used[(self.layers[i // self.experts], i % self.experts)] = count
+        self._seen = host
         self._record(used, steps)
         return used, steps
 

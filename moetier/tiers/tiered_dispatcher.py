@@ -205,6 +205,9 @@ class TieredDispatcher(ExpertDispatcher):
             self.mapped.flush()
 
     def close(self) -> None:
+        if self.mapped is not None and self.mapped.cpu is not None and self.device.type == "cuda":
+            # Steps still queued store start words into, and read sums from, the fed CPU tier's pinned buffers.
+            torch.cuda.synchronize(self.device)
         if self.cpu_tier is not None:
             self.cpu_tier.close()
 
