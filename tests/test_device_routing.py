@@ -59,10 +59,7 @@ print(json.dumps(results))
 
 
 def test_the_table_kernel_writes_the_torch_tables_and_the_cpu_inbox_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _TABLE_KERNEL], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = _run("cpu", _TABLE_KERNEL)
     assert len(results) == 4
     for r in results:
         assert r["plain"] and r["picked"] and r["fed"] and r["tokens"] and all(r["inbox"]), r
@@ -125,9 +122,10 @@ print(json.dumps(results))
 """
 
 
-def _run(device: str) -> list[dict]:
+def _run(device: str, script: str = _SAME_BITS) -> list[dict]:
+    """``script``'s JSON results, run in a subprocess on ``device`` (``cpu``: under Triton's interpreter)."""
     env = {**os.environ, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
-    code = f"DEVICE = {device!r}\n" + _SAME_BITS
+    code = f"DEVICE = {device!r}\n" + script
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

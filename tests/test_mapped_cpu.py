@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from reference import relative_error
+from test_mapped import _pinned_and_device_stores
 from test_tiers_fidelity import _random_store, _routing
 
 from moetier.errors import ConfigError
@@ -148,17 +149,8 @@ def test_the_fed_share_is_off_where_the_kernel_cannot_run_it_and_validated():
 def test_fed_steps_enqueued_ahead_of_the_host_match_resident_on_cuda():
     """Steps launched back to back with no host read in between: the worker holds several fed jobs queued before
     their inputs exist, each starts when the device stores its word, and the stream waits for each one's sums."""
-    from moetier.tiers.experts import ExpertStore, device_allocator
-    from moetier.tiers.host_store import HostExpertArena
-
     layout = ExpertLayout((0, 1, 2), num_experts=32, hidden_size=1024, intermediate_size=512, top_k=4, swiglu_limit=7.0)
-    source = _random_store(layout, torch.bfloat16)
-    arena = HostExpertArena(chunk_bytes=64 << 20, progress=False)
-    home = ExpertStore(layout, torch.bfloat16, arena)
-    device_store = ExpertStore(layout, torch.bfloat16, device_allocator("cuda"))
-    for key, weights in source.items():
-        home.block_for_loading(*key).block.copy_(weights.block)
-        device_store.block_for_loading(*key).block.copy_(weights.block)
+    home, device_store = _pinned_and_device_stores(layout, torch.bfloat16)
     resident = ResidentDispatcher(device_store)
     tiered = TieredDispatcher(home, cache_slots=6, miss_route="mapped", mapped_cpu_share=0.5, policy="lfu")
     generator = torch.Generator().manual_seed(9)
