@@ -62,6 +62,25 @@ def default_share(costs: RouteCosts, quantised: bool) -> float:
     return cpu_rate / (cpu_rate + mapped_rate)
 
 
+def fed_share(
+    store: ExpertStore,
+    tier: CpuExpertTier,
+    metrics: TierMetrics,
+    costs: RouteCosts,
+    device: torch.device,
+    share: float | None,
+) -> FedCpuShare | None:
+    """The fed CPU tier of ``share`` (None: from ``costs``, then rebalanced as it runs), or None where it has no
+    share or cannot run (no C kernel or native worker for these experts, no stream writes)."""
+    quantised = store.expert(store.layout.moe_layers[0], 0).quant_kind is not None
+    start = default_share(costs, quantised) if share is None else share
+    fed = FedCpuShare(store, sorted(store.layout.moe_layers), tier, metrics, start, device, adaptive=share is None)
+    if fed.broken:
+        return None
+    log.info("mapped route: the CPU tier computes %.0f%% of each layer's uncached experts", 100 * start)
+    return fed
+
+
 def balanced_share(share: float, cpu_seconds: float, device_seconds: float) -> float:
     """The next share from one measured at ``share``: the CPU's job took ``cpu_seconds``, the device's share of the
     same calls ``device_seconds``. Each side's time is taken as its share over its rate, the share that gives both

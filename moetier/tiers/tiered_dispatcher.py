@@ -54,7 +54,7 @@ from moetier.tiers.experts import ExpertStore
 from moetier.tiers.gpu_wait import HostFlag
 from moetier.tiers.hints import HintBuffer
 from moetier.tiers.mapped import MappedExperts
-from moetier.tiers.mapped_cpu import FedCpuShare, default_share
+from moetier.tiers.mapped_cpu import FedCpuShare, fed_share
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.next_layer import NextLayerPrefetch
 from moetier.tiers.policies import make_policy
@@ -148,24 +148,11 @@ class TieredDispatcher(ExpertDispatcher):
         )
 
     def _fed_cpu_share(self, device: torch.device) -> FedCpuShare | None:
-        """The CPU tier beside the mapped route (``TieredConfig.mapped_cpu_share``), or None where it has no share
-        or cannot run (no C kernel or native worker for these experts, no stream writes)."""
+        """The CPU tier beside the mapped route (``TieredConfig.mapped_cpu_share``), where a step may be mapped."""
         cfg = self.config
         if cfg.miss_route != "mapped" and not (self._choosing() and self._mapped_wanted()):
             return None  # no step will be mapped
-        share = cfg.mapped_cpu_share
-        if share is None:
-            share = default_share(self.costs, self._quantised())
-        layers, adaptive = sorted(self.store.layout.moe_layers), cfg.mapped_cpu_share is None
-        fed = FedCpuShare(self.store, layers, self.cpu_tier, self.metrics, share, device, adaptive)
-        if fed.broken:
-            return None
-        log.info("mapped route: the CPU tier computes %.0f%% of each layer's uncached experts", 100 * share)
-        return fed
-
-    def _quantised(self) -> bool:
-        layout = self.store.layout
-        return self.store.expert(layout.moe_layers[0], 0).quant_kind is not None
+        return fed_share(self.store, self.cpu_tier, self.metrics, self.costs, device, cfg.mapped_cpu_share)
 
     @property
     def hint_rank_precision(self) -> list[float]:
