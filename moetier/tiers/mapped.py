@@ -205,11 +205,14 @@ class MappedExperts:
 
     # --- between steps --------------------------------------------------------------------------
 
-    def begin_step(self, step: int, stream: Any) -> None:
+    def begin_step(self, step: int, stream: Any, fresh: bool = False) -> None:
         """Before a mapped step: take in the counts that came back, admit, bring the table up to date, and
-        start copying the counts back again (the host waits only for counts ``LAG_STEPS`` steps old)."""
+        start copying the counts back again (the host waits only for counts ``LAG_STEPS`` steps old). ``fresh``:
+        the step before took another route (the fed share's first calls after it are not timed)."""
         self._step = step
         if self.cpu is not None:
+            if fresh:
+                self.cpu.settle()
             self.cpu.harvest()
             self._follow_share()
         admitted = self._admit(*self._harvest())

@@ -52,6 +52,11 @@ MAPPED_READ_FACTOR = {False: 0.92, True: 0.75}
 SAMPLE_EVERY = 4
 BALANCE_SAMPLES = 12
 BALANCE_LIMITS = (0.05, 0.95)
+# A rebalance moves the share by at most this much, and the first SETTLE_STEPS steps after another route's are
+# not timed: that route's copies still land and its cache contents are not the mapped route's (on the H200 a
+# share rebalanced inside the split chooser's trial fell to 0.29 while the mapped route alone settled at 0.62).
+MAX_MOVE = 0.1
+SETTLE_STEPS = 4
 
 
 def default_share(costs: RouteCosts, quantised: bool) -> float:
@@ -84,12 +89,13 @@ def fed_share(
 def balanced_share(share: float, cpu_seconds: float, device_seconds: float) -> float:
     """The next share from one measured at ``share``: the CPU's job took ``cpu_seconds``, the device's share of the
     same calls ``device_seconds``. Each side's time is taken as its share over its rate, the share that gives both
-    the same time is the CPU's rate over the sum, and the step goes half way there (the measurements are noisy;
-    the share stays in [0.05, 0.95], so either side keeps being measured)."""
+    the same time is the CPU's rate over the sum, and the step goes half way there, by at most ``MAX_MOVE`` (the
+    measurements are noisy; the share stays in [0.05, 0.95], so either side keeps being measured)."""
     cpu_rate = share / max(cpu_seconds, 1e-9)
     device_rate = (1.0 - share) / max(device_seconds, 1e-9)
     target = cpu_rate / (cpu_rate + device_rate)
-    return min(max(0.5 * (share + target), BALANCE_LIMITS[0]), BALANCE_LIMITS[1])
+    step = min(max(0.5 * (target - share), -MAX_MOVE), MAX_MOVE)
+    return min(max(share + step, BALANCE_LIMITS[0]), BALANCE_LIMITS[1])
 
 
 def cpu_picks(layers: int, experts: int, share: float) -> list[bool]:
@@ -160,6 +166,7 @@ class FedCpuShare:
         self._jobs: deque[FedCall] = deque()
         self._samples: list[tuple[float, float]] = []  # (CPU job seconds, device share seconds) of sampled calls
         self._calls = 0
+        self._untimed = 0  # calls left untimed after a change of route (settle)
         self.broken = share <= 0.0 or not self._set_up(device)
 
     def _set_up(self, device: torch.device) -> bool:
@@ -223,11 +230,17 @@ class FedCpuShare:
             self._words[0].numpy()[0] = value  # off CUDA the host is the device: its inputs are in place
         return FedCall(layer, job, inbox, value)
 
+    def settle(self) -> None:
+        """The route changed to this one: the next ``SETTLE_STEPS`` steps' calls are not timed."""
+        self._untimed = SETTLE_STEPS * len(self.layers)
+
     def mark_start(self, call: FedCall, stream: Any) -> None:
         """Before the device's share of a call: on every ``SAMPLE_EVERY``-th call of an adaptive share, the first of
         two marks :meth:`harvest` times (:meth:`mark_end` the second)."""
         self._calls += 1
-        if self.adaptive and self._calls % SAMPLE_EVERY == 0:
+        if self._untimed > 0:
+            self._untimed -= 1
+        elif self.adaptive and self._calls % SAMPLE_EVERY == 0:
             call.timing = [self._mark(stream)]
 
     def mark_end(self, call: FedCall, stream: Any) -> None:

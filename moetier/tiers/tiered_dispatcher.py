@@ -308,7 +308,7 @@ class TieredDispatcher(ExpertDispatcher):
     def _start_step(self, hidden: torch.Tensor, streaming: bool) -> None:
         """First MoE layer of a forward: time the previous decode step for the chooser, pick this step's route
         (a mapped one then brings the device table up to date)."""
-        now, tokens = time.perf_counter(), hidden.shape[0]
+        now, tokens, before = time.perf_counter(), hidden.shape[0], self._step_route
         mapped = not streaming and not self._mapped_failed and self.mapped.usable(hidden, tokens)
         route = self.config.miss_route
         self._step_route = route if route != "mapped" or mapped else "copy"
@@ -324,7 +324,7 @@ class TieredDispatcher(ExpertDispatcher):
         if self._step_route == "mapped":
             if self._pending:  # the last split step's CPU jobs: done (the host has read the step's tokens since)
                 self._collect_pending()
-            self.mapped.begin_step(self.step, self._stream)
+            self.mapped.begin_step(self.step, self._stream, fresh=before != "mapped")
 
     def split_settled(self, tokens: int) -> bool:
         """Whether decode steps of ``tokens`` tokens per call run a chosen route (no trial under way or ahead)."""
