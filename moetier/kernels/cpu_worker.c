@@ -110,7 +110,10 @@ static int run_fed(queued_t *q) {
     int64_t *order = q->fed_order, n = 0;
     for (int64_t p = 0; p < f->pairs; ++p) {
         const int64_t e = f->ids[p];
-        if (e >= f->n_layer) return MOETIER_BAD_ARGS;
+        if (e >= f->n_layer) { /* an id the device should never write: no sums at all, not stale ones */
+            memset(job->out, 0, (size_t)(job->out_rows * job->hidden_size) * sizeof(float));
+            return MOETIER_BAD_ARGS;
+        }
         if (e < 0) continue;
         int64_t i = n++; /* insertion sort by (expert, pair): a decode layer has a few dozen pairs */
         while (i > 0 && f->ids[order[i - 1]] > e) {

@@ -134,9 +134,9 @@ class FedCpuShare:
 
     Contract: :meth:`usable` for a call; its :meth:`inbox` written (by the table kernel at :meth:`target`, or by
     :meth:`fill`), then :meth:`start` (before the device's kernels) and :meth:`collect` (after them), all on one
-    stream; :meth:`harvest` between steps takes the finished jobs'
-    times into the metrics (and, ``adaptive``, rebalances the share: :func:`balanced_share`; ``picks_version``
-    counts the changes). ``share`` is the fraction of each layer's experts the CPU takes when not cached.
+    stream; :meth:`harvest` between steps takes the finished jobs' times into the metrics (and, ``adaptive``,
+    rebalances the share: :func:`balanced_share`; ``picks_version`` counts the changes; :meth:`settle` after a
+    change of route). ``share`` is the fraction of each layer's experts the CPU takes when not cached.
     """
 
     def __init__(
