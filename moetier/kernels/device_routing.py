@@ -20,7 +20,7 @@ import torch
 from moetier.kernels import grouped_experts
 from moetier.kernels.grouped_experts import MAX_GROUP_TOKENS, LaunchLayout, launch_grouped
 from moetier.kernels.rmsnorm import triton_usable
-from moetier.kernels.routing_table import FeedTarget, build_table, table_kernel_usable
+from moetier.kernels.routing_table import FeedTarget, build_table, row_width, table_kernel_usable
 from moetier.tiers.experts import ExpertWeights
 
 # Calls of at most this many (token, expert) pairs take the device table: a few streams of decode.
@@ -75,7 +75,7 @@ def device_tables(
     block = offsets[flat]
     pair = torch.arange(pairs, dtype=torch.int64, device=device)
     one = torch.ones_like(pair)
-    width = 1 << (top_k - 1).bit_length()  # next power of two: the sum kernel's row width, one per model
+    width = row_width(top_k)
     order = torch.argsort(topk_ids, dim=1, stable=True)
     by_expert = order + pair.view(tokens, top_k)[:, :1]
     down_pair = pair
@@ -92,7 +92,7 @@ def device_tables(
             torch.cat((token, by_expert, padding), dim=1).reshape(-1),
         )
     )
-    layout = LaunchLayout(pairs, 3 * pairs, 5 * pairs, pairs, width, tokens, align)
+    layout = routed_layout(tokens, top_k, align)
     return table, layout, pair // top_k
 
 
@@ -128,8 +128,13 @@ def routed_table(
         skip = None if pick is None else pick[topk_ids].bool()
         return device_tables(blocks.offsets, topk_ids, blocks.align, skip)
     table, pair_tokens = build_table(blocks.offsets, topk_ids, pick, feed, gates, hidden)
-    pairs, width = tokens * top_k, 1 << (top_k - 1).bit_length()
-    return table, LaunchLayout(pairs, 3 * pairs, 5 * pairs, pairs, width, tokens, blocks.align), pair_tokens
+    return table, routed_layout(tokens, top_k, blocks.align), pair_tokens
+
+
+def routed_layout(tokens: int, top_k: int, align: int) -> LaunchLayout:
+    """Where a device-built table's parts start: ``T*K`` groups of 3, ``T*K`` pairs of 2, ``T`` token rows."""
+    pairs = tokens * top_k
+    return LaunchLayout(pairs, 3 * pairs, 5 * pairs, pairs, row_width(top_k), tokens, align)
 
 
 def launch_routed(

@@ -98,6 +98,11 @@ if triton is not None:
                 tl.store(dst + h, tl.load(hidden_ptr + t * stride_h + h, mask=h_ok), mask=h_ok)
 
 
+def row_width(top_k: int) -> int:
+    """A token's row of the table: its pairs padded to the next power of two (the sum kernel's width)."""
+    return 1 << (top_k - 1).bit_length()
+
+
 def table_kernel_usable(ids: torch.Tensor) -> bool:
     """Whether :func:`build_table` runs for ids on this device (CUDA with Triton, or Triton's interpreter)."""
     return triton is not None and triton_usable(ids)
@@ -117,7 +122,7 @@ def build_table(
     :func:`table_kernel_usable`. Both come from one allocation the kernel fills (nothing made ahead: the call may
     be captured in a CUDA graph)."""
     tokens, top_k = topk_ids.shape
-    pairs, width = tokens * top_k, 1 << (top_k - 1).bit_length()
+    pairs, width = tokens * top_k, row_width(top_k)
     size = 5 * pairs + tokens * (width + 1)
     table = torch.empty(size + pairs, dtype=torch.int64, device=topk_ids.device)
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()

@@ -97,6 +97,7 @@ class MappedExperts:
         self.counts = torch.zeros(len(self._home), dtype=torch.int64, device=self.device)
         self._ones = torch.ones(DEVICE_ROUTING_MAX_PAIRS, dtype=torch.int64, device=self.device)
         self._count_rows = {layer: self.counts[self._span(layer)] for layer in self.layers}
+        self._pick_rows = {layer: self.pick[self._span(layer)] for layer in self.layers}
         self._aligned = all(offset % 16 == 0 for offset in self._home) and self.base % 16 == 0
         # The GPU reads pinned memory only (mapped into its address space): a pageable home copy (pinning failed
         # or was turned off) keeps the other routes.
@@ -139,21 +140,22 @@ class MappedExperts:
         ones = self._ones[: flat.numel()] if flat.numel() <= self._ones.numel() else torch.ones_like(flat)
         self._count_rows[layer].index_add_(0, flat, ones)
         fed = self.cpu is not None and self.cpu.usable(hidden)
-        pick = self.pick[self._span(layer)] if fed else None
+        pick = self._pick_rows[layer] if fed else None
         if self.cuda:
             self._dispatch_on_device(layer, out, hidden, topk_ids, topk_weights, pick, stream)
             return
-        call = None
+        call, skip = None, None
         if fed:  # the host plays the device: it fills the inbox, stores the start word, runs the device's share
             skip = pick[topk_ids].bool()
             inbox = self.cpu.inbox(hidden.shape[0])
             self.cpu.fill(inbox, hidden, topk_ids, topk_weights, skip)
             call = self.cpu.start(layer, inbox, stream)
+            skip = skip if call is not None else None
             self._fed += call is not None
         try:
             if call is not None:
                 self.cpu.mark_start(call, stream)
-            self._run_on_host(layer, out, hidden, topk_ids, topk_weights, skip if call is not None else None)
+            self._run_on_host(layer, out, hidden, topk_ids, topk_weights, skip)
             if call is not None:
                 self.cpu.mark_end(call, stream)
         except BaseException:
@@ -171,7 +173,7 @@ class MappedExperts:
             launch_routed(out, hidden, topk_weights, blocks, limit, routed_table(blocks, topk_ids))
             return
         inbox = self.cpu.inbox(hidden.shape[0])
-        target = self.cpu.target(inbox, self._base)
+        target = self.cpu.target(hidden.shape[0], self._base)
         routed = routed_table(blocks, topk_ids, pick, target, topk_weights, hidden.contiguous())
         call = self.cpu.start(layer, inbox, stream)
         if call is None:  # the table leaves the CPU's pairs out: build it again with every pair

@@ -163,6 +163,7 @@ class FedCpuShare:
         self._words = (torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
         self._issued = 0
         self._inboxes: dict[int, FedInbox] = {}
+        self._targets: dict[int, FeedTarget] = {}
         self._jobs: deque[FedCall] = deque()
         self._samples: list[tuple[float, float]] = []  # (CPU job seconds, device share seconds) of sampled calls
         self._calls = 0
@@ -198,11 +199,15 @@ class FedCpuShare:
             self._inboxes[tokens] = inbox
         return inbox
 
-    @staticmethod
-    def target(inbox: FedInbox, base: torch.Tensor) -> FeedTarget:
-        """The inbox as the table kernel addresses it: byte offsets from ``base`` (uint8, on the device)."""
-        origin = base.data_ptr()
-        return FeedTarget(base, *(t.data_ptr() - origin for t in (inbox.ids, inbox.weights, inbox.hidden)))
+    def target(self, tokens: int, base: torch.Tensor) -> FeedTarget:
+        """The inbox of ``tokens``-token calls as the table kernel addresses it: byte offsets from ``base`` (uint8,
+        on the device; one per route, so the target is made once per batch size)."""
+        target = self._targets.get(tokens)
+        if target is None or target.base is not base:
+            inbox, origin = self.inbox(tokens), base.data_ptr()
+            parts = (inbox.ids, inbox.weights, inbox.hidden)
+            target = self._targets[tokens] = FeedTarget(base, *(t.data_ptr() - origin for t in parts))
+        return target
 
     @staticmethod
     def fill(inbox: FedInbox, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, skip) -> None:

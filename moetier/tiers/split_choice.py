@@ -60,8 +60,8 @@ class SplitChooser:
     the H200 the trial measured mapped at 5.70 ms per step and copies only at 6.00; mapped then ran 6.0 ms in
     the steady state, copies only alone 5.43; and at 4 streams a 16.84 ms trial median left out the mapped route
     that alone ran 12.4 ms a step (so every close rival plays, not only the closest). The winner runs for
-    ``revisit_steps`` steps, then the trial
-    (and any playoff) runs again (routing, load and the cache's contents change over a session).
+    ``revisit_steps`` steps, then the trial (and any playoff) runs again (routing, load and the cache's contents
+    change over a session).
     :meth:`route` names the route of the step about to run (a batch size's routes are ``routes``, or those
     its first :meth:`route` call passes: the mapped route takes decode-sized calls only), :meth:`observe`
     takes the seconds of a step that ran with the route it was given.
