@@ -55,7 +55,7 @@ def test_a_fed_job_waits_for_its_start_word_and_computes_only_the_pairs_left_to_
     inbox.weights.copy_(weights.float())
     inbox.hidden.copy_(hidden)
     start[0] = 7
-    assert job.wait()[0] == 0 and done.item() == 7
+    assert job.wait()[0] == 0 and done.item() == 7 and start.item() == 0  # the worker stores 0 back
     # The same pairs as an ordinary job of the same kernel: the same bits (rows the CPU has no pair of are zeros).
     groups = {}
     for t, k in mine.nonzero().tolist():
@@ -219,7 +219,7 @@ def test_calls_right_after_another_route_are_not_timed():
     tiered.prepare("cpu")
     fed = tiered.mapped.cpu
     fed.settle()
-    calls = [mapped_cpu.FedCall(0, None, None, 0) for _ in range(4 * mapped_cpu.SETTLE_STEPS * 2)]
+    calls = [mapped_cpu.FedCall(0, None, None) for _ in range(4 * mapped_cpu.SETTLE_STEPS * 2)]
     for call in calls:
         fed.mark_start(call, None)
     settling = mapped_cpu.SETTLE_STEPS * len(LAYOUT.moe_layers)

@@ -174,6 +174,24 @@ def test_fresh_copies_static_outputs_only():
 
 
 @torch.no_grad()
+def test_each_variant_keeps_its_own_graphs_across_switches():
+    """Steps switching between variants (a tiered dispatcher's routes) capture each variant once, never replay
+    one variant's graph for another, and a dispatcher swap (reset) drops them all."""
+    graphs = FakeGraphs(warmup=0)
+    doubled, tripled = (lambda x: x * 2), (lambda x: x * 3)
+    for i in range(6):
+        variant, fn, factor = ("a", doubled, 2) if i % 2 == 0 else ("b", tripled, 3)
+        graphs.use_variant(variant)
+        (out,) = graphs.run("seg", fn, torch.full((2,), float(i)))
+        assert torch.equal(out, torch.full((2,), float(i * factor)))
+    assert graphs.captures == 2 and graphs.replays == 6  # one capture per variant, then replays only
+    graphs.reset()
+    graphs.use_variant("a")
+    graphs.run("seg", doubled, torch.ones(2))
+    assert graphs.captures == 3
+
+
+@torch.no_grad()
 def test_failed_capture_warns_once_and_runs_eagerly(caplog):
     graphs = FakeGraphs(warmup=1)
 

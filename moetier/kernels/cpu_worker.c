@@ -15,7 +15,11 @@
  * stream write (cuStreamWriteValue32, ordered after the copies). The worker spins on that word, reads the pairs
  * whose id is >= 0 (the device marked the others -1: it computes those itself), groups them by expert over the
  * layer's static table of home-copy pointers, and runs them as any job. So no host thread reads the router's
- * ids: the device decides which pairs the CPU takes, and the step needs no host wait.
+ * ids: the device decides which pairs the CPU takes, and the step needs no host wait. The worker stores 0 back
+ * into the start word once it has seen the value, so a device that writes one constant (a CUDA graph replays
+ * the values it captured) starts the next job of that word again. moetier_worker_cancel_fed abandons every fed
+ * job queued so far whose start has not come (a step that failed before its device work was enqueued): they
+ * end with MOETIER_ABANDONED and store no flag.
  *
  * After a job the worker may spin for a while before it sleeps (`spin_seconds` of moetier_worker_start):
  * decode submits a job every MoE layer (every ~1-2 ms), and waking a sleeping thread costs the submitting
@@ -37,7 +41,7 @@
 
 /* A fed job's inputs, written by the device (see the header). */
 typedef struct {
-    const int32_t *start; /* the word the device's stream write stores start_value into */
+    int32_t *start; /* the word the device's stream write stores start_value into (the worker stores 0 back) */
     int32_t start_value;
     const int64_t *ids;    /* [pairs]: the layer's expert of each (token, k) pair, -1 where the device runs it */
     const float *weights;  /* [pairs] */
@@ -58,6 +62,7 @@ typedef struct queued {
     int status;     /* run_job's, once done */
     double seconds; /* the job's wall time on the worker */
     int done;       /* set under the worker's lock; read atomically by moetier_worker_done */
+    int64_t epoch;  /* a fed job's: the worker's cancel epoch when it was queued */
     void *owned;    /* the copied arrays, one allocation */
 } queued_t;
 
@@ -70,6 +75,7 @@ typedef struct {
     int stop;
     int sleeping; /* the worker waits on `wake` (set and cleared under the lock): submit must signal it */
     double spin_seconds;
+    int64_t epoch; /* moetier_worker_cancel_fed's count: fed jobs queued before a cancel are abandoned */
 } worker_t;
 
 static double now_seconds(void) {
@@ -90,13 +96,21 @@ static void spin_for_work(worker_t *w) {
     }
 }
 
-/* Spin until the device's stream write stored the job's start value (1), or stop is asked first (0: the
- * device never will, e.g. its step failed before the write; the job is abandoned). */
-static int wait_for_start(worker_t *w, const feed_t *f) {
+/* Spin until the device's stream write stored the job's start value, then store 0 back (the word's next job
+ * waits for the next write). 0: stop was asked first (the device never will, e.g. its step failed before the
+ * write; the job is abandoned and still stores its flag); -1: the job was cancelled (no flag). */
+static int wait_for_start(worker_t *w, const queued_t *q) {
+    const feed_t *f = q->feed;
     for (int i = 0;; ++i) {
+        if ((i & 1023) == 0) {
+            if (__atomic_load_n(&w->epoch, __ATOMIC_ACQUIRE) != q->epoch) return -1;
+            if (i > 0 && __atomic_load_n(&w->stop, __ATOMIC_ACQUIRE)) return 0;
+        }
         const uint32_t now = (uint32_t)__atomic_load_n(f->start, __ATOMIC_ACQUIRE);
-        if ((int32_t)(now - (uint32_t)f->start_value) >= 0) return 1; /* cyclic, as the stream's GEQ wait */
-        if ((i & 1023) == 1023 && __atomic_load_n(&w->stop, __ATOMIC_ACQUIRE)) return 0;
+        if ((int32_t)(now - (uint32_t)f->start_value) >= 0) { /* cyclic, as the stream's GEQ wait */
+            __atomic_store_n(f->start, 0, __ATOMIC_RELEASE);
+            return 1;
+        }
         CPU_RELAX();
     }
 }
@@ -160,8 +174,10 @@ static void *worker_main(void *arg) {
         __atomic_store_n(&w->head, q->next, __ATOMIC_RELEASE);
         if (w->head == NULL) w->tail = NULL;
         pthread_mutex_unlock(&w->lock);
-        if (q->feed != NULL && !wait_for_start(w, q->feed)) {
+        const int started = q->feed != NULL ? wait_for_start(w, q) : 1;
+        if (started <= 0) {
             q->status = MOETIER_ABANDONED;
+            if (started < 0) q->flag = NULL; /* cancelled: nothing waits for it */
         } else {
             const double start = now_seconds();
             q->status = q->feed != NULL ? run_fed(q) : run_job(&q->job, q->threads);
@@ -210,6 +226,12 @@ void moetier_worker_stop(void *handle) {
     pthread_cond_destroy(&w->wake);
     pthread_mutex_destroy(&w->lock);
     free(w);
+}
+
+/* Abandon every fed job queued so far whose start has not come (see the header); ordinary jobs still run. */
+void moetier_worker_cancel_fed(void *handle) {
+    worker_t *w = handle;
+    if (w != NULL) __atomic_add_fetch(&w->epoch, 1, __ATOMIC_ACQ_REL);
 }
 
 /* Point a job's expert arrays at a table of `stride` pointers per part (bf16: gate_up, down; quantised: gate,
@@ -287,14 +309,15 @@ void *moetier_worker_submit(void *handle, int quant, int64_t n_experts, const ui
     return q;
 }
 
-/* Queue a fed job (see the header): once *start >= start_value (as a wrapping int32 difference), the pairs of
+/* Queue a fed job (see the header): once *start >= start_value (as a wrapping int32 difference; the worker then
+ * stores 0 into *start), the pairs of
  * ids / weights ([tokens * top_k], pinned, written by the device) whose id is >= 0 are computed from `table`
  * (the layer's n_layer experts, laid out as moetier_worker_submit's table; the caller keeps it alive while the
  * worker runs) over hidden [tokens, H] into out [tokens, H] (overwritten: rows without a pair are zeros), then
  * `value` is stored into `flag`. Returns the handle, or NULL with *status MOETIER_BAD_ARGS / MOETIER_NO_MEMORY.
  * A job abandoned at stop (its start never came) has status MOETIER_ABANDONED and still stores its flag. */
 void *moetier_worker_submit_fed(void *handle, int quant, int64_t n_layer, const uint64_t *table, int64_t tile_rows,
-                                int64_t tile_cols, const int32_t *start, int32_t start_value, const int64_t *ids,
+                                int64_t tile_cols, int32_t *start, int32_t start_value, const int64_t *ids,
                                 const float *weights, int64_t tokens, int64_t top_k, const bf16_t *hidden,
                                 int64_t hidden_size, int64_t inter, int has_limit, float limit, float *out,
                                 int threads, int32_t *flag, int32_t flag_value, int *status) {
@@ -335,6 +358,7 @@ void *moetier_worker_submit_fed(void *handle, int quant, int64_t n_layer, const 
     q->threads = threads;
     q->flag = flag;
     q->flag_value = flag_value;
+    q->epoch = __atomic_load_n(&w->epoch, __ATOMIC_ACQUIRE);
     enqueue(w, q);
     *status = MOETIER_OK;
     return q;

@@ -22,6 +22,7 @@ import torch
 from moetier.kernels.cpu_experts import CheckedExperts, CpuExpertsLibrary, checked_job, raise_for
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+ABANDONED = -3  # a fed job's status when its start never came (MOETIER_ABANDONED)
 
 
 class _Entry:
@@ -45,6 +46,8 @@ class _Entry:
         self.submit_fed.argtypes += [_PTR, _I64, _I64, _INT, ctypes.c_float, _PTR, _INT, _PTR, ctypes.c_int32]
         self.submit_fed.argtypes += [ctypes.POINTER(_INT)]
         self.submit_fed.restype = _PTR
+        self.cancel_fed = lib.moetier_worker_cancel_fed
+        self.cancel_fed.argtypes, self.cancel_fed.restype = [_PTR], None
         self.done = lib.moetier_worker_done
         self.done.argtypes, self.done.restype = [_PTR], _INT
         self.wait = lib.moetier_worker_wait
@@ -62,7 +65,7 @@ def _entry(lib: CpuExpertsLibrary) -> _Entry | None:
     key = str(lib.path)
     with _entries_lock:
         if key not in _entries:
-            _entries[key] = _Entry(lib.cdll) if hasattr(lib.cdll, "moetier_worker_submit_fed") else None
+            _entries[key] = _Entry(lib.cdll) if hasattr(lib.cdll, "moetier_worker_cancel_fed") else None
         return _entries[key]
 
 
@@ -202,9 +205,10 @@ class NativeWorker:
         flag: tuple[int, int] | None = None,
     ) -> NativeJob:
         """Queue a fed job (``cpu_worker.c``): once the int32 at ``start[0]`` reaches ``start[1]`` (the device's
-        stream write), the pairs of ``inbox`` whose id is >= 0 are computed from ``experts`` (one layer's, all of
-        them, in expert order: ids index it) into ``inbox.out``; then ``flag`` is stored. The caller keeps
-        ``experts`` and the inbox alive until the job ran."""
+        stream write; the worker then stores 0 there, so one constant value starts every job of that word), the
+        pairs of ``inbox`` whose id is >= 0 are computed from ``experts`` (one layer's, all of them, in expert order:
+        ids index it) into ``inbox.out``; then ``flag`` is stored. The caller keeps ``experts`` and the inbox alive
+        until the job ran."""
         if self._handle is None:
             raise RuntimeError("cpu_experts: the native worker is closed")
         inbox.check(experts)
@@ -224,6 +228,12 @@ class NativeWorker:
             raise RuntimeError("cpu_experts: the native worker refused a job")
         self._last = NativeJob(self._entry, self._handle, handle, inbox.out, (inbox, experts))
         return self._last
+
+    def cancel_fed(self) -> None:
+        """Abandon every fed job queued so far whose start has not come (status ``MOETIER_ABANDONED``, no flag
+        stored): for a step that failed before the device work that starts them was enqueued."""
+        if self._handle is not None:
+            self._entry.cancel_fed(self._handle)
 
     def drain(self) -> None:
         """Wait until every job queued so far has run."""

@@ -203,12 +203,14 @@ class CausalLM(nn.Module, ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def use_dispatcher(self, dispatcher: ExpertDispatcher) -> None:
-        """Route every MoE layer through ``dispatcher`` from now on (benchmarks swap tiers this way). A decode step
-        reads ``dispatcher.wants_hints`` and ``graphable`` itself and recaptures its CUDA graphs when they change
-        (:func:`~moetier.models.decode_segments.decode_plan`): nothing to reset here."""
+        """Route every MoE layer through ``dispatcher`` from now on (benchmarks swap tiers this way). The decode
+        graphs are dropped: a graph whose experts ran inside it replays the old dispatcher's buffers."""
         for module in self.modules():
             if "dispatcher" in module.__dict__:
                 object.__setattr__(module, "dispatcher", dispatcher)
+            graphs = module.__dict__.get("graphs")
+            if hasattr(graphs, "reset"):
+                graphs.reset()
 
     def tied_parameters(self) -> dict[str, str]:
         """``{target: source}`` parameters the checkpoint may omit and that share ``source``'s data."""

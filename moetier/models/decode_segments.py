@@ -12,9 +12,10 @@ per-sequence cache work or host decisions start, and a step where every sequence
       post    graph   output projection, residual, post-attention norm, then the router and shared expert
                       (a MoE layer) or the whole dense MLP and its residual (a dense layer); for a dispatcher
                       that wants hints, also the next MoE layer's predicted experts (below)
-      experts eager   the dispatcher (its tiers decide on the host from the routing), after the hint; for
-                      a dispatcher that is ``graphable`` for the batch and wants no hints, inside post
-                      instead (:func:`decode_plan`: no host wait anywhere in the layer but the attention's)
+      experts eager   the dispatcher (its tiers decide on the host from the routing), after the hint; where
+                      the dispatcher's ``decode_step`` says the step's calls may run in graphs (resident
+                      experts, a tiered dispatcher's mapped step), inside post instead, with no hints
+                      (:func:`decode_plan`: no host wait anywhere in the layer but the attention's)
     final     graph   the last MoE output added in, final norm
 
 through the model's :class:`~moetier.models.graph_segments.SegmentGraphs`, keyed by segment, layer and batch
@@ -38,6 +39,7 @@ run. Without hints the segments compute nothing extra; the graphs are captured f
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
@@ -189,20 +191,22 @@ class PreNormModel(Protocol):
 @dataclass(frozen=True)
 class DecodePlan:
     """What this decode step's segments compute beyond their keys: next-layer hints, or the routed experts
-    inside the post segments (a dispatcher that is :meth:`~ExpertDispatcher.graphable` and wants no hints)."""
+    inside the post segments (what the dispatcher's :meth:`~ExpertDispatcher.decode_step` yielded for the step)."""
 
     hints: bool
     experts_in_graphs: bool
 
 
-def decode_plan(graphs: SegmentGraphs, dispatcher: ExpertDispatcher, tokens: int) -> DecodePlan:
-    """This step's :class:`DecodePlan` for ``tokens`` sequences (``dispatcher.wants_hints`` and ``graphable``, read
-    per step: benchmarks swap dispatchers, and a batch past the dispatcher's graphable size changes it). Graphs
-    are captured for one plan: a change recaptures them (:meth:`SegmentGraphs.use_variant`), so no graph
-    computes, or skips, predictions or experts stale."""
-    hints = dispatcher.wants_hints
-    plan = DecodePlan(hints, not hints and tokens > 0 and dispatcher.graphable(tokens))
-    graphs.use_variant(("expert hints", plan.hints, "experts in graphs", plan.experts_in_graphs))
+def decode_plan(
+    graphs: SegmentGraphs, dispatcher: ExpertDispatcher, tokens: int, experts: Hashable | None
+) -> DecodePlan:
+    """This step's :class:`DecodePlan` for ``tokens`` sequences, ``experts`` being what the dispatcher's
+    ``decode_step`` yielded (None: its calls run eagerly, with hints where it ``wants_hints``; read per step:
+    a tiered dispatcher's route changes from step to step). Graphs are captured per plan
+    (:meth:`SegmentGraphs.use_variant`), so no graph computes, or skips, predictions or experts stale."""
+    in_graphs = tokens > 0 and experts is not None
+    plan = DecodePlan(not in_graphs and dispatcher.wants_hints, in_graphs)
+    graphs.use_variant(("expert hints", plan.hints, "experts in graphs", experts if in_graphs else None))
     return plan
 
 
@@ -235,14 +239,15 @@ def decode_step(model: PreNormModel, input_ids: torch.Tensor, batch: ForwardBatc
     """Final hidden states ``[B, H]`` (a fresh tensor) of ``B`` sequences bringing one token each; every layer's
     cache is appended to. The caller advances the caches."""
     graphs, size = model.graphs, len(batch.slices)
-    plan = decode_plan(graphs, model.dispatcher, size)
-    targets = hint_targets(model.layers, plan.hints)
-    x, cos, sin = graphs.run(("inputs", size), partial(_inputs, model), input_ids, batch.positions)
-    carry: Carry = (x,)
-    for layer, ahead in zip(model.layers, targets, strict=True):
-        carry = _layer_step(graphs, layer, ahead, carry, (cos, sin), batch, plan.experts_in_graphs)
-    (hidden,) = graphs.run(("final", size), partial(_final, model), *carry)
-    return graphs.fresh(hidden)
+    with model.dispatcher.decode_step(size, model.embed_tokens.weight.dtype) as experts:
+        plan = decode_plan(graphs, model.dispatcher, size, experts)
+        targets = hint_targets(model.layers, plan.hints)
+        x, cos, sin = graphs.run(("inputs", size), partial(_inputs, model), input_ids, batch.positions)
+        carry: Carry = (x,)
+        for layer, ahead in zip(model.layers, targets, strict=True):
+            carry = _layer_step(graphs, layer, ahead, carry, (cos, sin), batch, plan.experts_in_graphs)
+        (hidden,) = graphs.run(("final", size), partial(_final, model), *carry)
+        return graphs.fresh(hidden)
 
 
 def _layer_step(

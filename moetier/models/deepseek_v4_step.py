@@ -57,16 +57,18 @@ def decode_step(model: DeepseekV4ForCausalLM, input_ids: torch.Tensor, batch: Fo
     every layer's state is appended to. The caller advances the caches."""
     graphs, size = model.graphs, len(batch.slices)
     layers = list(model.layers)
-    plan = decode_plan(graphs, model.dispatcher, size)
-    # Each layer predicts the next one's experts (the last none), when the dispatcher wants hints.
-    targets = (layers[1:] + [None]) if plan.hints else [None] * len(layers)
-    ids, streams, *rope_tensors = graphs.run(("inputs", size), model.decode_inputs, input_ids, batch.positions)
-    rope = StepRope(batch.positions, rotations_from(tuple(rope_tensors)), model.rope_tables["compress"])
-    carry: Carry = (streams,)
-    for layer, ahead in zip(layers, targets, strict=True):
-        carry = _layer_step(graphs, layer, ahead, carry, ids, tuple(rope_tensors), rope, batch, plan.experts_in_graphs)
-    (hidden,) = graphs.run(("final", size), partial(_final, model), *carry)
-    return graphs.fresh(hidden)
+    with model.dispatcher.decode_step(size, model.embed.weight.dtype) as experts:
+        plan = decode_plan(graphs, model.dispatcher, size, experts)
+        # Each layer predicts the next one's experts (the last none), when the dispatcher wants hints.
+        targets = (layers[1:] + [None]) if plan.hints else [None] * len(layers)
+        ids, streams, *rope_tensors = graphs.run(("inputs", size), model.decode_inputs, input_ids, batch.positions)
+        rope = StepRope(batch.positions, rotations_from(tuple(rope_tensors)), model.rope_tables["compress"])
+        carry: Carry = (streams,)
+        for layer, ahead in zip(layers, targets, strict=True):
+            in_graphs = plan.experts_in_graphs
+            carry = _layer_step(graphs, layer, ahead, carry, ids, tuple(rope_tensors), rope, batch, in_graphs)
+        (hidden,) = graphs.run(("final", size), partial(_final, model), *carry)
+        return graphs.fresh(hidden)
 
 
 def _layer_step(

@@ -29,7 +29,9 @@ Contract for callers:
 - A capture that fails logs one warning naming the key and the reason; that key runs eagerly from then
   on (a decode never fails because a segment cannot be captured).
 - A choice that changes what segment functions compute without changing their keys (e.g. whether they
-  predict the next layer's experts) is declared with :meth:`SegmentGraphs.use_variant` before the step.
+  predict the next layer's experts) is declared with :meth:`SegmentGraphs.use_variant` before the step. Each
+  variant keeps its own graphs in its own memory pool, so steps may switch between variants (a tiered
+  dispatcher's route changes from step to step) without capturing again.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class SegmentGraphs:
         # Every captured output by id (the entries keep them alive, so ids stay unique): inputs found
         # here are read in place.
         self._outputs: dict[int, torch.Tensor] = {}
-        self._pool: Any = None
+        self._pools: dict[Hashable, Any] = {}  # per variant: its graphs never share memory with another's
         self._capture_stream: Any = None
         self._side_stream: Any = None
         self._variant: Hashable = None
@@ -105,7 +107,8 @@ class SegmentGraphs:
     def _run(self, key: Hashable, fn: SegmentFn, tensors: Tensors) -> Tensors:
         if not self._active(tensors):
             return _as_tuple(fn(*tensors))
-        entry = self._entries.setdefault((key, torch.is_inference_mode_enabled(), *map(_signature, tensors)), _Entry())
+        signature = (self._variant, key, torch.is_inference_mode_enabled(), *map(_signature, tensors))
+        entry = self._entries.setdefault(signature, _Entry())
         if entry.graph is not None:
             return self._replay(entry, tensors)
         if entry.failed:
@@ -123,17 +126,13 @@ class SegmentGraphs:
         """Drop every graph (e.g. after the weights moved): keys warm up and capture again."""
         self._entries.clear()
         self._outputs.clear()
-        self._pool = None
+        self._pools.clear()
 
     def use_variant(self, variant: Hashable) -> None:
-        """Declare what shapes the coming step's segment functions beyond their keys. A change drops every graph
-        (:meth:`reset`), so none replays work captured for the other variant. Dropping all of them, not keying
-        on the variant, keeps the pool's rule: keys replay in the order they were captured, which graphs of
-        two variants captured at different times would break."""
-        if variant != self._variant:
-            if self._entries:
-                self.reset()
-            self._variant = variant
+        """Declare what shapes the coming step's segment functions beyond their keys: the step's keys are that
+        variant's. Graphs of a variant live in that variant's own pool, so the pool's rule (keys replay in the
+        order they were captured) holds within each variant, whatever the order of steps across variants."""
+        self._variant = variant
 
     # --- the CUDA steps (tests substitute these to exercise the bookkeeping on the CPU) ---
 
@@ -162,8 +161,9 @@ class SegmentGraphs:
 
     def _capture(self, fn: SegmentFn, inputs: Tensors) -> tuple[Replayable, Any]:
         """Capture ``fn(*inputs)`` into a CUDA graph in the shared pool; return the graph and ``fn``'s outputs."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        pool = self._pools.get(self._variant)
+        if pool is None:
+            pool = self._pools[self._variant] = torch.cuda.graph_pool_handle()
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
@@ -171,7 +171,7 @@ class SegmentGraphs:
         # Other threads (the CPU expert tier's workers) may call CUDA meanwhile: only this thread's
         # calls are checked against the capture.
         with torch.cuda.stream(self._capture_stream):
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 outputs = fn(*inputs)
             except BaseException:
@@ -190,7 +190,8 @@ class SegmentGraphs:
             entry.failed = True
             self.failures[key] = f"{type(exc).__name__}: {exc}"
             # A failed capture may leave its pool and stream mid-capture: later captures start afresh.
-            self._pool = self._capture_stream = None
+            self._pools.pop(self._variant, None)
+            self._capture_stream = None
             log.warning("CUDA graph capture of segment %s failed (%s); it runs eagerly from now on", key, exc)
             return _as_tuple(fn(*tensors))
         entry.graph, entry.inputs, entry.outputs = graph, inputs, _as_tuple(outputs)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 
@@ -42,6 +43,15 @@ class ExpertDispatcher(ABC):
         no host decision that differs between calls, shapes fixed by ``tokens``. A model then runs it inside
         its post-attention segment. Default: False."""
         return False
+
+    @contextlib.contextmanager
+    def decode_step(self, tokens: int, dtype: torch.dtype) -> Iterator[Hashable | None]:
+        """Around one decode step of a model's segmented decode: ``tokens`` sequences of one token each, activations
+        of ``dtype``, entered before the step's first :meth:`dispatch`. Yields what the step's dispatch calls do
+        inside CUDA graphs (a hashable the model keys its graphs by: a change means other work) or None where they
+        must run eagerly; an exception raised in the step passes through it. Default: ``"graphable"`` where
+        :meth:`graphable`, else None."""
+        yield "graphable" if self.graphable(tokens) else None
 
     @property
     def wants_hints(self) -> bool:

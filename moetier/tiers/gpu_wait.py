@@ -78,10 +78,11 @@ def _supported(device: torch.device) -> bool:
 
 
 class HostFlag:
-    """A pinned int32 counter: :meth:`wait_on` makes a stream wait for a value, :meth:`release` sets it from the
-    host, :meth:`write_on` from a stream (after the stream's earlier work, its copies' bytes visible first).
+    """A pinned int32 counter (or ``count`` of them, ``index`` picks one): :meth:`wait_on` makes a stream wait for
+    a value, :meth:`release` sets it from the host, :meth:`write_on` from a stream (after the stream's earlier
+    work, its copies' bytes visible first). Both stream operations can be captured into CUDA graphs.
 
-    Values only grow (:meth:`next_value` hands out the next one), so a stale wait never blocks.
+    The split route's values only grow (:meth:`next_value` hands out the next one), so a stale wait never blocks.
     """
 
     def __init__(self, tensor: torch.Tensor, device_pointer: int, wait_fn, write_fn=None) -> None:
@@ -93,8 +94,8 @@ class HostFlag:
         self._issued = 0
 
     @classmethod
-    def create(cls, device: torch.device) -> HostFlag | None:
-        """A flag for ``device``'s streams, or None where the driver cannot do it."""
+    def create(cls, device: torch.device, count: int = 1) -> HostFlag | None:
+        """``count`` words for ``device``'s streams, or None where the driver cannot do it."""
         if device.type != "cuda" or not _supported(device):
             return None
         lib = _load_driver()
@@ -107,7 +108,7 @@ class HostFlag:
             if fn is not None:
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
                 fn.restype = ctypes.c_int
-        tensor = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        tensor = torch.zeros(count, dtype=torch.int32, pin_memory=True)
         pointer = ctypes.c_uint64(0)
         if get_pointer(ctypes.byref(pointer), ctypes.c_void_p(tensor.data_ptr()), 0) != 0:
             return None
@@ -117,9 +118,10 @@ class HostFlag:
         self._issued += 1
         return self._issued
 
-    def wait_on(self, stream: torch.cuda.Stream, value: int) -> bool:
-        """Enqueue on ``stream``: wait until the flag is >= ``value``. False if the driver refused."""
-        status = self._wait_fn(ctypes.c_void_p(stream.cuda_stream), self._device_pointer, value, _WAIT_GEQ)
+    def wait_on(self, stream: torch.cuda.Stream, value: int, index: int = 0) -> bool:
+        """Enqueue on ``stream``: wait until the word is >= ``value``. False if the driver refused."""
+        pointer = self._device_pointer + 4 * index
+        status = self._wait_fn(ctypes.c_void_p(stream.cuda_stream), pointer, value, _WAIT_GEQ)
         return status == 0
 
     @property
@@ -127,11 +129,12 @@ class HostFlag:
         """Whether :meth:`write_on` can enqueue (the driver has the stream write)."""
         return self._write_fn is not None
 
-    def write_on(self, stream: torch.cuda.Stream, value: int) -> bool:
+    def write_on(self, stream: torch.cuda.Stream, value: int, index: int = 0) -> bool:
         """Enqueue on ``stream``: store ``value`` once the stream's earlier work is done. False if refused."""
         if self._write_fn is None:
             return False
-        status = self._write_fn(ctypes.c_void_p(stream.cuda_stream), self._device_pointer, value, _WRITE_DEFAULT)
+        pointer = self._device_pointer + 4 * index
+        status = self._write_fn(ctypes.c_void_p(stream.cuda_stream), pointer, value, _WRITE_DEFAULT)
         return status == 0
 
     def release(self, value: int) -> None:

@@ -60,9 +60,10 @@ LAG_STEPS = 2
 class MappedExperts:
     """The device table of every expert's block and the host bookkeeping that keeps it equal to the cache.
 
-    Contract: :meth:`begin_step` once before a mapped decode step's first call, then :meth:`dispatch` per MoE
-    layer (device work only: it may run inside a CUDA graph), and :meth:`release` before anything else may
-    change the cache (another route's step, a resize, a prefill lending slots). ``usable`` says whether the
+    Contract: :meth:`begin_step` once before a mapped decode step's first call (then, for a step whose calls may
+    replay CUDA graphs, :meth:`graph_step`, and :meth:`end_step` after it), then :meth:`dispatch` per MoE layer
+    (device work only: it may run inside a CUDA graph), and :meth:`release` before anything else may change the
+    cache (another route's step, a resize, a prefill lending slots). ``usable`` says whether the
     device kernels take a call; off CUDA dispatch reads the table on the host instead.
     """
 
@@ -226,6 +227,27 @@ class MappedExperts:
             self._landing.update(key for _, key in admitted)  # pointed at from the step their copies landed by
         self._steps += 1
         self._start_readback(stream)
+
+    def graph_step(self, hidden: torch.Tensor) -> tuple[str, bool] | None:
+        """After :meth:`begin_step`, for a step whose calls the model may run inside CUDA graphs (``hidden``: one
+        call's rows, or an empty tensor shaped like them): what those calls do, ``("mapped", fed)``, or None when
+        the step must run eagerly (a fed share's timed step). A fed step's jobs are queued here, since replayed
+        calls run no host code (:meth:`FedCpuShare.queue_step`); :meth:`end_step` closes the step."""
+        fed = self.cpu is not None and self.cpu.usable(hidden)
+        if fed and self.cpu.timed_step():
+            return None
+        if fed:
+            self.cpu.queue_step(hidden.shape[0])
+            self._fed += len(self.layers)
+        return "mapped", fed
+
+    def end_step(self, failed: bool = False) -> None:
+        """After a step: a queued step's jobs are the calls' own again; ``failed``: the jobs its calls never
+        started are cancelled (:meth:`FedCpuShare.abort_step`)."""
+        if self.cpu is not None:
+            if failed:
+                self.cpu.abort_step()
+            self.cpu.end_step()
 
     def _follow_share(self) -> None:
         """After the fed share moved: every entry's pick again (the new picks, where the entry points home)."""

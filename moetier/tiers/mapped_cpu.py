@@ -9,12 +9,19 @@ stream:
 
 1. the kernel that builds the call's launch table (:mod:`moetier.kernels.routing_table`) also writes the pairs'
    ids (-1 where the device keeps the pair), their gates and the hidden rows into a pinned inbox (the GPU
-   addresses pinned memory directly), then a stream write stores the call's number into a pinned start word
-   (``cuStreamWriteValue32``: the kernel's writes are visible first);
+   addresses pinned memory directly), then stream writes clear the layer's pinned done word and store 1 into
+   its start word (``cuStreamWriteValue32``: the kernel's writes are visible first);
 2. the kernels run the device's pairs (:func:`~moetier.kernels.device_routing.run_routed` with ``skip``), while
-   the CPU tier's native worker, spinning on the start word, groups the CPU's pairs by expert and computes them
-   from the home copy (a job queued by the host before its inputs exist: ``cpu_worker.c``'s fed jobs);
-3. the stream waits for the worker's done word (``cuStreamWaitValue32``) and adds the CPU's sums.
+   the CPU tier's native worker, spinning on the start word, stores 0 back into it, groups the CPU's pairs by
+   expert and computes them from the home copy (a job queued by the host before its inputs exist:
+   ``cpu_worker.c``'s fed jobs), then stores 1 into the done word;
+3. the stream waits for the done word (``cuStreamWaitValue32``) and adds the CPU's sums.
+
+Every value is a constant, so a CUDA graph can replay the call: a *queued step* (:meth:`FedCpuShare.queue_step`,
+before a mapped step whose calls run inside the model's decode graphs) queues every layer's job up front, and the
+calls (captured once, replayed after) only do device work. A step that fails midway cancels what it queued
+(:meth:`FedCpuShare.abort_step`: the device drained first, so no stream waits for a cancelled job). Graphed calls
+cannot be timed, so an adaptive share runs every ``TIMED_STEP_EVERY``-th mapped step eagerly, every call timed.
 
 One inbox per batch size is enough: the stream orders each layer's copies into it after the previous layer's
 wait for the worker, so nothing overwrites an inbox the worker still reads. Off CUDA the host plays the device
@@ -33,7 +40,7 @@ from typing import Any
 import torch
 
 from moetier.kernels.cpu_experts import CheckedExperts
-from moetier.kernels.cpu_worker import FedInbox, NativeJob, NativeWorker
+from moetier.kernels.cpu_worker import ABANDONED, FedInbox, NativeJob, NativeWorker
 from moetier.kernels.routing_table import FeedTarget
 from moetier.tiers.cpu_tier import CpuExpertTier
 from moetier.tiers.experts import ExpertStore
@@ -51,6 +58,10 @@ MAPPED_READ_FACTOR = {False: 0.92, True: 0.75}
 # the H200 host, the kernels' PCIe reads ~41: a share from the start-up costs was off by a fifth).
 SAMPLE_EVERY = 4
 BALANCE_SAMPLES = 12
+# With graphed steps: every TIMED_STEP_EVERY-th mapped step is eager and timed, every FAST_TIMED_STEP_EVERY-th
+# while the share still moves (a rebalance changed the picks, or none has run yet).
+TIMED_STEP_EVERY = 16
+FAST_TIMED_STEP_EVERY = 3
 BALANCE_LIMITS = (0.05, 0.95)
 # A rebalance moves the share by at most this much, and the first SETTLE_STEPS steps after another route's are
 # not timed: that route's copies still land and its cache contents are not the mapped route's (on the H200 a
@@ -120,12 +131,11 @@ def _mix(x: int) -> int:
 
 @dataclass
 class FedCall:
-    """One layer's fed job: its worker job, the inbox it reads and writes, the value its done word gets."""
+    """One layer's fed job: its worker job and the inbox it reads and writes."""
 
     layer: int
     job: NativeJob
     inbox: FedInbox
-    value: int
     timing: list[Any] | None = None  # a sampled call's device-share marks: CUDA events, or host clock readings
 
 
@@ -137,6 +147,8 @@ class FedCpuShare:
     stream; :meth:`harvest` between steps takes the finished jobs' times into the metrics (and, ``adaptive``,
     rebalances the share: :func:`balanced_share`; ``picks_version`` counts the changes; :meth:`settle` after a
     change of route). ``share`` is the fraction of each layer's experts the CPU takes when not cached.
+    A queued step: :meth:`queue_step` before it (every layer's job), :meth:`end_step` after it, or
+    :meth:`abort_step` if it failed; :meth:`timed_step` says whether a mapped step must stay eager to be timed.
     """
 
     def __init__(
@@ -155,13 +167,18 @@ class FedCpuShare:
         self.layers, self.top_k, self.hidden_size = layers, layout.top_k, layout.hidden_size
         self.picks = cpu_picks(len(layers), layout.num_experts, share)
         self.cuda = device.type == "cuda"
+        self._row = {layer: i for i, layer in enumerate(layers)}
         self.worker: NativeWorker | None = None
         self._checked: dict[int, CheckedExperts] = {}
         self.kernel: str | None = None
         self._start: HostFlag | None = None
         self._done: HostFlag | None = None
-        self._words = (torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
-        self._issued = 0
+        # Per MoE layer: the start and done words (pinned and device-written on CUDA; host-written off it).
+        self._words = (torch.zeros(len(layers), dtype=torch.int32), torch.zeros(len(layers), dtype=torch.int32))
+        self._queued: dict[int, FedCall] | None = None  # a queued step's calls not started yet, by layer
+        self._mapped_steps = 0
+        self._moving = True  # no rebalance yet, or the last one changed the picks
+        self._timed = False  # the step in progress times every call
         self._inboxes: dict[int, FedInbox] = {}
         self._targets: dict[int, FeedTarget] = {}
         self._jobs: deque[FedCall] = deque()
@@ -180,7 +197,7 @@ class FedCpuShare:
                 return False
             self.worker, self._checked[layer], self.kernel = plan
         if self.cuda:
-            self._start, self._done = HostFlag.create(device), HostFlag.create(device)
+            self._start, self._done = (HostFlag.create(device, len(self.layers)) for _ in range(2))
             if self._start is None or self._done is None or not self._start.writable:
                 return False
             self._words = (self._start.tensor, self._done.tensor)
@@ -218,22 +235,71 @@ class FedCpuShare:
             dst.copy_(src, non_blocking=src.is_cuda)
 
     def start(self, layer: int, inbox: FedInbox, stream: Any) -> FedCall | None:
-        """Once the inbox is written (on ``stream``): store the start word after it and queue the worker's job;
-        None (nothing queued: the device must run every pair) if the device cannot store the word."""
-        value = self._issued + 1
-        if self._start is not None and not self._start.write_on(stream, value):
+        """Once the inbox is written (on ``stream``): clear the layer's done word and store its start word after it,
+        and queue the worker's job (a queued step's is there already); None (nothing queued: the device must run
+        every pair) if the device cannot store the words."""
+        row = self._row[layer]
+        device = self._start is not None
+        if device and not (self._done.write_on(stream, 0, row) and self._start.write_on(stream, 1, row)):
             log.warning("the device cannot store the CPU tier's start word: mapped steps run without it")
             self.broken = True
+            self.abort_step()
             return None
-        self._issued = value
-        start_word, done_word = (w.data_ptr() for w in self._words)
+        call = self._queued.pop(layer, None) if self._queued is not None else None
+        if call is None:
+            call = self._submit(layer, inbox)
+        if not device:  # off CUDA the host is the device: its inputs are in place
+            self._words[1].numpy()[row] = 0
+            self._words[0].numpy()[row] = 1
+        return call
+
+    def _submit(self, layer: int, inbox: FedInbox) -> FedCall:
+        """Queue the layer's job on its words (it runs once the start word is stored), tracked for :meth:`harvest`."""
+        row = self._row[layer]
+        start_word, done_word = (w[row].data_ptr() for w in self._words)
         job = self.worker.submit_fed(
-            self._checked[layer], (start_word, value), inbox, self.store.layout.swiglu_limit, self.tier.threads,
-            (done_word, value),
+            self._checked[layer], (start_word, 1), inbox, self.store.layout.swiglu_limit, self.tier.threads,
+            (done_word, 1),
         )  # fmt: skip
-        if self._start is None:
-            self._words[0].numpy()[0] = value  # off CUDA the host is the device: its inputs are in place
-        return FedCall(layer, job, inbox, value)
+        call = FedCall(layer, job, inbox)
+        self._jobs.append(call)
+        return call
+
+    def queue_step(self, tokens: int) -> None:
+        """Before a mapped step of ``tokens`` tokens per call whose calls may replay a CUDA graph (no host code
+        runs then): queue every layer's job now, in layer order (the order the step starts them in)."""
+        self._queued = {layer: self._submit(layer, self.inbox(tokens)) for layer in self.layers}
+        # No call of a graphed step is timed: the settling after a change of route counts its calls all the same.
+        self._calls += len(self.layers)
+        self._untimed = max(0, self._untimed - len(self.layers))
+
+    def end_step(self) -> None:
+        """After a step: calls started from here on queue their own jobs again."""
+        self._queued = None
+        self._timed = False
+
+    def abort_step(self) -> None:
+        """A queued step failed before all of its calls reached the device: the device drained (where it is not
+        being captured), the jobs it never started cancelled, every word cleared."""
+        if self._queued is None:
+            return
+        if self.cuda and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # the started calls' jobs run (they are ahead of the others in the queue)
+        if self.worker is not None:
+            self.worker.cancel_fed()
+        for call in self._queued.values():
+            call.job.wait()
+        self._queued = None
+        for words in self._words:
+            words.zero_()
+
+    def timed_step(self) -> bool:
+        """Before a mapped step: whether it runs eagerly with every call timed (an adaptive share's every
+        ``TIMED_STEP_EVERY``-th, more often while the share moves); otherwise it may run in graphs."""
+        self._mapped_steps += 1
+        every = FAST_TIMED_STEP_EVERY if self._moving else TIMED_STEP_EVERY
+        self._timed = self.adaptive and not self.broken and self._mapped_steps % every == 0
+        return self._timed
 
     def settle(self) -> None:
         """The route changed to this one: the next ``SETTLE_STEPS`` steps' calls are not timed."""
@@ -242,10 +308,12 @@ class FedCpuShare:
     def mark_start(self, call: FedCall, stream: Any) -> None:
         """Before the device's share of a call: on every ``SAMPLE_EVERY``-th call of an adaptive share, the first of
         two marks :meth:`harvest` times (:meth:`mark_end` the second)."""
+        if self._queued is not None:
+            return  # a queued step's calls may run inside graphs: nothing of theirs is timed
         self._calls += 1
         if self._untimed > 0:
             self._untimed -= 1
-        elif self.adaptive and self._calls % SAMPLE_EVERY == 0:
+        elif self.adaptive and (self._timed or self._calls % SAMPLE_EVERY == 0):
             call.timing = [self._mark(stream)]
 
     def mark_end(self, call: FedCall, stream: Any) -> None:
@@ -262,8 +330,7 @@ class FedCpuShare:
 
     def collect(self, call: FedCall, out: torch.Tensor, stream: Any) -> None:
         """Add the CPU's sums into ``out``: the stream waits for them (the host only where it cannot)."""
-        self._jobs.append(call)
-        if self._done is not None and self._done.wait_on(stream, call.value):
+        if self._done is not None and self._done.wait_on(stream, 1, self._row[call.layer]):
             out.add_(call.inbox.out.to(out.device, non_blocking=True))
             return
         call.job.wait()
@@ -280,7 +347,7 @@ class FedCpuShare:
             call = self._jobs.popleft()
             status, seconds = call.job.wait()
             self.metrics.layer(call.layer).cpu_seconds += seconds
-            if status != 0 and not self.broken:
+            if status not in (0, ABANDONED) and not self.broken:
                 log.error("a fed CPU-tier job failed (status %d): mapped steps run without the CPU tier", status)
                 self.broken = True
             if call.timing is not None and len(call.timing) == 2 and status == 0:
@@ -307,7 +374,8 @@ class FedCpuShare:
         self._samples = []
         share, before = balanced_share(self.share, cpu_total, device_total), self.share
         self.share, experts = share, self.store.layout.num_experts
-        if round(share * experts) == round(before * experts):
+        self._moving = round(share * experts) != round(before * experts)
+        if not self._moving:
             return  # less than one expert a layer: kept (the share itself moves on)
         log.info("mapped route: the CPU tier's share %.2f -> %.2f (CPU %.2f ms, device %.2f ms over the samples)",
                  before, share, 1e3 * cpu_total, 1e3 * device_total)  # fmt: skip

@@ -55,7 +55,9 @@ class TieredConfig:
     (:class:`SplitChooser`'s playoff). A mapped step admits up to
     ``mapped_admissions`` of the experts it missed (:mod:`moetier.tiers.mapped`), and ``mapped_cpu_share`` of each
     layer's experts, while not cached, are computed by the CPU tier fed by the device (:mod:`moetier.tiers.mapped_cpu`;
-    ``None``: the share that balances the measured CPU and PCIe rates; 0: the kernels read every miss).
+    ``None``: the share that balances the measured CPU and PCIe rates; 0: the kernels read every miss). With
+    ``mapped_graphs``, a model's segmented decode runs a mapped step's calls inside its CUDA graphs (no host code
+    per call; :meth:`TieredDispatcher.decode_step`).
     A decode call copies up to ``decode_prefetch`` of the experts the model hinted for the next MoE
     layer (:meth:`ExpertDispatcher.hint`) into free staging slots once its own copies are enqueued
     (0: hints are not asked for), and only the ranks of the prediction whose measured precision reaches
@@ -81,6 +83,7 @@ class TieredConfig:
     mapped: bool | None = None
     mapped_admissions: int = 2
     mapped_cpu_share: float | None = None
+    mapped_graphs: bool = True
     decode_prefetch: int = 4
     hint_min_precision: float = 0.8
 

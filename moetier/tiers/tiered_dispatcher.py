@@ -35,6 +35,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
@@ -109,6 +110,8 @@ class TieredDispatcher(ExpertDispatcher):
         self._ahead = NextLayerPrefetch(store.layout.moe_layers, store.layout.num_experts, floor, self._hints)
         self._host_buffers = HostBuffers()  # a decode call's routing, rows and CPU sums on the host
         self._stream: Any = None  # the compute stream of the call in progress (None off CUDA)
+        self._step_open = False  # inside decode_step: the step has started, its first call must not start another
+        self._probes: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -220,13 +223,8 @@ class TieredDispatcher(ExpertDispatcher):
         if hidden.shape[0] == 0:
             return out.to(hidden.dtype)
         streaming = hidden.shape[0] >= self.config.stream_min_tokens
-        if layer == self._first_layer:
-            self.step += 1
-            self.metrics.tokens += hidden.shape[0]
-            if self._step_route == "mapped":  # before anything below may evict a slot the table read
-                self.mapped.release(self._stream)
-            self._lend_or_reclaim(streaming)
-            self._start_step(hidden, streaming)
+        if layer == self._first_layer and not self._step_open:
+            self._begin_forward(hidden, streaming)
         if self._step_route == "mapped" and not streaming:
             if self._dispatch_mapped(layer, out, hidden, topk_ids, topk_weights):
                 return out.to(hidden.dtype)
@@ -278,6 +276,42 @@ class TieredDispatcher(ExpertDispatcher):
         self.cache.mark_released(read, self._compute_stream())
         return out.to(hidden.dtype)
 
+    @contextlib.contextmanager
+    def decode_step(self, tokens: int, dtype: torch.dtype) -> Iterator[Hashable | None]:
+        """A model's segmented decode step: the step's start (its route chosen, a mapped step's table brought up
+        to date) happens here, before its calls; a mapped step's calls may then run inside the model's CUDA graphs
+        (``TieredConfig.mapped_graphs``): it yields ``("mapped", fed)`` (:meth:`MappedExperts.graph_step`), any
+        other step None."""
+        if self.device is None or not 0 < tokens < self.config.stream_min_tokens:
+            yield None  # not prepared yet (the first call prepares and starts its step) or not a decode step
+            return
+        probe = self._probes.get((tokens, dtype))
+        if probe is None:  # what the route checks read of a call's rows: their count, dtype and device
+            probe = self._probes[(tokens, dtype)] = torch.empty((tokens, self.store.layout.hidden_size), dtype=dtype,
+                                                                device=self.device)  # fmt: skip
+        self._stream = self._current_stream()
+        self._begin_forward(probe, streaming=False)
+        mapped = self._step_route == "mapped" and self.config.mapped_graphs
+        self._step_open = True
+        failed = False
+        try:
+            yield self.mapped.graph_step(probe) if mapped else None
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            self._step_open = False
+            self.mapped.end_step(failed)
+
+    def _begin_forward(self, hidden: torch.Tensor, streaming: bool) -> None:
+        """Before a forward's first MoE call: count it, take lent slots back (or lend them), start its step."""
+        self.step += 1
+        self.metrics.tokens += hidden.shape[0]
+        if self._step_route == "mapped":  # before anything below may evict a slot the table read
+            self.mapped.release(self._stream)
+        self._lend_or_reclaim(streaming)
+        self._start_step(hidden, streaming)
+
     def _dispatch_mapped(self, layer, out, hidden, topk_ids, topk_weights) -> bool:
         """The call on the mapped route; False after a failure (logged once; the copy route from then on)."""
         try:
@@ -287,6 +321,7 @@ class TieredDispatcher(ExpertDispatcher):
         except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
             log.warning("mapped expert route failed (%s); copying misses from now on", exc)
             self._mapped_failed, self._step_route = True, "copy"
+            self.mapped.end_step(failed=True)  # jobs queued for the step's other calls: cancelled
             return False
 
     def _split(self, layer: int, routing: Routing, adapt: bool) -> tuple[list, list, list]:
