@@ -19,7 +19,7 @@ Contract for callers:
   between calls of one key (the graph replays what the capture saw), and no parameter reallocated after
   the capture (the graph reads fixed addresses).
 - Outputs are static tensors: the key's next replay overwrites them, and so may the replay of a key
-  captured before it (all graphs share one memory pool). Finish with a step's outputs before the next
+  captured before it (all graphs of a variant share one memory pool). Finish with a step's outputs before the next
   step runs its segments, and run a step's keys in the same order every step (the order they were
   captured in). :meth:`fresh` copies an output that must live longer.
 - An input that *is* (the same tensor object) another key's output is read in place, without a copy:
@@ -160,7 +160,7 @@ class SegmentGraphs:
         return out
 
     def _capture(self, fn: SegmentFn, inputs: Tensors) -> tuple[Replayable, Any]:
-        """Capture ``fn(*inputs)`` into a CUDA graph in the shared pool; return the graph and ``fn``'s outputs."""
+        """Capture ``fn(*inputs)`` into a CUDA graph in the variant's pool; return the graph and ``fn``'s outputs."""
         pool = self._pools.get(self._variant)
         if pool is None:
             pool = self._pools[self._variant] = torch.cuda.graph_pool_handle()

@@ -34,23 +34,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
 
 from moetier.errors import ConfigError
-from moetier.kernels.grouped_experts import run_experts
 from moetier.profiling import phase
 from moetier.tiers.calibration import calibrate_routes
-from moetier.tiers.call_routing import Copies, Group, Routing, add_rows, sort_pairs
+from moetier.tiers.call_routing import Group, Routing, add_rows, sort_pairs
+from moetier.tiers.copy_path import CopyPath
 from moetier.tiers.copy_timings import CopyTimings
 from moetier.tiers.cpu_jobs import decode_groups, gather_streaming
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuJob
 from moetier.tiers.decode_inputs import HostBuffers, read_host_inputs
 from moetier.tiers.dispatcher import ExpertDispatcher, expert_accumulator
-from moetier.tiers.expert_cache import ExpertCache, Slot
+from moetier.tiers.expert_cache import ExpertCache
 from moetier.tiers.experts import ExpertStore
 from moetier.tiers.gpu_wait import HostFlag
 from moetier.tiers.hints import HintBuffer
@@ -86,6 +85,7 @@ class TieredDispatcher(ExpertDispatcher):
         self.metrics = TierMetrics()
         self.policy = make_policy(self.config.policy, **self.config.policy_options)
         self.cache: ExpertCache | None = None
+        self.copies: CopyPath | None = None  # the copy path over the cache (made by prepare)
         self.mapped: MappedExperts | None = None  # the mapped route's device table (made by prepare)
         self.cpu_tier: CpuExpertTier | None = None
         self.costs = RouteCosts.from_share(self.config.cpu_share) if self.config.cpu_share is not None else RouteCosts()
@@ -129,6 +129,7 @@ class TieredDispatcher(ExpertDispatcher):
         n_slots = cfg.cache_slots if cfg.cache_slots is not None else cfg.cache_bytes // self.block_bytes
         staging = cfg.staging_slots or default_staging_slots(layout.top_k)
         self.cache = ExpertCache(self.store, device, n_slots, self.policy, staging, self.metrics)
+        self.copies = CopyPath(self.store, self.cache, self.metrics)
         # On CUDA the native worker spins between a step's jobs (one per MoE layer): host cores only launch there.
         spin = DECODE_SPIN_S if device.type == "cuda" else 0.0
         self.cpu_tier = CpuExpertTier(layout.swiglu_limit, cfg.cpu_threads, spin_seconds=spin)
@@ -252,11 +253,11 @@ class TieredDispatcher(ExpertDispatcher):
             # predicted longer route first, and simpler).
             timer = self._copy_timings.start() if adapt and copy_groups else None
             with phase("tiers.copy_submit"):
-                copies = self._start_copies(layer, copy_groups)
+                copies = self.copies.start(layer, copy_groups)
             if cpu_groups:
                 started = self._submit_cpu(layer, hidden, routing, cpu_groups, release, adapt)
             with phase("tiers.device"):
-                read = self._compute_on_device(layer, out, hidden, routing, hits, copies, streaming)
+                read = self.copies.compute(layer, out, hidden, routing, hits, copies, streaming, self._stream)
             if timer is not None:
                 self._copy_timings.stop(timer, sum(self.costs.copy(g.count) for g in copy_groups))
             with phase("tiers.after"):  # prefetches and the CPU-routed admissions' copies
@@ -466,117 +467,6 @@ class TieredDispatcher(ExpertDispatcher):
         if streaming:
             routing.to_device(hidden.device)
         return routing
-
-    def _start_copies(self, layer: int, copy_groups: list[Group]) -> Copies:
-        """Enqueue the copy path's copies on the copy stream, before any compute of this call.
-
-        Admitted misses are copied straight into their cache slot; the others go through the staging
-        ring, prefetched ones first (their copies were issued earliest), as many as the ring has free
-        slots; the rest wait for :meth:`_compute_on_device` to free a slot.
-        """
-        copies = Copies(direct=[g for g in copy_groups if g.slot is not None])
-        counters = self.metrics.layer(layer)
-        from_host, moved = [], []
-        for group in copy_groups:
-            slot = self.cache.claim_prefetched((layer, group.expert))
-            if slot is not None:
-                counters.copy_pairs += group.count
-                counters.prefetch_used += 1
-            if group.slot is not None:  # admitted: into its cache slot, from the prefetched copy if there is one
-                (from_host if slot is None else moved).append((group, slot))
-            elif slot is None:
-                copies.waiting.append(group)
-            else:
-                copies.staged.append((group, slot))
-        counters.prefetch_wasted += len(self.cache.drop_prefetched())
-        self._move_prefetched(moved)
-        self._refill(layer, copies.waiting, copies.staged, [(g, g.slot) for g, _ in from_host])
-        return copies
-
-    def _move_prefetched(self, moved: list[tuple[Group, Slot]]) -> None:
-        """Admitted experts already prefetched into staging slots: copied device to device into their cache
-        slots (on the copy stream, after the prefetch), the staging slots freed at once (nothing reads them)."""
-        if not moved:
-            return
-        self.cache.fill_many([(group.slot, staged.tensor) for group, staged in moved])
-        for _, staged in moved:
-            self.cache.return_staging(staged)
-
-    def _compute_on_device(
-        self, layer: int, out: torch.Tensor, hidden: torch.Tensor, routing: Routing, hits, copies, streaming
-    ) -> list[Slot]:
-        """Run the hits and the copied experts.
-
-        A decode call whose copies all have a slot runs everything in one grouped launch
-        (:mod:`moetier.kernels.grouped_experts`) once the copies have landed: the hits take microseconds,
-        so launching them apart would only cost host time. Otherwise the hits go first, then each ring's
-        worth of staged experts; a ring slot is refilled only after the compute that read it has been
-        enqueued (on CUDA the refill also waits for its event), so at most ``n_staging`` copies run ahead
-        of the compute. A streaming call computes each staged expert as soon as its copy lands, so its
-        GEMM overlaps the next copies.
-        """
-        stream = self._compute_stream()
-        staged, waiting = copies.staged, copies.waiting
-        read = [group.slot for group in hits + copies.direct]
-        first = [(group, group.slot) for group in hits + copies.direct]
-        together = not streaming and not waiting
-        self._compute(out, hidden, routing, first + staged if together else first)
-        done = len(staged) if together else 0
-        while done < len(staged):
-            batch = staged[done : done + 1] if streaming else staged[done:]
-            self._compute(out, hidden, routing, batch)
-            done += len(batch)
-            self._release_staged(batch, stream)
-            self._refill(layer, waiting, staged)
-        if together:
-            self._release_staged(staged, stream)
-        return read
-
-    def _release_staged(self, batch: list[tuple[Group, Slot]], stream: Any) -> None:
-        self.cache.mark_released([slot for _, slot in batch], stream)
-        for _, slot in batch:
-            self.cache.return_staging(slot)
-
-    def _compute(self, out, hidden, routing: Routing, work: list[tuple[Group, Slot]]) -> None:
-        """Run these groups from their slots (each waits for its copy): one grouped launch where it applies."""
-        if not work:  # every miss went to the CPU tier and nothing hit: no device tensors to make
-            return
-        stream = self._compute_stream()
-        for _, slot in work:
-            self.cache.wait_ready(slot, stream)
-        groups = [(slot.weights, group.start, group.count) for group, slot in work]
-        limit, top_k = self.store.layout.swiglu_limit, self.store.layout.top_k
-        if routing.tokens_dev is None:  # made once per call, and only for a call with device work
-            with phase("tiers.to_device"):
-                routing.to_device(hidden.device)
-        run_experts(out, hidden, routing.tokens_dev, routing.gates_dev, groups, limit, routing.tokens_host, top_k)
-
-    def _refill(
-        self,
-        layer: int,
-        waiting: deque[Group],
-        staged: list[tuple[Group, Slot]],
-        direct: list[tuple[Group, Slot]] = (),
-    ) -> None:
-        """Copy ``direct`` groups into their slots, then waiting groups into free staging slots (oldest
-        release first) until either runs out: one batch of copies."""
-        work = list(direct)
-        while waiting:
-            slot = self.cache.take_staging()
-            if slot is None:
-                break
-            group = waiting.popleft()
-            staged.append((group, slot))
-            work.append((group, slot))
-        self._copy_in(layer, work)
-
-    def _copy_in(self, layer: int, work: list[tuple[Group, Slot]]) -> None:
-        if not work:
-            return
-        self.cache.fill_many([(slot, self.store.expert(layer, group.expert).block) for group, slot in work])
-        counters = self.metrics.layer(layer)
-        counters.copy_bytes += self.block_bytes * len(work)
-        counters.copy_pairs += sum(group.count for group, _ in work)
 
     def _start_cpu_from_host(self, layer: int, routing: Routing, groups: list[Group], release: int | None):
         """Submit a decode call's CPU job over its host inputs (:func:`decode_groups`), the fp32 sums into a
