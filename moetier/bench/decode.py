@@ -501,9 +501,9 @@ def markdown_table(receipt: dict[str, Any]) -> str:
 
 # The phases worth a column, in the order a layer runs them; others a receipt holds stay in its JSON.
 _PHASE_COLUMNS = (
-    "segments", "v4.attend", "v4.dispatch", "tiers.wait", "tiers.route", "tiers.split", "tiers.policy",
-    "tiers.copy_submit", "tiers.cpu_submit", "tiers.to_device", "tiers.device", "tiers.after", "tiers.cpu_sums",
-    "tiers.cpu_wait", "tiers.cpu_job", "tiers.mapped",
+    "segments", "tiers.step_start", "v4.attend", "v4.dispatch", "tiers.wait", "tiers.route", "tiers.split",
+    "tiers.policy", "tiers.copy_submit", "tiers.cpu_submit", "tiers.to_device", "tiers.device", "tiers.after",
+    "tiers.cpu_sums", "tiers.cpu_wait", "tiers.cpu_job", "tiers.mapped",
 )  # fmt: skip
 
 

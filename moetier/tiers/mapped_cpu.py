@@ -59,9 +59,11 @@ MAPPED_READ_FACTOR = {False: 0.92, True: 0.75}
 SAMPLE_EVERY = 4
 BALANCE_SAMPLES = 12
 # With graphed steps: every TIMED_STEP_EVERY-th mapped step is eager and timed, every FAST_TIMED_STEP_EVERY-th
-# while the share still moves (a rebalance changed the picks, or none has run yet).
+# while the share still moves (no rebalance yet, or the last one moved it by SETTLED_MOVE or more: smaller moves
+# are the samples' noise, ~1-2 experts a layer on the H200, and an eager step costs the host ~2 ms more).
 TIMED_STEP_EVERY = 16
 FAST_TIMED_STEP_EVERY = 3
+SETTLED_MOVE = 0.02
 BALANCE_LIMITS = (0.05, 0.95)
 # A rebalance moves the share by at most this much, and the first SETTLE_STEPS steps after another route's are
 # not timed: that route's copies still land and its cache contents are not the mapped route's (on the H200 a
@@ -177,7 +179,7 @@ class FedCpuShare:
         self._words = (torch.zeros(len(layers), dtype=torch.int32), torch.zeros(len(layers), dtype=torch.int32))
         self._queued: dict[int, FedCall] | None = None  # a queued step's calls not started yet, by layer
         self._mapped_steps = 0
-        self._moving = True  # no rebalance yet, or the last one changed the picks
+        self._moving = True  # no rebalance yet, or the last one moved the share by SETTLED_MOVE or more
         self._timed = False  # the step in progress times every call
         self._inboxes: dict[int, FedInbox] = {}
         self._targets: dict[int, FeedTarget] = {}
@@ -374,8 +376,8 @@ class FedCpuShare:
         self._samples = []
         share, before = balanced_share(self.share, cpu_total, device_total), self.share
         self.share, experts = share, self.store.layout.num_experts
-        self._moving = round(share * experts) != round(before * experts)
-        if not self._moving:
+        self._moving = abs(share - before) >= SETTLED_MOVE
+        if round(share * experts) == round(before * experts):
             return  # less than one expert a layer: kept (the share itself moves on)
         log.info("mapped route: the CPU tier's share %.2f -> %.2f (CPU %.2f ms, device %.2f ms over the samples)",
                  before, share, 1e3 * cpu_total, 1e3 * device_total)  # fmt: skip
