@@ -141,6 +141,8 @@ class MappedExperts:
         ones = self._ones[: flat.numel()] if flat.numel() <= self._ones.numel() else torch.ones_like(flat)
         self._count_rows[layer].index_add_(0, flat, ones)
         fed = self.cpu is not None and self.cpu.usable(hidden)
+        if self.cpu is not None and not fed:
+            self.cpu.abort_step()  # a queued step whose call cannot be fed: no job may wait for a start never stored
         pick = self._pick_rows[layer] if fed else None
         if self.cuda:
             self._dispatch_on_device(layer, out, hidden, topk_ids, topk_weights, pick, stream)
