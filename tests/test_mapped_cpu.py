@@ -5,6 +5,7 @@ code, the device table's CPU picks and the combination of both shares against th
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -146,20 +147,26 @@ def test_the_fed_share_is_off_where_the_kernel_cannot_run_it_and_validated():
 
 @pytest.mark.gpu
 @needs_kernel
-def test_fed_steps_enqueued_ahead_of_the_host_match_resident_on_cuda():
+@pytest.mark.parametrize("queued", [False, True])
+def test_fed_steps_enqueued_ahead_of_the_host_match_resident_on_cuda(queued):
     """Steps launched back to back with no host read in between: the worker holds several fed jobs queued before
-    their inputs exist, each starts when the device stores its word, and the stream waits for each one's sums."""
+    their inputs exist, each starts when the device stores its word, and the stream waits for each one's sums.
+    ``queued``: each step inside the dispatcher's ``decode_step``, every layer's job queued before its calls (as
+    for calls replayed from CUDA graphs), batch sizes alternating."""
     layout = ExpertLayout((0, 1, 2), num_experts=32, hidden_size=1024, intermediate_size=512, top_k=4, swiglu_limit=7.0)
     home, device_store = _pinned_and_device_stores(layout, torch.bfloat16)
     resident = ResidentDispatcher(device_store)
     tiered = TieredDispatcher(home, cache_slots=6, miss_route="mapped", mapped_cpu_share=0.5, policy="lfu")
+    tiered.prepare("cuda")
     generator = torch.Generator().manual_seed(9)
     calls = []
     for step in range(24):
         tokens = (1, 2, 4, 1)[step % 4]
-        for layer in layout.moe_layers:
-            hidden, ids, weights = (t.cuda() for t in _routing(tokens, layout, generator, torch.bfloat16, skew=2.0))
-            calls.append((layer, hidden, ids, weights, tiered.dispatch(layer, hidden, ids, weights)))
+        with tiered.decode_step(tokens, torch.bfloat16) if queued else contextlib.nullcontext(None) as variant:
+            assert variant == (("mapped", True) if queued else None)
+            for layer in layout.moe_layers:
+                hidden, ids, weights = (t.cuda() for t in _routing(tokens, layout, generator, torch.bfloat16, skew=2.0))
+                calls.append((layer, hidden, ids, weights, tiered.dispatch(layer, hidden, ids, weights)))
     torch.cuda.synchronize()
     worst = max(relative_error(ours, resident.dispatch(layer, h, i, w)) for layer, h, i, w, ours in calls)
     tiered.flush_metrics()

@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 from reference import relative_error
-from test_mapped import _pinned_and_device_stores
 from test_mapped_cpu import LAYOUT, _check_bf16_noise, needs_kernel
 from test_tiers_fidelity import BF16_STEP_MEDIAN, _random_store, _routing, forced_logits, load_tiered, small_cache
 
@@ -21,7 +20,6 @@ from moetier.kernels.cpu_worker import ABANDONED
 from moetier.models.graph_segments import SegmentGraphs
 from moetier.tiers import mapped_cpu
 from moetier.tiers.dispatcher import ResidentDispatcher
-from moetier.tiers.experts import ExpertLayout
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
 from moetier.weights.loader import load_model
 
@@ -229,34 +227,6 @@ def test_graphed_mapped_decode_on_cuda_matches_eager_and_resident(v4_checkpoint,
     assert runs[True][0] == runs[False][0]
     assert max(relative_error(a, b) for a, b in zip(runs[True][1], runs[False][1], strict=True)) < 1e-6
     assert sorted(errors)[len(errors) // 2] < BF16_STEP_MEDIAN
-
-
-@pytest.mark.gpu
-@needs_kernel
-def test_graphed_fed_steps_with_batch_sizes_alternating_match_resident_on_cuda():
-    """Dispatcher-level steps on CUDA through decode_step, batch sizes alternating and the host far ahead: each
-    size's queued jobs start on the device's constant words, step after step."""
-    layout = ExpertLayout((0, 1, 2), num_experts=32, hidden_size=1024, intermediate_size=512, top_k=4, swiglu_limit=7.0)
-    home, device_store = _pinned_and_device_stores(layout, torch.bfloat16)
-    resident = ResidentDispatcher(device_store)
-    tiered = TieredDispatcher(home, cache_slots=6, miss_route="mapped", mapped_cpu_share=0.5, policy="lfu")
-    tiered.prepare("cuda")
-    generator = torch.Generator().manual_seed(9)
-    calls = []
-    for step in range(24):
-        tokens = (1, 2, 4, 1)[step % 4]
-        with tiered.decode_step(tokens, torch.bfloat16) as variant:
-            assert variant == ("mapped", True)
-            for layer in layout.moe_layers:
-                hidden, ids, weights = (t.cuda() for t in _routing(tokens, layout, generator, torch.bfloat16, skew=2.0))
-                calls.append((layer, hidden, ids, weights, tiered.dispatch(layer, hidden, ids, weights)))
-    torch.cuda.synchronize()
-    worst = max(relative_error(ours, resident.dispatch(layer, h, i, w)) for layer, h, i, w, ours in calls)
-    tiered.flush_metrics()
-    totals = tiered.metrics.snapshot()["totals"]
-    tiered.close()
-    assert worst < 5e-3
-    assert totals["cpu_pairs"] > 0 and totals["mapped_pairs"] > 0
 
 
 @needs_kernel
