@@ -78,6 +78,7 @@ MODES = (
     *("tiered-host", "tiered-nohint", "resident-host", "mapped", "mapped-cpu"),
 )
 DEFAULT_MODES = MODES[:5]
+DEFAULT_WARMUP_STEPS = 32
 
 
 @dataclass
@@ -91,7 +92,10 @@ class DecodeBenchConfig:
     policy: str = "lfu"
     prompt_len: int = 64
     prefill_chunk: int = 2048  # longer prompts are prefilled one stream at a time, this many tokens per call
-    warmup: int = 4
+    # Decode steps before anything is timed, in every mode: the mapped route admits at most two experts a step, so
+    # its cache fills over a few dozen steps, which only the split chooser's trial gave the tiered mode (b19f246,
+    # 1 stream, 4 warm-up steps: mapped-cpu's hit rate 0.25, tiered's on the same route 0.38).
+    warmup: int = DEFAULT_WARMUP_STEPS
     steps: int = 16
     repeats: int = 3
     dtype: str = "bf16"
@@ -543,7 +547,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-chunk", type=int, default=2048, help="longer prompts: prefilled per stream in chunks this long"
     )
-    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument(
+        "--warmup", type=int, default=DEFAULT_WARMUP_STEPS, help="decode steps before timing (every mode)"
+    )
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also write a torch.profiler summary per mode")
