@@ -59,7 +59,8 @@ def test_a_queued_step_gives_the_per_call_protocols_bits_and_the_resident_result
     real_dispatch = graphed.dispatch
 
     def watching(layer, *args):
-        queued.append(len(graphed.mapped.cpu._queued))  # jobs still waiting for their call's start word
+        fed = graphed.mapped.cpu
+        queued.append((sorted(fed._queued), len(fed._jobs)))  # the step's jobs, and every job not yet harvested
         return real_dispatch(layer, *args)
 
     graphed.dispatch = watching
@@ -69,7 +70,8 @@ def test_a_queued_step_gives_the_per_call_protocols_bits_and_the_resident_result
         variant, ours = _step(graphed, calls)
         eager_variant, theirs = _step(eager, calls)
         assert variant == ("mapped", True) and eager_variant is None
-        assert queued == [2, 1]  # both layers' jobs queued before the first call
+        # Both layers' jobs queued before the first call, and no call queued one of its own.
+        assert [layers for layers, _ in queued] == [list(LAYOUT.moe_layers)] * 2 and queued[0][1] == queued[1][1]
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
         errors += _errors(resident, ours, calls)
     graphed.flush_metrics()

@@ -177,7 +177,7 @@ class FedCpuShare:
         self._done: HostFlag | None = None
         # Per MoE layer: the start and done words (pinned and device-written on CUDA; host-written off it).
         self._words = (torch.zeros(len(layers), dtype=torch.int32), torch.zeros(len(layers), dtype=torch.int32))
-        self._queued: dict[int, FedCall] | None = None  # a queued step's calls not started yet, by layer
+        self._queued: dict[int, FedCall] | None = None  # a queued step's jobs, by layer
         self._mapped_steps = 0
         self._moving = True  # no rebalance yet, or the last one moved the share by SETTLED_MOVE or more
         self._timed = False  # the step in progress times every call
@@ -247,7 +247,9 @@ class FedCpuShare:
             self.broken = True
             self.abort_step()
             return None
-        call = self._queued.pop(layer, None) if self._queued is not None else None
+        # A queued step's job serves every call of its layer in the step: a capture that fails (recorded, never run)
+        # is followed by the same call run eagerly, and only one of them stores the start word on the device.
+        call = self._queued.get(layer) if self._queued is not None else None
         if call is None:
             call = self._submit(layer, inbox)
         if not device:  # off CUDA the host is the device: its inputs are in place

@@ -291,13 +291,13 @@ class TieredDispatcher(ExpertDispatcher):
             probe = self._probes[(tokens, dtype)] = torch.empty((tokens, self.store.layout.hidden_size), dtype=dtype,
                                                                 device=self.device)  # fmt: skip
         self._stream = self._current_stream()
-        with phase("tiers.step_start"):  # the host's work between two steps (the chooser, the table, the jobs)
-            self._begin_forward(probe, streaming=False)
-            mapped = self._step_route == "mapped" and self.config.mapped_graphs
-            variant = self.mapped.graph_step(probe) if mapped else None
-        self._step_open = True
         failed = False
         try:
+            with phase("tiers.step_start"):  # the host's work between two steps (the chooser, the table, the jobs)
+                self._begin_forward(probe, streaming=False)
+                mapped = self._step_route == "mapped" and self.config.mapped_graphs
+                variant = self.mapped.graph_step(probe) if mapped else None
+            self._step_open = True
             yield variant
         except BaseException:
             failed = True
