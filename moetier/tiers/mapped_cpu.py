@@ -241,8 +241,8 @@ class FedCpuShare:
         and queue the worker's job (a queued step's is there already); None (nothing queued: the device must run
         every pair) if the device cannot store the words."""
         row = self._row[layer]
-        device = self._start is not None
-        if device and not (self._done.write_on(stream, 0, row) and self._start.write_on(stream, 1, row)):
+        on_device = self._start is not None  # else the host plays the device (off CUDA)
+        if on_device and not (self._done.write_on(stream, 0, row) and self._start.write_on(stream, 1, row)):
             log.warning("the device cannot store the CPU tier's start word: mapped steps run without it")
             self.broken = True
             self.abort_step()
@@ -252,7 +252,7 @@ class FedCpuShare:
         call = self._queued.get(layer) if self._queued is not None else None
         if call is None:
             call = self._submit(layer, inbox)
-        if not device:  # off CUDA the host is the device: its inputs are in place
+        if not on_device:  # its inputs are in place: the host stores the words itself
             self._words[1].numpy()[row] = 0
             self._words[0].numpy()[row] = 1
         return call

@@ -288,8 +288,8 @@ class TieredDispatcher(ExpertDispatcher):
             return
         probe = self._probes.get((tokens, dtype))
         if probe is None:  # what the route checks read of a call's rows: their count, dtype and device
-            probe = self._probes[(tokens, dtype)] = torch.empty((tokens, self.store.layout.hidden_size), dtype=dtype,
-                                                                device=self.device)  # fmt: skip
+            shape = (tokens, self.store.layout.hidden_size)
+            probe = self._probes[(tokens, dtype)] = torch.empty(shape, dtype=dtype, device=self.device)
         self._stream = self._current_stream()
         failed = False
         try:
