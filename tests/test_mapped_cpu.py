@@ -163,7 +163,7 @@ def test_fed_steps_enqueued_ahead_of_the_host_match_resident_on_cuda(queued):
     for step in range(24):
         tokens = (1, 2, 4, 1)[step % 4]
         with tiered.decode_step(tokens, torch.bfloat16) if queued else contextlib.nullcontext(None) as variant:
-            assert variant == (("mapped", True) if queued else None)
+            assert (variant and variant[:2]) == (("mapped", True) if queued else None)
             for layer in layout.moe_layers:
                 hidden, ids, weights = (t.cuda() for t in _routing(tokens, layout, generator, torch.bfloat16, skew=2.0))
                 calls.append((layer, hidden, ids, weights, tiered.dispatch(layer, hidden, ids, weights)))

@@ -12,13 +12,15 @@ The same loaded model (one pinned home copy of the experts) is measured with eac
   waits for the CPU tier (``tiered`` lets the GPU wait where the driver can, and the receipt says
   when it cannot). Not in the default modes.
 - ``tiered-nohint``: ``tiered`` without the next-layer prefetch driven by the model's hints
-  (``decode_prefetch=0``; ``naive`` never prefetches). Not in the default modes.
+  (``decode_prefetch=0``, ``mapped_prefetch=0``; ``naive`` never prefetches). Not in the default modes.
 - ``mapped``: the same cache, every miss read by the GPU's kernels from the pinned home copy over PCIe
   (``miss_route="mapped"``, ``mapped_cpu_share=0``, :mod:`moetier.tiers.mapped`: no host wait inside a step).
   Not in the default modes (``tiered`` tries it by measured step time where the kernels take the call).
 - ``mapped-cpu``: ``mapped`` with the CPU tier beside it, fed by the device: the share of uncached experts that
   balances the two links' measured rates runs on host cores (:mod:`moetier.tiers.mapped_cpu`; still no host
   wait). Not in the default modes (``tiered``'s mapped route is this one where the CPU tier can run).
+- ``mapped-cpu-noahead``: ``mapped-cpu`` without the device's reads ahead of the next layer's predicted experts
+  during the attention (``mapped_prefetch=0``, :mod:`moetier.tiers.mapped_ahead`). Not in the default modes.
 - ``resident-host``: ``resident`` with launch tables built on the host from the router's ids (one wait
   per MoE layer), where ``resident`` builds them on the device (:mod:`moetier.kernels.device_routing`).
   Not in the default modes.
@@ -75,7 +77,7 @@ from moetier.weights.loader import LoadedModel
 _PROFILED_STEPS = 3  # steps the torch profiler records per mode (after one warm-up step)
 MODES = (
     *("resident", "naive", "cpu", "copy", "tiered"),
-    *("tiered-host", "tiered-nohint", "resident-host", "mapped", "mapped-cpu"),
+    *("tiered-host", "tiered-nohint", "resident-host", "mapped", "mapped-cpu", "mapped-cpu-noahead"),
 )
 DEFAULT_MODES = MODES[:5]
 DEFAULT_WARMUP_STEPS = 32
@@ -298,13 +300,15 @@ def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: t
     if mode == "naive":  # the seed's baseline: every active expert copied when it is needed, nothing ahead
         options |= {"cache_slots": 0, "miss_route": "copy", "calibrate": False, "decode_prefetch": 0}
     else:
-        route = "auto" if mode.startswith("tiered") else mode.removesuffix("-cpu")
+        route = "auto" if mode.startswith("tiered") else mode.removesuffix("-noahead").removesuffix("-cpu")
         options |= {"cache_slots": slots, "miss_route": route}
         options["gpu_waits_for_cpu"] = mode != "tiered-host"
         if mode == "mapped":  # the kernels' PCIe reads alone (mapped-cpu: the default share beside them)
             options["mapped_cpu_share"] = 0.0
         if mode == "tiered-nohint":  # tiered without the next-layer prefetch the model's hints drive
-            options["decode_prefetch"] = 0
+            options |= {"decode_prefetch": 0, "mapped_prefetch": 0}
+        if mode.endswith("-noahead"):  # the mapped route without its reads ahead during the attention
+            options["mapped_prefetch"] = 0
     dispatcher = TieredDispatcher(store, **options)
     dispatcher.prepare(device)
     return dispatcher

@@ -14,8 +14,9 @@ per-sequence cache work or host decisions start, and a step where every sequence
                       that wants hints, also the next MoE layer's predicted experts (below)
       experts eager   the dispatcher (its tiers decide on the host from the routing), after the hint; where
                       the dispatcher's ``decode_step`` says the step's calls may run in graphs (resident
-                      experts, a tiered dispatcher's mapped step), inside post instead, with no hints
-                      (:func:`decode_plan`: no host wait anywhere in the layer but the attention's)
+                      experts, a tiered dispatcher's mapped step), inside post instead, with hints only
+                      where it ``wants_graph_hints`` (handed over after post; :func:`decode_plan`: no host
+                      wait anywhere in the layer but the attention's)
     final     graph   the last MoE output added in, final norm
 
 through the model's :class:`~moetier.models.graph_segments.SegmentGraphs`, keyed by segment, layer and batch
@@ -33,8 +34,10 @@ Expert hints (``ExpertDispatcher.wants_hints``): a MoE layer ``L`` followed by a
 the residual at ``L``'s MoE input (``L'``'s attention and ``L``'s MoE output are not known yet), inside ``L``'s
 post segment (an extra output: no host sync), and hands them to ``dispatcher.hint(L', ids)`` before
 dispatching ``L``, so a tiered dispatcher can copy ``L'``'s missing experts while ``L`` and ``L'``'s attention
-run. Without hints the segments compute nothing extra; the graphs are captured for one choice at a time
-(:func:`decode_plan`).
+run. Where ``L``'s call runs inside post (``wants_graph_hints``: a mapped step's reads ahead on the device), the
+hint follows post instead, and before the segment or call that runs ``L'``'s experts the model calls
+``dispatcher.await_hint(L')``. Without hints the segments compute nothing extra; the graphs are captured for one
+choice at a time (:func:`decode_plan`).
 """
 
 from __future__ import annotations
@@ -205,7 +208,7 @@ def decode_plan(
     a tiered dispatcher's route changes from step to step). Graphs are captured per plan
     (:meth:`SegmentGraphs.use_variant`), so no graph computes, or skips, predictions or experts stale."""
     in_graphs = tokens > 0 and experts is not None
-    plan = DecodePlan(not in_graphs and dispatcher.wants_hints, in_graphs)
+    plan = DecodePlan(dispatcher.wants_graph_hints if in_graphs else dispatcher.wants_hints, in_graphs)
     graphs.use_variant(("expert hints", plan.hints, "experts in graphs", experts if in_graphs else None))
     return plan
 
@@ -245,7 +248,7 @@ def decode_step(model: PreNormModel, input_ids: torch.Tensor, batch: ForwardBatc
         x, cos, sin = graphs.run(("inputs", size), partial(_inputs, model), input_ids, batch.positions)
         carry: Carry = (x,)
         for layer, ahead in zip(model.layers, targets, strict=True):
-            carry = _layer_step(graphs, layer, ahead, carry, (cos, sin), batch, plan.experts_in_graphs)
+            carry = _layer_step(graphs, layer, ahead, carry, (cos, sin), batch, plan)
         (hidden,) = graphs.run(("final", size), partial(_final, model), *carry)
         return graphs.fresh(hidden)
 
@@ -257,19 +260,27 @@ def _layer_step(
     carry: Carry,
     rope: Rope,
     batch: ForwardBatch,
-    experts_in_graph: bool = False,
+    plan: DecodePlan,
 ) -> Carry:
     """One layer: pre (graph), attention over the caches (eager), post (graph; with ``ahead``, the MoE layer it
-    predicts, its hint), routed experts (eager, or with ``experts_in_graph`` inside post)."""
-    size = len(batch.slices)
+    predicts, its hint), routed experts (eager, or with ``plan.experts_in_graphs`` inside post)."""
+    size, in_graph, moe = len(batch.slices), plan.experts_in_graphs, isinstance(layer.mlp, RoutedMoE)
     x, *projected = graphs.run(("pre", layer.layer, size), partial(_pre, layer, len(carry)), *carry, *rope)
     out = layer.decode_attend(tuple(projected), batch)
-    post = graphs.run(("post", layer.layer, size), partial(_post, layer, ahead, experts_in_graph), x, out)
-    if len(post) == 1 or experts_in_graph:  # a dense layer, or experts already run: the carry is complete
+    if plan.hints and moe and in_graph:  # what a hint for this layer started, before the segment holding its call
+        layer.mlp.dispatcher.await_hint(layer.layer)
+    post = graphs.run(("post", layer.layer, size), partial(_post, layer, ahead, in_graph), x, out)
+    if len(post) == 1:  # a dense layer: the carry is complete
         return post
+    if in_graph:  # the experts already ran: the carry (and the hint)
+        if ahead is not None:
+            layer.mlp.dispatcher.hint(ahead.layer, post[3])
+        return post[:3]
     h, y, ids, weights, shared, *predicted = post
     if ahead is not None:  # before this layer's dispatch: its copies can start while it computes
         layer.mlp.dispatcher.hint(ahead.layer, predicted[0])
+    if plan.hints:
+        layer.mlp.dispatcher.await_hint(layer.layer)
     return h, layer.mlp.experts(y, ids, weights), shared
 
 
@@ -307,7 +318,8 @@ def _post(
     outputs = layer.decode_mlp(h, y)
     if experts_in_graph and len(outputs) > 1:
         h, y, ids, weights, shared = outputs
-        return h, layer.mlp.experts(y, ids, weights), shared
+        carry = h, layer.mlp.experts(y, ids, weights), shared
+        return carry if ahead is None else (*carry, ahead.predict_experts(h))
     return outputs if ahead is None else (*outputs, ahead.predict_experts(h))
 
 

@@ -15,7 +15,8 @@ time for ~2 ms of GPU work on an H200, ~670 kernels plus their Python). A step r
                       (:meth:`DeepseekV4DecoderLayer.predict_routing`)
       experts eager   the dispatcher (its tiers decide on the host from the routing), after the hint; for
                       a dispatcher that is ``graphable`` for the batch (resident experts with device-built
-                      launch tables) and wants no hints, inside post instead
+                      launch tables, a tiered dispatcher's mapped step), inside post instead, with the
+                      hint after post where it ``wants_graph_hints``
                       (:func:`~moetier.models.decode_segments.decode_plan`)
     final     graph   the last MoE output merged in, hyper-head, final norm
 
@@ -28,7 +29,8 @@ run eagerly, so the CPU tests of this path test the graphed math.
 
 Expert hints, as in :mod:`moetier.models.decode_segments`: every V4 layer is a MoE layer, so each but the last
 hands ``dispatcher.hint(L + 1, ids)`` the next layer's predicted experts (exact for a hash-routed next layer)
-before its own dispatch; the graphs are captured with or without the predictions, never both
+before its own dispatch (after the post segment holding it, for calls in graphs), and ``await_hint(L)`` comes
+before the work holding layer ``L``'s call; the graphs are captured with or without the predictions, never both
 (:func:`~moetier.models.decode_segments.decode_plan`).
 """
 
@@ -40,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moetier.models.base import ForwardBatch
-from moetier.models.decode_segments import decode_plan
+from moetier.models.decode_segments import DecodePlan, decode_plan
 from moetier.models.deepseek_v4_attention import Projections
 from moetier.models.deepseek_v4_rope import StepRope, rotations_from
 from moetier.models.graph_segments import SegmentGraphs
@@ -65,8 +67,7 @@ def decode_step(model: DeepseekV4ForCausalLM, input_ids: torch.Tensor, batch: Fo
         rope = StepRope(batch.positions, rotations_from(tuple(rope_tensors)), model.rope_tables["compress"])
         carry: Carry = (streams,)
         for layer, ahead in zip(layers, targets, strict=True):
-            in_graphs = plan.experts_in_graphs
-            carry = _layer_step(graphs, layer, ahead, carry, ids, tuple(rope_tensors), rope, batch, in_graphs)
+            carry = _layer_step(graphs, layer, ahead, carry, ids, tuple(rope_tensors), rope, batch, plan)
         (hidden,) = graphs.run(("final", size), partial(_final, model), *carry)
         return graphs.fresh(hidden)
 
@@ -80,25 +81,32 @@ def _layer_step(
     rope_tensors: tuple[torch.Tensor, ...],
     rope: StepRope,
     batch: ForwardBatch,
-    experts_in_graph: bool = False,
+    plan: DecodePlan,
 ) -> Carry:
     """One layer: pre (graph), attention core (eager), post (graph; with ``ahead``, the layer it predicts, its
-    hint), routed experts (eager, or with ``experts_in_graph`` inside post) -> its carry."""
-    index, size = layer.layer, len(batch.slices)
+    hint), routed experts (eager, or with ``plan.experts_in_graphs`` inside post) -> its carry."""
+    index, size, experts_in_graph = layer.layer, len(batch.slices), plan.experts_in_graphs
+    dispatcher = layer.ffn.dispatcher
     pre = graphs.run(("pre", index, size), partial(_pre, layer, len(carry)), *carry, *rope_tensors)
     streams, post, comb, q, index_q = pre[:5]
     states = [s.cache.layers[index] for s in batch.slices]
     with phase("v4.attend"):
         out = layer.attn.decode_attend(q, index_q, Projections(*pre[5:]), rope, states)
     post_fn = partial(_post, layer, ahead, experts_in_graph)
+    if plan.hints and experts_in_graph:  # what a hint for this layer started, before the segment holding its call
+        dispatcher.await_hint(index)
     outputs = graphs.run(("post", index, size), post_fn, out, streams, post, comb, ids, *rope_tensors)
-    if experts_in_graph:  # the routed experts ran inside post: its outputs are the carry
-        return outputs
+    if experts_in_graph:  # the routed experts ran inside post: its outputs are the carry (and the hint)
+        if ahead is not None:
+            dispatcher.hint(ahead.layer, outputs[5])
+        return outputs[:5]
     streams, post, comb, x, topk_ids, weights, shared, *predicted = outputs
     if ahead is not None:  # before this layer's dispatch: the next layer's copies can start while it computes
-        layer.ffn.dispatcher.hint(ahead.layer, predicted[0])
+        dispatcher.hint(ahead.layer, predicted[0])
+    if plan.hints:
+        dispatcher.await_hint(index)
     with phase("v4.dispatch"):
-        routed = layer.ffn.dispatcher.dispatch(index, x, topk_ids, weights)
+        routed = dispatcher.dispatch(index, x, topk_ids, weights)
     return streams, post, comb, routed, shared
 
 
@@ -129,11 +137,12 @@ def _post(
 ) -> tuple:
     """Segment: :meth:`DeepseekV4DecoderLayer.decode_post` with the rotations passed as tensors, then (with
     ``ahead``) ``ahead``'s predicted expert ids; with ``experts_in_graph`` the routed experts too (the layer's
-    carry, ``(streams, post, comb, routed, shared)``)."""
+    carry, ``(streams, post, comb, routed, shared)``, then the prediction)."""
     outputs = layer.decode_post(out, rotations_from(rope_tensors), streams, post, comb, ids)
     if experts_in_graph:
         streams, post, comb, x, topk_ids, weights, shared = outputs
-        return streams, post, comb, layer.ffn.dispatcher.dispatch(layer.layer, x, topk_ids, weights), shared
+        carry = streams, post, comb, layer.ffn.dispatcher.dispatch(layer.layer, x, topk_ids, weights), shared
+        return carry if ahead is None else (*carry, ahead.predict_routing(streams, post, comb, shared, ids))
     if ahead is None:
         return outputs
     streams, post, comb, *_, shared = outputs

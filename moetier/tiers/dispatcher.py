@@ -65,7 +65,22 @@ class ExpertDispatcher(ABC):
         it one layer early, before dispatching the current layer, so a tiered dispatcher can start copying
         them while this layer and the next attention run. With CUDA graphs ``topk_ids`` is a graph output the next
         replay overwrites: copy it (on its stream) before returning, never keep it. Results never depend on
-        hints. Default: ignored."""
+        hints. Default: ignored.
+
+        Where the current layer's calls run inside the model's graphs (:meth:`decode_step`), a dispatcher that
+        :attr:`wants_graph_hints` gets the hint after the segment holding the current layer's call instead; and
+        a model that hints calls :meth:`await_hint` for ``layer`` before the work holding that layer's call."""
+
+    @property
+    def wants_graph_hints(self) -> bool:
+        """Whether this step's calls, run inside the model's graphs, still want :meth:`hint` (the graphs then
+        compute the predictions too). Read per step, after :meth:`decode_step` yielded. Default: False."""
+        return False
+
+    def await_hint(self, layer: int) -> None:  # noqa: B027 - an optional hook, not abstract
+        """Before the segment (or the eager call) that runs MoE layer ``layer``'s experts, in a step whose model
+        hinted ``layer``: device work a hint started is ordered before it here (on the current stream; no host
+        wait). Default: nothing."""
 
 
 def expert_accumulator(hidden: torch.Tensor) -> torch.Tensor:

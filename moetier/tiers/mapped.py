@@ -47,6 +47,7 @@ from moetier.kernels.device_routing import (
 from moetier.tiers.dispatcher import run_host_sorted
 from moetier.tiers.expert_cache import ExpertCache, Slot
 from moetier.tiers.experts import ExpertStore, ExpertWeights
+from moetier.tiers.mapped_ahead import MappedPrefetch
 from moetier.tiers.mapped_cpu import FedCpuShare
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.policies import CachePolicy, Key
@@ -75,6 +76,7 @@ class MappedExperts:
         metrics: TierMetrics,
         admissions: int = DEFAULT_MAPPED_ADMISSIONS,
         cpu: FedCpuShare | None = None,
+        ahead_slots: int = 0,
     ) -> None:
         layout = store.layout
         self.store, self.cache, self.policy, self.metrics = store, cache, policy, metrics
@@ -112,6 +114,11 @@ class MappedExperts:
         self._steps = 0  # steps begun since the last readback started
         self._step = 0
         self._by_address: dict[int, ExpertWeights] = {}
+        # The next layer's predicted experts read into staging slots by the device during the attention.
+        self.ahead = None
+        if ahead_slots > 0:
+            self.ahead = MappedPrefetch(store, cache, self.table, self.pick, self._home, self.layers, ahead_slots)
+        self._ahead_seen = torch.zeros((len(self.layers), 2), dtype=torch.int64)  # [copied, used] harvested
 
     # --- the call -------------------------------------------------------------------------------
 
@@ -146,6 +153,7 @@ class MappedExperts:
         pick = self._pick_rows[layer] if fed else None
         if self.cuda:
             self._dispatch_on_device(layer, out, hidden, topk_ids, topk_weights, pick, stream)
+            self._restore_ahead(layer, topk_ids)
             return
         call, skip = None, None
         if fed:  # the host plays the device: it fills the inbox, stores the start word, runs the device's share
@@ -167,6 +175,16 @@ class MappedExperts:
             raise
         if call is not None:
             self.cpu.collect(call, out, stream)
+        self._restore_ahead(layer, topk_ids)
+
+    def _restore_ahead(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """After the call's kernels: the entries its reads ahead pointed at staging slots point home again."""
+        if self.ahead is not None:
+            self.ahead.restore(layer, topk_ids)
+
+    def ahead_usable(self, hidden: torch.Tensor) -> bool:
+        """Whether a decode call like ``hidden`` on this route takes reads ahead (:mod:`moetier.tiers.mapped_ahead`)."""
+        return self.ahead is not None and self.ahead.usable(hidden) and self.usable(hidden, hidden.shape[0])
 
     def _dispatch_on_device(self, layer, out, hidden, topk_ids, topk_weights, pick, stream) -> None:
         """The device-built launch over the table; with ``pick``, one kernel writes the table and the CPU tier's
@@ -244,8 +262,11 @@ class MappedExperts:
         return "mapped", fed
 
     def end_step(self, failed: bool = False) -> None:
-        """After a step: a queued step's jobs are the calls' own again; ``failed``: the jobs its calls never
-        started are cancelled (:meth:`FedCpuShare.abort_step`)."""
+        """After a step: a queued step's jobs are the calls' own again, the reads ahead's slots given back;
+        ``failed``: the jobs its calls never started are cancelled (:meth:`FedCpuShare.abort_step`) and the
+        entries its reads ahead changed restored."""
+        if self.ahead is not None:
+            self.ahead.finish_step(self._stream_now(), failed)
         if self.cpu is not None:
             if failed:
                 self.cpu.abort_step()
@@ -264,6 +285,8 @@ class MappedExperts:
     def release(self, stream: Any, extra: list[Slot] = ()) -> None:
         """Record, on ``stream``, that every kernel reading a slot through the table has been enqueued: a later
         copy into one of those slots (or into ``extra``) waits for them."""
+        if self.ahead is not None:  # a step that never ended (end_step) gives its slots back here
+            self.ahead.finish_step(stream, failed=True)
         slots = list(self._pointed.values()) + list(extra)
         if slots:
             self.cache.mark_released(slots, stream)
@@ -276,7 +299,7 @@ class MappedExperts:
             if self._readback is not None and self._readback[1] is not None:
                 self._readback[1].synchronize()
             self._harvest()
-            self._start_readback(torch.cuda.current_stream(self.device) if self.cuda else None)
+            self._start_readback(self._stream_now())
 
     def _harvest(self) -> tuple[dict[Key, int], int]:
         """The experts used since the counts last came back (if they have), told to the policy and metrics, and
@@ -292,8 +315,9 @@ class MappedExperts:
             if self._steps < LAG_STEPS:
                 return {}, 0
             event.synchronize()
-        host, _, steps = self._readback
+        host, _, steps, ahead = self._readback
         self._readback = None
+        self._record_ahead(ahead)
         self._fed_window, self._fed = self._fed > 0, 0
         # Only the entries that moved (a step's pairs), found by torch: a real model has ~11k entries.
         changed = torch.nonzero(host != self._seen).flatten()
@@ -332,6 +356,17 @@ class MappedExperts:
                 else:  # every missed pair's kernels read its expert's block over PCIe
                     counters.mapped_pairs += count
                     counters.mapped_bytes += count * block
+
+    def _record_ahead(self, stats: torch.Tensor | None) -> None:
+        """The reads ahead since the last readback: ``prefetch_used`` / ``prefetch_wasted`` / ``prefetch_bytes``."""
+        if stats is None:
+            return
+        moved, self._ahead_seen = stats - self._ahead_seen, stats
+        for layer, (copied, used) in zip(self.layers, moved.tolist(), strict=True):
+            counters = self.metrics.layer(layer)
+            counters.prefetch_used += used
+            counters.prefetch_wasted += copied - used
+            counters.prefetch_bytes += copied * self.cache.block_bytes
 
     def _admit(self, used: dict[Key, int], steps: int) -> list[tuple[Slot, Key]]:
         """Reserve slots for the missed experts the policy admits, most used first (never evicting an expert of the
@@ -393,17 +428,25 @@ class MappedExperts:
         """Copy the counts back to the host (non-blocking; harvested once its event has passed)."""
         if self._readback is not None:
             return
+        stats = self.ahead.take_stats() if self.ahead is not None else None
         if not self.cuda:
-            self._readback = (self.counts.clone(), None, self._steps)
+            self._readback = (self.counts.clone(), None, self._steps, None if stats is None else stats.clone())
         else:
             host = torch.empty(self.counts.shape, dtype=self.counts.dtype, pin_memory=True)
             host.copy_(self.counts, non_blocking=True)
+            ahead = None
+            if stats is not None:
+                ahead = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+                ahead.copy_(stats, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-            self._readback = (host, event, self._steps)
+            self._readback = (host, event, self._steps, ahead)
         self._steps = 0
 
     # --- lookups --------------------------------------------------------------------------------
+
+    def _stream_now(self) -> Any:
+        return torch.cuda.current_stream(self.device) if self.cuda else None
 
     def _span(self, layer: int) -> slice:
         row = self._row[layer]

@@ -18,6 +18,9 @@ MIN_STAGING_SLOTS = 16
 # A V4-Flash layer's attention over a 16k-token chunk at long context takes ~100+ ms on an H200,
 # during which PCIe could land ~110 experts: lend up to that many cache slots to the ring.
 DEFAULT_LEND_SLOTS = 128
+# Experts a mapped decode step reads ahead per MoE layer: two fp4 V4-Flash experts (~26 MB) cross PCIe in about
+# the time one layer's attention takes at a few streams.
+DEFAULT_MAPPED_PREFETCH = 2
 
 
 # Where a decode call's misses run: split by cost, all on the CPU tier, all copied in, or all read over PCIe by
@@ -57,7 +60,9 @@ class TieredConfig:
     layer's experts, while not cached, are computed by the CPU tier fed by the device (:mod:`moetier.tiers.mapped_cpu`;
     ``None``: the share that balances the measured CPU and PCIe rates; 0: the kernels read every miss). With
     ``mapped_graphs``, a model's segmented decode runs a mapped step's calls inside its CUDA graphs (no host code
-    per call; :meth:`TieredDispatcher.decode_step`).
+    per call; :meth:`TieredDispatcher.decode_step`), and the device reads up to ``mapped_prefetch`` of the experts
+    the model predicts for the next MoE layer into staging slots while that layer's attention runs
+    (:mod:`moetier.tiers.mapped_ahead`; 0: it reads every miss inside the call).
     A decode call copies up to ``decode_prefetch`` of the experts the model hinted for the next MoE
     layer (:meth:`ExpertDispatcher.hint`) into free staging slots once its own copies are enqueued
     (0: hints are not asked for), and only the ranks of the prediction whose measured precision reaches
@@ -84,6 +89,7 @@ class TieredConfig:
     mapped_admissions: int = 2
     mapped_cpu_share: float | None = None
     mapped_graphs: bool = True
+    mapped_prefetch: int = DEFAULT_MAPPED_PREFETCH
     decode_prefetch: int = 4
     hint_min_precision: float = 0.8
 
@@ -105,6 +111,9 @@ class TieredConfig:
             raise ConfigError(f"staging_slots must be >= 1, got {self.staging_slots}")
         if self.lend_slots < 0:
             raise ConfigError(f"lend_slots must be >= 0, got {self.lend_slots}")
+        prefetch = self.mapped_prefetch
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"mapped_prefetch must be an integer >= 0, got {self.mapped_prefetch!r}")
         if self.decode_prefetch < 0:
             raise ConfigError(f"decode_prefetch must be >= 0, got {self.decode_prefetch}")
         if not 0.0 <= self.hint_min_precision <= 1.0:

@@ -112,6 +112,10 @@ class TieredDispatcher(ExpertDispatcher):
         self._stream: Any = None  # the compute stream of the call in progress (None off CUDA)
         self._step_open = False  # inside decode_step: the step has started, its first call must not start another
         self._probes: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        # This step reads the next layer's predicted experts ahead (mapped route), and how: launched when hinted
+        # (its calls run in graphs, the hint comes after the call before it) or after the call before it.
+        self._ahead_step, self._graphed_step = False, False
+        self._pending_hint: int | None = None
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -142,7 +146,9 @@ class TieredDispatcher(ExpertDispatcher):
         if device.type == "cuda" and (split_priced or fed_priced) and cfg.calibrate:
             self.costs = calibrate_routes(self.store, self.cache, self.cpu_tier, device, self._first_layer)
         fed = self._fed_cpu_share(device)
-        self.mapped = MappedExperts(self.store, self.cache, self.policy, self.metrics, cfg.mapped_admissions, fed)
+        self.mapped = MappedExperts(
+            self.store, self.cache, self.policy, self.metrics, cfg.mapped_admissions, fed, cfg.mapped_prefetch
+        )
         log.info(
             "tiered experts: %d cache slots, %d staging slots, policy %s, route costs %s",
             n_slots,
@@ -165,14 +171,34 @@ class TieredDispatcher(ExpertDispatcher):
 
     @property
     def wants_hints(self) -> bool:
+        """Per step: a mapped step reads ahead on the device (``mapped_prefetch``), others copy ahead
+        (``decode_prefetch``)."""
+        if self._step_route == "mapped":
+            return self._ahead_step
         return self.config.decode_prefetch > 0 and self.config.miss_route != "cpu"
 
+    @property
+    def wants_graph_hints(self) -> bool:
+        return self._ahead_step and self._graphed_step
+
     def hint(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """Keep a decode call's prediction for ``layer`` (copied to the host without a sync, see :mod:`hints`);
-        a mapped step copies nothing ahead, so it ignores them."""
-        mapped = self._step_route == "mapped"
-        if self.wants_hints and not mapped and 0 < topk_ids.shape[0] < self.config.stream_min_tokens:
+        """Keep a decode call's prediction for ``layer``: a mapped step reads those experts ahead on the device
+        (:mod:`moetier.tiers.mapped_ahead`), another copies them to the host without a sync (see :mod:`hints`)."""
+        if self._step_route == "mapped":
+            if not self._ahead_step:
+                return
+            self.mapped.ahead.note(layer, topk_ids)
+            if self._graphed_step:  # the call before it ran inside the segment that computed the prediction
+                self.mapped.ahead.launch(layer, self._stream)
+            else:  # launched once the call before it is enqueued (its reads of the slots come first)
+                self._pending_hint = layer
+            return
+        if self.wants_hints and 0 < topk_ids.shape[0] < self.config.stream_min_tokens:
             self._hints.record(layer, topk_ids)
+
+    def await_hint(self, layer: int) -> None:
+        if self._ahead_step:
+            self.mapped.ahead.join(layer, self._stream)
 
     @property
     def gpu_waits_for_cpu(self) -> bool:
@@ -297,6 +323,10 @@ class TieredDispatcher(ExpertDispatcher):
                 self._begin_forward(probe, streaming=False)
                 mapped = self._step_route == "mapped" and self.config.mapped_graphs
                 variant = self.mapped.graph_step(probe) if mapped else None
+            self._ahead_step = self._step_route == "mapped" and self.mapped.ahead_usable(probe)
+            self._graphed_step = variant is not None
+            if self._ahead_step and variant is not None:
+                variant = (*variant, "ahead")
             self._step_open = True
             yield variant
         except BaseException:
@@ -304,6 +334,7 @@ class TieredDispatcher(ExpertDispatcher):
             raise
         finally:
             self._step_open = False
+            self._ahead_step, self._graphed_step, self._pending_hint = False, False, None
             self.mapped.end_step(failed)
 
     def _begin_forward(self, hidden: torch.Tensor, streaming: bool) -> None:
@@ -319,11 +350,17 @@ class TieredDispatcher(ExpertDispatcher):
         """The call on the mapped route; False after a failure (logged once; the copy route from then on)."""
         try:
             with phase("tiers.mapped"):
+                if self._ahead_step and not self._graphed_step:  # the model's await_hint did it already
+                    self.mapped.ahead.join(layer, self._stream)
                 self.mapped.dispatch(layer, out, hidden, topk_ids, topk_weights, self._stream)
+                if self._pending_hint is not None and self._pending_hint != layer:
+                    self.mapped.ahead.launch(self._pending_hint, self._stream)
+                self._pending_hint = None
             return True
         except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
             log.warning("mapped expert route failed (%s); copying misses from now on", exc)
             self._mapped_failed, self._step_route = True, "copy"
+            self._ahead_step, self._pending_hint = False, None
             self.mapped.end_step(failed=True)  # jobs queued for the step's other calls: cancelled
             return False
 

@@ -1,0 +1,208 @@
+"""The mapped route's reads ahead: the next MoE layer's predicted experts copied into VRAM during the attention.
+
+In a mapped decode step the device reads each missed expert over PCIe inside the layer's call, while between two
+calls (the next layer's attention: mostly host launches, the device idle) PCIe and the CPU tier have nothing to
+do. Here the model's next-layer prediction (:meth:`ExpertDispatcher.hint`, a device tensor) drives copies in
+that gap, with no host wait: :func:`~moetier.kernels.ahead_copy.launch_ahead` on a side stream copies up to
+``slots`` predicted, uncached experts into staging slots of the cache and points the device table at them; the
+layer's call then reads them from VRAM and computes them on the device (not the CPU tier), and its last kernel
+(:func:`~moetier.kernels.ahead_copy.launch_restore`, captured with the call) points the entries home again.
+
+Ordering on CUDA, per layer ``L'`` predicted at ``L``:
+- the side stream starts after everything enqueued on the compute stream up to ``L``'s call (an event), so
+  ``L``'s reads of the slots (the previous prediction's) are done before they are written again;
+- the compute stream waits for the side stream's event before the segment holding ``L'``'s call
+  (:meth:`join`, which the model calls through ``await_hint``), so the call reads the finished copies and the
+  table entries they point at; the host never waits;
+- the staging slots are taken from the cache's ring for one step (the side stream first waits for their last
+  copy and read) and given back at its end, released on the compute stream after every join.
+
+Off CUDA the same bookkeeping runs synchronously in torch ops (:mod:`moetier.kernels.ahead_copy`'s references),
+so the CPU tests check the choice, the table and the restore against the resident results.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from moetier.kernels.ahead_copy import (
+    ahead_kernels_usable,
+    ahead_reference,
+    launch_ahead,
+    launch_restore,
+    restore_reference,
+)
+from moetier.tiers.expert_cache import ExpertCache, Slot
+from moetier.tiers.experts import ExpertStore
+
+_MAX_SLOT_SETS = 64  # the ring hands out len(ring) / slots sets in turn; more means the ring changed
+
+
+class MappedPrefetch:
+    """Per MoE layer, the device's record of what it read ahead, and the side stream that does it.
+
+    Contract: :meth:`note` a layer's prediction when the model hands it over, :meth:`launch` it once the call
+    before it is enqueued, :meth:`join` before the
+    work holding that layer's call, :meth:`restore` inside the call after its kernels, :meth:`finish_step` at the
+    end of the step (``failed``: entries a call never restored are restored there). ``table``/``pick`` are the
+    mapped route's device table and CPU picks (rows of ``experts`` per layer, in ``layers`` order).
+    """
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        cache: ExpertCache,
+        table: torch.Tensor,
+        pick: torch.Tensor,
+        home: list[int],
+        layers: list[int],
+        slots: int,
+    ) -> None:
+        self.store, self.cache, self.table, self.pick = store, cache, table, pick
+        self.layers, self.experts, self.slots = layers, store.layout.num_experts, slots
+        self.device, self.cuda = cache.device, cache.device.type == "cuda"
+        self.block_bytes = cache.block_bytes
+        self.home = torch.tensor(home, dtype=torch.int64, device=self.device)
+        rows = len(layers)
+        self.chosen = torch.full((rows, slots), -1, dtype=torch.int64, device=self.device)
+        self.saved = torch.zeros((rows, slots), dtype=torch.uint8, device=self.device)
+        self.stats = torch.zeros((rows, 2), dtype=torch.int64, device=self.device)  # [copied, used] per layer
+        self._row = {layer: i for i, layer in enumerate(layers)}
+        self._base = cache.anchor.block.view(torch.uint8)
+        self._anchor = cache.anchor.block.data_ptr()
+        self._held: list[Slot] = []
+        # Per set of held slots: their offsets on the device (and the pinned copy they came from).
+        self._offsets: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        self._done: dict[int, Any] = {}  # per layer launched this step and not joined yet: its side event
+        self._ids: dict[tuple, torch.Tensor] = {}  # per (layer, shape): the copy of a prediction the kernel reads
+        self._noted: dict[int, torch.Tensor] = {}  # per layer: this step's prediction, not launched yet
+        self._start = [torch.cuda.Event() for _ in layers] if self.cuda else []
+        self._finished = [torch.cuda.Event() for _ in layers] if self.cuda else []
+        self._launched = False  # this step launched something (its end restores on failure, gives slots back)
+
+    def usable(self, hidden: torch.Tensor) -> bool:
+        """Whether reads ahead run for calls like ``hidden`` (on CUDA: the copy kernel, 16-byte blocks)."""
+        if self.slots == 0:
+            return False
+        return not self.cuda or (ahead_kernels_usable(hidden) and self.block_bytes % 16 == 0)
+
+    # --- the step -------------------------------------------------------------------------------
+
+    def note(self, layer: int, ids: torch.Tensor) -> None:
+        """Keep ``layer``'s predicted experts ``ids`` (int64 ``[B, K]``, device): copied on the current stream,
+        since they may be a graph's output the next replay overwrites."""
+        if layer not in self._row:
+            return
+        kept = self._ids.get((layer, ids.shape))
+        if kept is None:
+            kept = self._ids[(layer, ids.shape)] = torch.empty(ids.shape, dtype=torch.int64, device=self.device)
+        kept.copy_(ids)
+        self._noted[layer] = kept
+
+    def launch(self, layer: int, stream: Any) -> None:
+        """Read ahead ``layer``'s noted prediction after the work on ``stream`` so far (the current stream); a
+        step without free staging slots reads nothing ahead."""
+        ids = self._noted.pop(layer, None)
+        if ids is None or layer in self._done or not self._hold():
+            return
+        row, span = self._row[layer], self._span(layer)
+        table, home, pick = self.table[span], self.home[span], self.pick[span]
+        held = len(self._held)
+        chosen, saved = self.chosen[row, :held], self.saved[row, :held]
+        slots = self._slot_offsets()
+        self._launched = True
+        if not self.cuda:
+            blocks = [slot.tensor for slot in self._held]
+            ahead_reference(ids, table, home, pick, slots, chosen, saved, blocks, partial(self._home_block, layer))
+            self._done[layer] = None
+            return
+        self._start[row].record(stream)
+        self._side.wait_event(self._start[row])
+        with torch.cuda.stream(self._side):
+            launch_ahead(ids, table, home, pick, slots, chosen, saved, self._base, self.block_bytes)
+        self._finished[row].record(self._side)
+        self._done[layer] = self._finished[row]
+
+    def join(self, layer: int, stream: Any) -> None:
+        """Make ``stream`` wait for ``layer``'s reads ahead (before the work holding its call)."""
+        done = self._done.pop(layer, None)
+        if done is not None:
+            stream.wait_event(done)
+
+    def restore(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Inside ``layer``'s call, after its kernels: its entries home again, ``[copied, used]`` counted (device
+        work only: it may be captured)."""
+        if not self._launched and not (self.cuda and torch.cuda.is_current_stream_capturing()):
+            return  # nothing read ahead this step (a capture records the kernel for the steps that will)
+        row, span = self._row[layer], self._span(layer)
+        args = (self.chosen[row], self.saved[row], self.table[span], self.home[span], self.pick[span])
+        if self.cuda:
+            launch_restore(*args, topk_ids.reshape(-1).contiguous(), self.stats[row])
+        else:
+            restore_reference(*args, topk_ids, self.stats[row])
+
+    def finish_step(self, stream: Any, failed: bool = False) -> None:
+        """After a step: with ``failed``, every layer's entries restored (a call may have raised before its
+        restore); the staging slots given back, released on ``stream`` after every read of them."""
+        self._noted.clear()
+        if not self._launched:
+            return
+        for layer in list(self._done):
+            self.join(layer, stream)
+        if failed:
+            for layer in self.layers:
+                row, span = self._row[layer], self._span(layer)
+                args = (self.chosen[row], self.saved[row], self.table[span], self.home[span], self.pick[span])
+                (launch_restore if self.cuda else restore_reference)(*args, None, self.stats[row])
+        self.cache.mark_released(self._held, stream)
+        for slot in self._held:
+            self.cache.return_staging(slot)
+        self._held, self._launched = [], False
+        self._noted.clear()
+
+    def take_stats(self) -> torch.Tensor:
+        """The ``[copied, used]`` counts per layer so far (a device tensor the caller copies back)."""
+        return self.stats
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _hold(self) -> bool:
+        """Staging slots for this step's reads ahead (taken at its first launch); False when none is free."""
+        if self._held:
+            return True
+        while len(self._held) < self.slots:
+            slot = self.cache.take_staging()
+            if slot is None:
+                break
+            self._held.append(slot)
+        if self.cuda:  # the side stream writes them only after their last copy and read
+            for slot in self._held:
+                for event in (slot.ready, slot.released):
+                    if event is not None:
+                        self._side.wait_event(event)
+        return bool(self._held)
+
+    def _slot_offsets(self) -> torch.Tensor:
+        """The held slots' byte offsets from the anchor, on the device (one tensor per set of slots: the ring
+        hands the same few sets out in turn)."""
+        offsets = tuple(slot.tensor.data_ptr() - self._anchor for slot in self._held)
+        kept = self._offsets.get(offsets)
+        if kept is None:
+            if len(self._offsets) >= _MAX_SLOT_SETS:  # lent slots joined the ring and left: start over
+                self._offsets.clear()
+            host = torch.tensor(offsets, dtype=torch.int64)
+            host = host.pin_memory() if self.cuda else host
+            # Copied without a host wait; the pinned source lives as long as its entry.
+            kept = self._offsets[offsets] = (host.to(self.device, non_blocking=True), host)
+        return kept[0]
+
+    def _home_block(self, layer: int, expert: int) -> torch.Tensor:
+        return self.store.expert(layer, expert).block
+
+    def _span(self, layer: int) -> slice:
+        row = self._row[layer]
+        return slice(row * self.experts, (row + 1) * self.experts)
