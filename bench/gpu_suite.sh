@@ -29,6 +29,8 @@
 # CPU_WORKER_AB=1 adds a decode run of CPU_WORKER_AB_MODES (default cpu,tiered) with MOETIER_CPU_WORKER=python (the
 # CPU tier's Python worker thread instead of its native one), to compare with the main decode run.
 # TRACE=modes (e.g. "tiered") saves those modes' profiled 1-stream decode steps as gzipped Chrome traces.
+# ALT_TREE=dir adds a decode run of ALT_MODES (default resident,tiered) from the moetier source tree in dir (another
+# version of the code, e.g. a git archive of a branch), on the same bench model: an A/B of two versions in one call.
 # GRAPHS_CHECK=1 adds two decode runs (resident and tiered, 1 and 4 streams) with MOETIER_CUDA_GRAPHS=0, then =1.
 # The bench model is deleted at the end (KEEP_MODEL=1 keeps it): a second suite in the same call may need the disk.
 # One command runs at most 10 minutes on the device:
@@ -136,6 +138,11 @@ if [ -z "${SKIP_BENCH:-}" ]; then
         echo "=== decode with OMP_WAIT_POLICY=ACTIVE" >> "$LOG"
         OMP_WAIT_POLICY=ACTIVE bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
             --modes "${OMP_AB_MODES:-mapped-cpu,cpu}" --profile
+    fi
+    if [ -n "${ALT_TREE:-}" ]; then  # ALT_MODES (default resident,tiered) again from the source tree ALT_TREE
+        echo "=== decode from the tree $ALT_TREE" >> "$LOG"
+        (cd "$ALT_TREE" && export PYTHONPATH=/tmp/site:$PWD && bench decode 300 --streams 1,2,4 --cache-fraction 0.05 \
+            --policy lfu --modes "${ALT_MODES:-resident,tiered}")
     fi
     if [ -n "${GRAPHS_CHECK:-}" ]; then  # decode CUDA graphs off, then on (Qwen3 / V3 graphs are opt-in)
         for graphs in 0 1; do
