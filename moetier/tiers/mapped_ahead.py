@@ -99,13 +99,15 @@ class MappedPrefetch:
             return
         kept = self._ids.get((layer, ids.shape))
         if kept is None:
-            kept = self._ids[(layer, ids.shape)] = torch.empty(ids.shape, dtype=torch.int64, device=self.device)
+            with torch.inference_mode(False):  # a buffer every later step writes, inference mode or not
+                kept = torch.empty(ids.shape, dtype=torch.int64, device=self.device)
+            self._ids[(layer, ids.shape)] = kept
         kept.copy_(ids)
         self._noted[layer] = kept
 
-    def launch(self, layer: int, stream: Any) -> None:
-        """Read ahead ``layer``'s noted prediction after the work on ``stream`` so far (the current stream); a
-        step without free staging slots reads nothing ahead."""
+    def launch(self, layer: int) -> None:
+        """Read ahead ``layer``'s noted prediction after the work on the current stream so far (the one the note's
+        copy went to); a step without free staging slots reads nothing ahead."""
         ids = self._noted.pop(layer, None)
         if ids is None or layer in self._done or not self._hold():
             return
@@ -120,18 +122,18 @@ class MappedPrefetch:
             ahead_reference(ids, table, home, pick, slots, chosen, saved, blocks, partial(self._home_block, layer))
             self._done[layer] = None
             return
-        self._start[row].record(stream)
+        self._start[row].record(torch.cuda.current_stream(self.device))
         self._side.wait_event(self._start[row])
         with torch.cuda.stream(self._side):
             launch_ahead(ids, table, home, pick, slots, chosen, saved, self._base, self.block_bytes)
         self._finished[row].record(self._side)
         self._done[layer] = self._finished[row]
 
-    def join(self, layer: int, stream: Any) -> None:
-        """Make ``stream`` wait for ``layer``'s reads ahead (before the work holding its call)."""
+    def join(self, layer: int) -> None:
+        """Make the current stream wait for ``layer``'s reads ahead (before the work holding its call)."""
         done = self._done.pop(layer, None)
         if done is not None:
-            stream.wait_event(done)
+            torch.cuda.current_stream(self.device).wait_event(done)
 
     def restore(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Inside ``layer``'s call, after its kernels: its entries home again, ``[copied, used]`` counted (device
@@ -152,7 +154,7 @@ class MappedPrefetch:
         if not self._launched:
             return
         for layer in list(self._done):
-            self.join(layer, stream)
+            self.join(layer)
         if failed:
             for layer in self.layers:
                 row, span = self._row[layer], self._span(layer)
@@ -194,10 +196,11 @@ class MappedPrefetch:
         if kept is None:
             if len(self._offsets) >= _MAX_SLOT_SETS:  # lent slots joined the ring and left: start over
                 self._offsets.clear()
-            host = torch.tensor(offsets, dtype=torch.int64)
-            host = host.pin_memory() if self.cuda else host
-            # Copied without a host wait; the pinned source lives as long as its entry.
-            kept = self._offsets[offsets] = (host.to(self.device, non_blocking=True), host)
+            with torch.inference_mode(False):
+                host = torch.tensor(offsets, dtype=torch.int64)
+                host = host.pin_memory() if self.cuda else host
+                # Copied without a host wait; the pinned source lives as long as its entry.
+                kept = self._offsets[offsets] = (host.to(self.device, non_blocking=True), host)
         return kept[0]
 
     def _home_block(self, layer: int, expert: int) -> torch.Tensor:

@@ -213,7 +213,8 @@ class FedCpuShare:
         """The pinned buffers of calls of ``tokens`` tokens (one per batch size: see the module docstring)."""
         inbox = self._inboxes.get(tokens)
         if inbox is None:
-            inbox = FedInbox.allocate(tokens, self.top_k, self.hidden_size, pin=self.cuda)
+            with torch.inference_mode(False):  # written in place by every later call, in inference mode or not
+                inbox = FedInbox.allocate(tokens, self.top_k, self.hidden_size, pin=self.cuda)
             inbox.check(self._checked[self.layers[0]])
             self._inboxes[tokens] = inbox
         return inbox

@@ -189,7 +189,8 @@ class TieredDispatcher(ExpertDispatcher):
                 return
             self.mapped.ahead.note(layer, topk_ids)
             if self._graphed_step:  # the call before it ran inside the segment that computed the prediction
-                self.mapped.ahead.launch(layer, self._stream)
+                # On the stream the model runs on now (the last call's may have been a capture's or a warm-up's).
+                self.mapped.ahead.launch(layer)
             else:  # launched once the call before it is enqueued (its reads of the slots come first)
                 self._pending_hint = layer
             return
@@ -198,7 +199,7 @@ class TieredDispatcher(ExpertDispatcher):
 
     def await_hint(self, layer: int) -> None:
         if self._ahead_step:
-            self.mapped.ahead.join(layer, self._stream)
+            self.mapped.ahead.join(layer)
 
     @property
     def gpu_waits_for_cpu(self) -> bool:
@@ -351,10 +352,10 @@ class TieredDispatcher(ExpertDispatcher):
         try:
             with phase("tiers.mapped"):
                 if self._ahead_step and not self._graphed_step:  # the model's await_hint did it already
-                    self.mapped.ahead.join(layer, self._stream)
+                    self.mapped.ahead.join(layer)
                 self.mapped.dispatch(layer, out, hidden, topk_ids, topk_weights, self._stream)
                 if self._pending_hint is not None and self._pending_hint != layer:
-                    self.mapped.ahead.launch(self._pending_hint, self._stream)
+                    self.mapped.ahead.launch(self._pending_hint)
                 self._pending_hint = None
             return True
         except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
