@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from moetier.kernels import grouped_experts
-from moetier.kernels.grouped_experts import MAX_GROUP_TOKENS, LaunchLayout, launch_grouped
+from moetier.kernels.grouped_experts import MAX_GROUP_TOKENS, Fp4Blocks, LaunchLayout, launch_grouped
 from moetier.kernels.rmsnorm import triton_usable
 from moetier.kernels.routing_table import FeedTarget, build_table, row_width, table_kernel_usable
 from moetier.tiers.experts import ExpertWeights
@@ -144,11 +144,14 @@ def launch_routed(
     blocks: LayerBlocks,
     swiglu_limit: float | None,
     routed: tuple[torch.Tensor, LaunchLayout, torch.Tensor],
+    fp4: Fp4Blocks | None = None,
 ) -> None:
-    """The grouped kernels over a table from :func:`routed_table`, adding into ``out`` (float32 ``[T, H]``)."""
+    """The grouped kernels over a table from :func:`routed_table`, adding into ``out`` (float32 ``[T, H]``);
+    ``fp4``: the fp4 kernels' block sizes (default: the module's current ones)."""
     table, layout, pair_tokens = routed
     gates = topk_weights.reshape(-1)
-    launch_grouped(out, hidden, pair_tokens, gates, blocks.first, blocks.placement, swiglu_limit, table, layout)
+    first, placement = blocks.first, blocks.placement
+    launch_grouped(out, hidden, pair_tokens, gates, first, placement, swiglu_limit, table, layout, fp4)
 
 
 def run_routed(

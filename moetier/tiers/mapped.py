@@ -56,6 +56,8 @@ from moetier.tiers.policies import CachePolicy, Key
 DEFAULT_MAPPED_ADMISSIONS = 2
 # Steps the host may run ahead of the counts it reads back before it waits for them.
 LAG_STEPS = 2
+# Most of a call's blocks are read from the pinned home copy: the fp4 kernels' blocks for host reads.
+_HOST_READS = grouped_experts.HOST_READ_FP4_BLOCKS
 
 
 class MappedExperts:
@@ -191,19 +193,19 @@ class MappedExperts:
         inbox, the start word follows it, the kernels run the device's pairs, then the stream adds the CPU's."""
         blocks, limit = self._layer_blocks(layer, hidden.dtype), self.store.layout.swiglu_limit
         if pick is None:
-            launch_routed(out, hidden, topk_weights, blocks, limit, routed_table(blocks, topk_ids))
+            launch_routed(out, hidden, topk_weights, blocks, limit, routed_table(blocks, topk_ids), _HOST_READS)
             return
         inbox = self.cpu.inbox(hidden.shape[0])
         target = self.cpu.target(hidden.shape[0], self._base)
         routed = routed_table(blocks, topk_ids, pick, target, topk_weights, hidden.contiguous())
         call = self.cpu.start(layer, inbox, stream)
         if call is None:  # the table leaves the CPU's pairs out: build it again with every pair
-            launch_routed(out, hidden, topk_weights, blocks, limit, routed_table(blocks, topk_ids))
+            launch_routed(out, hidden, topk_weights, blocks, limit, routed_table(blocks, topk_ids), _HOST_READS)
             return
         self._fed += 1
         try:
             self.cpu.mark_start(call, stream)
-            launch_routed(out, hidden, topk_weights, blocks, limit, routed)
+            launch_routed(out, hidden, topk_weights, blocks, limit, routed, _HOST_READS)
             self.cpu.mark_end(call, stream)
         except BaseException:
             self.cpu.abandon(call)
