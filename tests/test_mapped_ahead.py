@@ -52,6 +52,17 @@ def test_mapped_prefetch_is_validated():
     for bad in (-1, True, 1.5):
         with pytest.raises(ConfigError, match="mapped_prefetch"):
             TieredConfig(cache_slots=1, mapped_prefetch=bad)
+    with pytest.raises(ConfigError, match="mapped_prefetch_min_tokens"):
+        TieredConfig(cache_slots=1, mapped_prefetch_min_tokens=0)
+
+
+def test_by_default_only_steps_of_several_streams_read_ahead():
+    """The measured default: reads ahead from 4 tokens a call (they cost more than they save at 1 and 2 streams)."""
+    tiered = _tiered(_random_store(LAYOUT, torch.float32), min_tokens=None)
+    for tokens, reads in ((1, False), (2, False), (4, True)):
+        with tiered.decode_step(tokens, torch.float32) as variant:
+            assert (variant[-1] == "ahead") == reads == tiered.wants_graph_hints
+    tiered.close()
 
 
 # --- the kernels ---------------------------------------------------------------------------------------------
@@ -151,7 +162,7 @@ def test_reads_ahead_leave_a_models_decode_exact_and_are_counted(family):  # noq
     runs, totals = {}, {}
     for ahead in (2, 0):
         loaded, _ = load_tiered(path, torch.float32, cache_slots=small_cache(resident), miss_route="mapped",
-                                mapped_prefetch=ahead, policy="lfu")  # fmt: skip
+                                mapped_prefetch=ahead, mapped_prefetch_min_tokens=1, policy="lfu")  # fmt: skip
         dispatcher = loaded.model.dispatcher
         checked = []
         real_end = dispatcher.mapped.end_step
@@ -187,7 +198,7 @@ def test_reads_ahead_beside_the_fed_cpu_tier_stay_within_bf16_noise(tmp_path):
     resident = load_model(tmp_path, ModelLoadConfig(dtype=torch.bfloat16, device="cpu"), progress=False)
     _, ref_steps, ref_tokens = moetier_run(resident, prompt, 12)
     loaded, _ = load_tiered(tmp_path, torch.bfloat16, cache_slots=2, miss_route="mapped", mapped_cpu_share=0.5,
-                            policy="lfu")  # fmt: skip
+                            mapped_prefetch_min_tokens=1, policy="lfu")  # fmt: skip
     with torch.inference_mode():  # buffers made in inference mode are written outside it next
         moetier_run(loaded, prompt, 3)
     _, forced = forced_logits(loaded, prompt, ref_tokens)
@@ -201,9 +212,10 @@ def test_reads_ahead_beside_the_fed_cpu_tier_stay_within_bf16_noise(tmp_path):
     assert totals["cpu_pairs"] > 0 and totals["mapped_pairs"] > 0 and totals["prefetch_used"] > 0
 
 
-def _tiered(store, ahead: int = 2) -> TieredDispatcher:
+def _tiered(store, ahead: int = 2, min_tokens: int | None = 1) -> TieredDispatcher:
+    options = {} if min_tokens is None else {"mapped_prefetch_min_tokens": min_tokens}
     tiered = TieredDispatcher(store, cache_slots=3, miss_route="mapped", mapped_cpu_share=0.0, policy="lfu",
-                              mapped_admissions=1, mapped_prefetch=ahead)  # fmt: skip
+                              mapped_admissions=1, mapped_prefetch=ahead, **options)  # fmt: skip
     tiered.prepare("cpu")
     return tiered
 
@@ -267,7 +279,8 @@ def test_graphed_reads_ahead_on_cuda_give_the_same_tokens_and_bits(tmp_path):
     runs, totals = {}, {}
     for ahead in (2, 0):
         loaded, _ = load_tiered(tmp_path, torch.bfloat16, "cuda", cache_slots=2, miss_route="mapped",
-                                mapped_cpu_share=0.0, mapped_prefetch=ahead, policy="lfu")  # fmt: skip
+                                mapped_cpu_share=0.0, mapped_prefetch=ahead, mapped_prefetch_min_tokens=1,
+                                policy="lfu")  # fmt: skip
         runs[ahead] = moetier_run(loaded, prompt, 24)
         dispatcher = loaded.model.dispatcher
         dispatcher.flush_metrics()

@@ -21,6 +21,10 @@ DEFAULT_LEND_SLOTS = 128
 # Experts a mapped decode step reads ahead per MoE layer: two fp4 V4-Flash experts (~26 MB) cross PCIe in about
 # the time one layer's attention takes at a few streams.
 DEFAULT_MAPPED_PREFETCH = 2
+# ... for calls of at least this many tokens. Measured on the H200 (fp4 V4-Flash widths, results/h200-20261202-1ebb01d):
+# with two experts read ahead per layer, 4 streams ran at 331 tok/s against 289 without; 1 and 2 streams at 196 and
+# 273 against 233 and 290 (half the reads ahead were wasted, and two experts took longer than one layer's attention).
+DEFAULT_MAPPED_PREFETCH_MIN_TOKENS = 4
 
 
 # Where a decode call's misses run: split by cost, all on the CPU tier, all copied in, or all read over PCIe by
@@ -60,9 +64,10 @@ class TieredConfig:
     layer's experts, while not cached, are computed by the CPU tier fed by the device (:mod:`moetier.tiers.mapped_cpu`;
     ``None``: the share that balances the measured CPU and PCIe rates; 0: the kernels read every miss). With
     ``mapped_graphs``, a model's segmented decode runs a mapped step's calls inside its CUDA graphs (no host code
-    per call; :meth:`TieredDispatcher.decode_step`), and the device reads up to ``mapped_prefetch`` of the experts
-    the model predicts for the next MoE layer into staging slots while that layer's attention runs
-    (:mod:`moetier.tiers.mapped_ahead`; 0: it reads every miss inside the call).
+    per call; :meth:`TieredDispatcher.decode_step`), and in steps of at least ``mapped_prefetch_min_tokens`` tokens
+    per call the device reads up to ``mapped_prefetch`` of the experts the model predicts for the next MoE layer
+    into staging slots while that layer's attention runs (:mod:`moetier.tiers.mapped_ahead`; 0: it reads every
+    miss inside the call).
     A decode call copies up to ``decode_prefetch`` of the experts the model hinted for the next MoE
     layer (:meth:`ExpertDispatcher.hint`) into free staging slots once its own copies are enqueued
     (0: hints are not asked for), and only the ranks of the prediction whose measured precision reaches
@@ -90,6 +95,7 @@ class TieredConfig:
     mapped_cpu_share: float | None = None
     mapped_graphs: bool = True
     mapped_prefetch: int = DEFAULT_MAPPED_PREFETCH
+    mapped_prefetch_min_tokens: int = DEFAULT_MAPPED_PREFETCH_MIN_TOKENS
     decode_prefetch: int = 4
     hint_min_precision: float = 0.8
 
@@ -114,6 +120,8 @@ class TieredConfig:
         prefetch = self.mapped_prefetch
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"mapped_prefetch must be an integer >= 0, got {self.mapped_prefetch!r}")
+        if self.mapped_prefetch_min_tokens < 1:
+            raise ConfigError(f"mapped_prefetch_min_tokens must be >= 1, got {self.mapped_prefetch_min_tokens}")
         if self.decode_prefetch < 0:
             raise ConfigError(f"decode_prefetch must be >= 0, got {self.decode_prefetch}")
         if not 0.0 <= self.hint_min_precision <= 1.0:

@@ -324,7 +324,8 @@ class TieredDispatcher(ExpertDispatcher):
                 self._begin_forward(probe, streaming=False)
                 mapped = self._step_route == "mapped" and self.config.mapped_graphs
                 variant = self.mapped.graph_step(probe) if mapped else None
-            self._ahead_step = self._step_route == "mapped" and self.mapped.ahead_usable(probe)
+            wide = tokens >= self.config.mapped_prefetch_min_tokens
+            self._ahead_step = self._step_route == "mapped" and wide and self.mapped.ahead_usable(probe)
             self._graphed_step = variant is not None
             if self._ahead_step and variant is not None:
                 variant = (*variant, "ahead")
