@@ -48,6 +48,8 @@ _METHOD_BUCKETS = {
     ("DeepseekV4Attention", "decode_queries"): "attention",
     ("DeepseekV4Attention", "decode_attend"): "attention",
     ("DeepseekV4Attention", "decode_output"): "attention",
+    ("Compressor", "decode"): "compressor",  # the attention core calls these directly, not through the module
+    ("Indexer", "decode"): "indexer",
     ("DeepseekV4DecoderLayer", "decode_pre"): "mHC",
     ("DeepseekV4DecoderLayer", "decode_post"): "mHC",
     ("DeepseekV4DecoderLayer", "finish_ffn"): "mHC",
@@ -139,6 +141,8 @@ def counting(model):
     classes = {
         "DeepseekV4Attention": v4_attention.DeepseekV4Attention,
         "DeepseekV4DecoderLayer": v4.DeepseekV4DecoderLayer,
+        "Compressor": v4_attention.Compressor,
+        "Indexer": v4_attention.Indexer,
     }
     methods = [(classes[owner], name, bucket) for (owner, name), bucket in _METHOD_BUCKETS.items()]
     saved_methods = [cls.__dict__[name] for cls, name, _ in methods]

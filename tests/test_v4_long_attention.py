@@ -37,6 +37,9 @@ def _run(model, prompt: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor],
         for layer in model.layers
         if layer.attn.indexer is not None
     ]
+    indexers = [layer.attn.indexer for layer in model.layers if layer.attn.indexer is not None]
+    for indexer in indexers:  # decode calls the indexer's decode directly, not through the module's hooks
+        indexer.decode = _recorded(indexer.decode, chosen)
     try:
         cache = model.new_cache(PROMPT + STEPS + 1)
         hidden = torch.cat([model(prompt[i : i + CHUNK], cache) for i in range(0, PROMPT, CHUNK)])
@@ -49,7 +52,20 @@ def _run(model, prompt: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor],
     finally:
         for hook in hooks:
             hook.remove()
+        for indexer in indexers:
+            del indexer.decode
     return prefill, steps, tokens, chosen
+
+
+def _recorded(decode, chosen: list[torch.Tensor]):
+    """``decode`` (an indexer's bound method) appending the ids it selects to ``chosen``."""
+
+    def run(*args, **kwargs):
+        ids = decode(*args, **kwargs)
+        chosen.append(ids.clone())
+        return ids
+
+    return run
 
 
 def _record_blocks(monkeypatch) -> list[tuple[int, int, list[slice]]]:
@@ -90,7 +106,7 @@ def test_blocked_prefill_and_decode_equal_the_single_block_run(tiny_model, monke
         assert blocks[0].start == 0 and blocks[-1].stop == tokens
         assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:], strict=False))
         assert max(sizes) - min(sizes) <= 1 and (max(sizes) == 1 or max(sizes) * per_query <= budget)
-    assert decode_calls and all(len(blocks) == 1 for _, _, blocks in decode_calls)
+    assert not decode_calls  # one query per sequence: decode never splits (nor asks query_blocks)
 
     prefill, steps, tokens, chosen = blocked
     errors = [relative_error(prefill, whole[0]), *(relative_error(a, b) for a, b in zip(steps, whole[1], strict=True))]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.kernels.rmsnorm import rms_norm
+from moetier.models import deepseek_v4_attention_decode as attention_decode
 from moetier.models.deepseek_v4_cache import CompressorState, LayerCache, RowWrites
 from moetier.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from moetier.models.deepseek_v4_decode import (
@@ -25,10 +26,11 @@ from moetier.models.deepseek_v4_decode import (
     KeySet,
     padded_keys,
     sink_attention,
-    sink_attention_decode,
+    sink_column,
     sliding_keys,
 )
 from moetier.models.deepseek_v4_rope import Rotation, StepRope, rotate_
+from moetier.models.fused_linears import FusedLinears as FusedLinears  # re-exported: its home was here
 from moetier.models.layers import RMSNorm
 
 
@@ -124,45 +126,6 @@ def _block_bytes(queries: int, per_query: int) -> int:
     return min(queries, max(1, QUERY_BLOCK_BYTES // max(per_query, 1))) * per_query
 
 
-class FusedLinears:
-    """Bias-free linears over one input run as one GEMM: ``groups`` of linears, each group's outputs side by side.
-
-    :meth:`fuse` (after loading) concatenates the weights into one tensor and makes every linear's weight
-    a view of it: no extra memory, and checkpoints/state dicts still see the separate parameters. Should
-    a weight be replaced later (``model.to``, a reassignment), the fused tensor is stale: calls notice it
-    (the weights no longer point into it) and run the linears one by one. A plain object, not a module,
-    so the linears stay registered once, under their own names.
-    """
-
-    def __init__(self, groups: list[list[nn.Linear]]) -> None:
-        self.groups = groups
-        self.sizes = [sum(linear.out_features for linear in group) for group in groups]
-        self.weight: torch.Tensor | None = None
-        self._pointers: list[int] = []
-
-    @property
-    def linears(self) -> list[nn.Linear]:
-        return [linear for group in self.groups for linear in group]
-
-    def fuse(self) -> None:
-        weights = [linear.weight for linear in self.linears]
-        if len({(w.dtype, w.device) for w in weights}) != 1 or weights[0].device.type == "meta":
-            return
-        fused = torch.cat([w.detach() for w in weights])
-        offset = 0
-        for linear in self.linears:
-            linear.weight.data = fused[offset : offset + linear.out_features]
-            offset += linear.out_features
-        self.weight, self._pointers = fused, [linear.weight.data_ptr() for linear in self.linears]
-
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Each group's outputs ``[T, size]`` (views of one GEMM's output when fused)."""
-        if self.weight is not None and self._pointers == [linear.weight.data_ptr() for linear in self.linears]:
-            return list(F.linear(x, self.weight).split(self.sizes, dim=-1))
-        outs = [[linear(x) for linear in group] for group in self.groups]
-        return [parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1) for parts in outs]
-
-
 class Compressor(nn.Module):
     """Pools every ``rate`` tokens into one entry of ``dim`` channels (HCA; CSA with ``overlap``).
 
@@ -197,7 +160,7 @@ class Compressor(nn.Module):
         here only if a window closes), the windows the rows close are pooled together (one batched
         computation whatever the number of sequences closing one) and nothing is read (None)."""
         if isinstance(state, list):
-            self._decode(kv_gate, state, rope, writes or RowWrites())
+            self.decode(kv_gate, state, rope, writes or RowWrites())
             return None
         closed = state.close_windows(kv_gate)
         if closed is not None:
@@ -214,11 +177,14 @@ class Compressor(nn.Module):
         weights = torch.softmax(gate, dim=1).to(kv.dtype)
         return self.norm((kv * weights).sum(dim=1))
 
-    def _decode(self, kv_gate: torch.Tensor, states: list[CompressorState], rope: StepRope, writes: RowWrites) -> None:
+    def decode(self, kv_gate: torch.Tensor, states: list[CompressorState], rope: StepRope, writes: RowWrites) -> None:
         """One token per state (row ``i`` of ``kv_gate`` to ``states[i]``); the states whose window closes
-        emit its entry, pooled as :meth:`forward` pools one state's windows (the same per-window math)."""
-        rows = (kv_gate,) if len(states) == 1 else kv_gate.split(1)
-        closing = [state for state, row in zip(states, rows, strict=True) if state.push(row, writes)]
+        emit its entry, pooled as :meth:`forward` pools one state's windows (the same per-window math).
+        Decode calls it directly (not through the module: fewer host calls)."""
+        if len(states) == 1:  # one sequence: no split, no lists (it closes a window every ``rate`` steps)
+            closing = states if states[0].push(kv_gate, writes) else None
+        else:
+            closing = [state for state, row in zip(states, kv_gate.split(1), strict=True) if state.push(row, writes)]
         if not closing:
             return
         writes.flush()  # the closing windows' last rows
@@ -281,6 +247,14 @@ class Compressor(nn.Module):
 SCORE_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def _head_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``[T, heads, C]`` dot products of ``q`` (``[T, heads, dim]``) with keys ``[C, dim]`` (shared) or
+    ``[T, C, dim]`` (per query)."""
+    if keys.dim() == 3:
+        return torch.bmm(q, keys.transpose(-1, -2))  # matmul's own bmm, without its views
+    return F.linear(q, keys)  # matmul's own mm (q folded to [T * heads, dim]) in one host call
+
+
 class Indexer(nn.Module):
     """Lightning indexer: scores ``sum_h w_h * relu(q_h . k)`` over its own compressed keys, keeps the top-k.
 
@@ -320,7 +294,7 @@ class Indexer(nn.Module):
         for the ids.
         """
         if isinstance(state, list):
-            return self._decode(kv_gate, head_weights, q, rope, state, writes or RowWrites()), None
+            return self.decode(kv_gate, head_weights, q, rope, state, writes or RowWrites()), None
         keys = self.compressor(kv_gate, state, rope)
         if keys.dtype not in SCORE_DTYPES:
             keys = keys.float()
@@ -339,13 +313,14 @@ class Indexer(nn.Module):
         """What :meth:`_scores` weighs the heads' scores with, for keys of ``dtype``: ``weights_proj(x)``
         (``[T, heads]``) in float32 times ``heads ** -0.5``, and for 16-bit keys also times ``dim ** -0.5``
         in that dtype, ``[T, 1, heads]`` (the head-summing matmul's operand). Token-wise: a decode step
-        computes them in its graphed segment (:meth:`DeepseekV4Attention.decode_projections`)."""
+        computes them in its graphed segment (:meth:`DeepseekV4Attention.decode_projections`, which also
+        shapes the float32 ones ``[T, heads, 1]``, as :meth:`_scores` multiplies with them)."""
         weights = head_weights.float() * self.heads**-0.5
         if dtype in SCORE_DTYPES:
             return (weights * self.dim**-0.5).to(dtype)[:, None, :]
         return weights
 
-    def _decode(
+    def decode(
         self,
         kv_gate: torch.Tensor,
         weights: torch.Tensor,
@@ -360,20 +335,22 @@ class Indexer(nn.Module):
 
         The sequences' keys are scored together, zero-padded to the longest; each row's top-k then runs
         over its own entries only (``torch.topk`` may break ties differently in a longer row), so every
-        sequence selects what it would alone."""
-        self.compressor(kv_gate, states, rope, writes=writes)
-        counts = [state.count for state in states]
-        if max(counts) <= self.topk:
-            return None
-        (_,) = query_blocks(1, indexer_query_bytes(self.heads, self.dim, max(counts), kv_gate.element_size()))
-        if len(states) == 1:
-            keys = states[0].emitted
+        sequence selects what it would alone. One query per sequence: always one block of queries.
+        Decode calls it directly (not through the module: fewer host calls)."""
+        self.compressor.decode(kv_gate, states, rope, writes)
+        if len(states) == 1:  # one sequence: its entries as they are, no padding
+            if states[0].count <= self.topk:
+                return None
+            keys, counts = states[0].emitted, None
         else:
+            counts = [state.count for state in states]
+            if max(counts) <= self.topk:
+                return None
             keys, _ = padded_keys([[state.emitted] for state in states], rope.zero_rows)
         if keys.dtype not in SCORE_DTYPES:
             keys = keys.float()
         scores = self._scores(q, weights, keys)
-        if min(counts) == max(counts):  # no padding
+        if counts is None or min(counts) == max(counts):  # no padding
             return scores.topk(self.topk, dim=-1).indices
         rows = [scores[i, :n].topk(self.topk).indices if n > self.topk else None for i, n in enumerate(counts)]
         filler = next(row for row in rows if row is not None)
@@ -390,17 +367,16 @@ class Indexer(nn.Module):
         chunk over 128k tokens the fp32 ``[T, heads, C]`` matmul was ~9 TFLOP per CSA layer, most of
         the prefill's attention time.
         """
-        # Per-query keys: matmul's own bmm, without its views.
-        product = torch.bmm if keys.dim() == 3 else torch.matmul
         if keys.dtype in SCORE_DTYPES:
-            scores = product(q.to(keys.dtype), keys.transpose(-1, -2)).relu_()
+            scores = _head_scores(q.to(keys.dtype), keys).relu_()
             weights = head_weights
             if weights.dim() == 2:
                 weights = (head_weights * self.dim**-0.5).to(keys.dtype)[:, None, :]
             return torch.bmm(weights, scores).squeeze(1).float()  # matmul's own kernel here, without its views
         # In place: one [block, heads, C] fp32 tensor alive, the same element-wise ops as relu(s) * c * w.
-        scores = product(q.float(), keys.transpose(-1, -2))
-        return scores.relu_().mul_(self.dim**-0.5).mul_(head_weights[..., None]).sum(dim=1)
+        scores = _head_scores(q.float(), keys)
+        weights = head_weights if head_weights.dim() == 3 else head_weights[..., None]  # decode's come shaped
+        return scores.relu_().mul_(self.dim**-0.5).mul_(weights).sum(dim=1)
 
     def _select(
         self,
@@ -458,6 +434,9 @@ class DeepseekV4Attention(nn.Module):
         self.wo_a = nn.Linear(group_in, self.o_groups * self.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(self.o_groups * self.o_lora_rank, cfg.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.empty(self.heads))
+        self.scale = self.head_dim**-0.5
+        self._sink_key: tuple[int, int] | None = None
+        self._sink_columns: dict[int, torch.Tensor] = {}
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
         if self.kind != SLIDING:
@@ -536,7 +515,10 @@ class DeepseekV4Attention(nn.Module):
         of ``kv``). Token-wise: a decode step computes them in its graphed segment."""
         if self.indexer is None:
             return inputs
-        return replace(inputs, index_weights=self.indexer.score_weights(inputs.index_weights, inputs.kv.dtype))
+        weights = self.indexer.score_weights(inputs.index_weights, inputs.kv.dtype)
+        if weights.dim() == 2:  # float32 ``[B, heads]``: shaped as the scores take them, a view here not per step
+            weights = weights[..., None]
+        return replace(inputs, index_weights=weights)
 
     def decode_attend(
         self,
@@ -553,31 +535,21 @@ class DeepseekV4Attention(nn.Module):
         Per sequence only what its own state needs: the window's and compressors' row copies and the read of
         its compressed entries (CSA: only the top-k, so paged or fp8 stores convert just those). Windows that
         close are pooled together, the indexer scores every sequence at once, and the attention runs over
-        one padded tensor (:mod:`deepseek_v4_decode`)."""
-        writes = RowWrites()  # every row copy of the layer in one launch
-        rows = (inputs.kv,) if len(states) == 1 else inputs.kv.split(1)
-        keys = [[state.window.extend(row, writes)] for state, row in zip(states, rows, strict=True)]
-        if self.compressor is not None:
-            self.compressor(inputs.kv_gate, [state.compressor for state in states], rope, False, writes)
-            ids = None
-            if self.indexer is not None:
-                args = (inputs.index_kv_gate, inputs.index_weights, None, rope, [state.indexer for state in states])
-                ids, _ = self.indexer(*args, q=index_q, writes=writes)
-                for state in states:
-                    self._check_counts(state)
-            # CSA: a sequence with more than top-k entries reads back only those (its row of ``ids``), any other all
-            tops = [None] * len(states) if ids is None else ids.unbind(0)
-            for parts, state, top in zip(keys, states, tops, strict=True):
-                entries = state.compressor
-                if top is not None and entries.count > self.indexer.topk:
-                    parts.append(entries.emitted_at(top))
-                elif entries.count:
-                    parts.append(entries.emitted)
-        writes.flush()
-        seen = max(sum(part.shape[0] for part in parts) for parts in keys)
-        elem = inputs.kv.element_size()
-        (_,) = query_blocks(1, attention_query_bytes(self.heads, self.head_dim, seen, seen, elem))
-        return sink_attention_decode(q, keys, self.attn_sink, self.head_dim**-0.5, rope.key_masks, rope.zero_rows)
+        one padded tensor (:mod:`deepseek_v4_attention_decode`, :mod:`deepseek_v4_decode`)."""
+        return attention_decode.decode_attend(self, q, index_q, inputs, rope, states)
+
+    def sink_logits(self, batch: int) -> torch.Tensor:
+        """The sinks as decode's softmax joins them (:func:`sink_column`, ``[batch, heads, 1]`` float32), kept
+        per batch size: a float32 parameter's are views of it; any change of the parameter (in place, or
+        its data replaced) makes new ones."""
+        sinks = self.attn_sink
+        key = (sinks.data_ptr(), sinks._version)
+        if key != self._sink_key:
+            self._sink_key, self._sink_columns = key, {}
+        column = self._sink_columns.get(batch)
+        if column is None:
+            column = self._sink_columns[batch] = sink_column(sinks.detach(), batch)
+        return column
 
     def decode_output(self, out: torch.Tensor, rotation: Rotation) -> torch.Tensor:
         """Attention output ``[B, heads, head_dim]`` (rotated back in place) -> ``[B, hidden]``."""
@@ -601,7 +573,7 @@ class DeepseekV4Attention(nn.Module):
         """One block of queries: project, attend over ``key_sets``, project out -> ``[block, hidden]``."""
         q = self.wq_b(q_residual).view(q_residual.shape[0], self.heads, self.head_dim)
         q = rotate_(rms_unweighted(q, self.eps), rotation)
-        out = sink_attention(q, key_sets, self.attn_sink, self.head_dim**-0.5)
+        out = sink_attention(q, key_sets, self.attn_sink, self.scale)
         # K = V carries rope on its trailing channels: rotate the output back by the query's angle.
         return self._project_out(rotate_(out, rotation, inverse=True))
 
@@ -615,11 +587,11 @@ class DeepseekV4Attention(nn.Module):
         if self.indexer is None:  # HCA: every completed entry
             return CompressedKeys(entries, visible_entries(rope.positions, entries.shape[0], self.compressor.rate))
         ids, valid = self.indexer(inputs.index_kv_gate, inputs.index_weights, inputs.q_residual, rope, state.indexer)
-        self._check_counts(state)
+        self.check_counts(state)
         return CompressedKeys(entries, valid, ids)
 
     @staticmethod
-    def _check_counts(state: LayerCache) -> None:
+    def check_counts(state: LayerCache) -> None:
         if state.indexer.count != state.compressor.count:
             raise RuntimeError("CSA compressor and indexer disagree on the number of compressed entries")
 

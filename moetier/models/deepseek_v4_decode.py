@@ -36,11 +36,25 @@ def host_ints(values: list[int], device: torch.device) -> torch.Tensor:
 
 def sink_attention_one(q: torch.Tensor, keys: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention of one query (``[H, D]``) over keys it sees in full (``[S, D]``, K = V), with a
-    per-head sink logit that joins the normaliser but carries no value. The logits join the float32 sinks
-    in one concatenation (a 16-bit model's logits are widened there, exactly as a cast would)."""
-    scores = torch.mm(q, keys.t()) * scale
-    probs = torch.softmax(torch.cat([scores, sinks.float()[:, None]], dim=-1), dim=-1).to(q.dtype)
-    return torch.mm(probs[:, :-1], keys)
+    per-head sink logit that joins the normaliser but carries no value (:func:`attend_rows`)."""
+    return attend_rows(q[None], keys, sink_column(sinks, 1), scale)[0]
+
+
+def sink_column(sinks: torch.Tensor, batch: int) -> torch.Tensor:
+    """The per-head sink logits ``[H]`` as decode's softmax joins them: float32 ``[batch, H, 1]`` (a view)."""
+    return sinks.float().view(1, -1, 1).expand(batch, -1, 1)
+
+
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`sink_attention_one` of ``q`` ``[1, H, D]``, the sinks as :func:`sink_column` gives them -> ``[1, H, D]``.
+
+    Few ops, as decode wants: ``linear`` and ``matmul`` fold the leading 1 into the very ``mm`` of the
+    ``[H, D]`` rows (same operands, same bits), the scale goes in place on the fresh logits, and the logits
+    join the float32 sinks in one concatenation (a 16-bit model's logits are widened there, exactly as a
+    cast would)."""
+    scores = F.linear(q, keys).mul_(scale)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1).to(q.dtype)
+    return torch.matmul(probs[..., :-1], keys)
 
 
 def zero_rows(rows: int, like: torch.Tensor, zeros: ZeroRows) -> torch.Tensor:
@@ -85,17 +99,28 @@ def sink_attention_decode(
     zeros: ZeroRows | None = None,
 ) -> torch.Tensor:
     """:func:`sink_attention_one` for ``B`` sequences at once: ``q`` ``[B, H, D]``, ``keys[b]`` the key parts
-    of sequence ``b`` -> ``[B, H, D]``. One sequence runs unpadded (no mask, the fewest ops). Padding is
-    masked in the logits' dtype (-inf is exact in any float dtype) before they join the float32 sinks."""
+    of sequence ``b`` -> ``[B, H, D]``. One sequence runs unpadded (no mask, the fewest ops)."""
     if len(keys) == 1:
         parts = keys[0]
-        return sink_attention_one(q[0], parts[0] if len(parts) == 1 else torch.cat(parts), sinks, scale)[None]
+        return attend_rows(q, parts[0] if len(parts) == 1 else torch.cat(parts), sink_column(sinks, 1), scale)
+    return attend_padded(q, keys, sink_column(sinks, len(keys)), scale, masks, zeros)
+
+
+def attend_padded(
+    q: torch.Tensor,
+    keys: list[list[torch.Tensor]],
+    sink: torch.Tensor,
+    scale: float,
+    masks: MaskCache,
+    zeros: ZeroRows | None = None,
+) -> torch.Tensor:
+    """:func:`sink_attention_decode` of several sequences over their zero-padded keys, the sinks as
+    :func:`sink_column` gives them. Padding is masked in the logits' dtype (-inf is exact in any float
+    dtype) before they join the float32 sinks."""
     padded, lengths = padded_keys(keys, zeros)
-    tokens, heads = q.shape[:2]
-    logits = torch.bmm(q, padded.transpose(1, 2)) * scale
+    logits = torch.bmm(q, padded.transpose(1, 2)).mul_(scale)
     if min(lengths) != max(lengths):
         logits = logits.masked_fill_(padding_mask(lengths, q.device, masks)[:, None, :], float("-inf"))
-    sink = sinks.float().view(1, heads, 1).expand(tokens, heads, 1)
     probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1).to(q.dtype)
     return torch.bmm(probs[..., :-1], padded)
 

@@ -34,10 +34,22 @@ class Rotation:
 
 @dataclass
 class RotaryTable:
-    """Inverse frequencies (``[rope_head_dim / 2]``) and cos/sin factor of one rope kind."""
+    """Inverse frequencies (``[rope_head_dim / 2]``) and cos/sin factor of one rope kind.
+
+    Compressed entries are rotated at fixed positions (entry ``w`` of a compressor of rate ``r`` at
+    ``w * r``), so their rotations are kept, per ``(rate, dtype)``, in one table ``[entries, 3, rope_head_dim]``
+    (cos, sin, sin_inverse) grown on demand: a decode step reads its closing windows' rows (one or two
+    view ops) instead of computing them (~17 ops). Every operation is element-wise, so a row is bitwise
+    what computing its position alone gives. The table spans the longest context seen: at rope_head_dim 64,
+    768 bytes per entry (25 MB for 128k tokens at rate 4).
+    """
 
     inv_freq: torch.Tensor
     factor: float
+    entry_tables: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    # Entries the table first holds (and its least growth): a decode step's closes mostly read rows.
+    MIN_ENTRIES = 256
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
         """The rotation at ``positions``; cos/sin are rounded to ``dtype`` (the model's) as the reference does."""
@@ -46,6 +58,24 @@ class RotaryTable:
         sin = (freqs.sin() * self.factor).to(dtype).float()
         signed = torch.stack((-sin, sin), dim=-1).flatten(-2)
         return Rotation(cos.repeat_interleave(2, dim=-1), signed, -signed)
+
+    def entries(self, first: int, count: int, rate: int, dtype: torch.dtype) -> Rotation:
+        """The rotation of entries ``first .. first + count - 1`` (positions ``w * rate``): views of the table."""
+        return Rotation(*self.entry_table(first + count, rate, dtype)[first : first + count].unbind(1))
+
+    def entries_at(self, ids: torch.Tensor, rate: int, dtype: torch.dtype, end: int) -> Rotation:
+        """The rotation of entries ``ids`` (int64 on the table's device, each below ``end``): one gather."""
+        return Rotation(*self.entry_table(end, rate, dtype).index_select(0, ids).unbind(1))
+
+    def entry_table(self, end: int, rate: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[>= end, 3, rope_head_dim]``: row ``w`` holds cos, sin and sin_inverse at position ``w * rate``."""
+        table = self.entry_tables.get((rate, dtype))
+        if table is None or table.shape[0] < end:
+            rows = max(end, self.MIN_ENTRIES, 0 if table is None else 2 * table.shape[0])  # doubling: amortised
+            rotation = self(torch.arange(0, rows * rate, rate, device=self.inv_freq.device), dtype)
+            table = torch.stack((rotation.cos, rotation.sin, rotation.sin_inverse), dim=1)
+            self.entry_tables[rate, dtype] = table
+        return table
 
 
 def rotate_(x: torch.Tensor, rotation: Rotation, inverse: bool = False) -> torch.Tensor:
@@ -84,23 +114,24 @@ class StepRope:
         return StepRope(self.positions[rows], token, self.compress, self.emitted, self.key_masks, self.zero_rows)
 
     def entries(self, first: int, count: int, rate: int, dtype: torch.dtype) -> Rotation:
-        """The rotation of entries ``first .. first + count - 1`` (at positions ``w * rate``), computed once a step."""
+        """The rotation of entries ``first .. first + count - 1`` (at positions ``w * rate``), looked up once a step."""
         key = (first, count, rate, dtype)
-        if key not in self.emitted:
-            device = self.positions.device
-            positions = torch.arange(first * rate, (first + count) * rate, rate, device=device)
-            self.emitted[key] = self.compress(positions, dtype)
-        return self.emitted[key]
+        rotation = self.emitted.get(key)
+        if rotation is None:
+            rotation = self.emitted[key] = self.compress.entries(first, count, rate, dtype)
+        return rotation
 
     def entries_of(self, ids: tuple[int, ...], rate: int, dtype: torch.dtype) -> Rotation:
-        """The rotation of entries ``ids`` (any order; several sequences', decode emits one each), computed
+        """The rotation of entries ``ids`` (any order; several sequences', decode emits one each), looked up
         once a step; a single entry is :meth:`entries`'."""
         if len(ids) == 1:
             return self.entries(ids[0], 1, rate, dtype)
         key = (ids, rate, dtype)
-        if key not in self.emitted:
-            self.emitted[key] = self.compress(host_ints([i * rate for i in ids], self.positions.device), dtype)
-        return self.emitted[key]
+        rotation = self.emitted.get(key)
+        if rotation is None:
+            index = host_ints(list(ids), self.positions.device)
+            rotation = self.emitted[key] = self.compress.entries_at(index, rate, dtype, max(ids) + 1)
+        return rotation
 
 
 def rotation_tensors(token: dict[str, Rotation]) -> tuple[torch.Tensor, ...]:
