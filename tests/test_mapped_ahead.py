@@ -9,13 +9,11 @@ in the ring, also when a step fails midway."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from reference import moetier_run, relative_error
+from test_device_routing import _run as run_script  # a script's JSON, in a subprocess (cpu: Triton's interpreter)
 from test_mapped_cpu import LAYOUT, needs_kernel
 from test_tiers_fidelity import (  # noqa: F401 - family: the fidelity tests' fixture, one checkpoint per family
     BF16_STEP_MEDIAN,
@@ -113,14 +111,6 @@ print(json.dumps(results))
 """
 
 
-def _run_kernels(device: str) -> list[dict]:
-    env = {**os.environ, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
-    code = f"DEVICE = {device!r}\n" + _KERNELS
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def _check_kernels(results: list[dict]) -> None:
     for r in results:
         assert r["got"] == r["want"] and r["got"], r  # the reference's choice, in slot order
@@ -131,12 +121,12 @@ def _check_kernels(results: list[dict]) -> None:
 
 def test_the_copy_kernel_under_the_interpreter_matches_the_reference():
     pytest.importorskip("triton")
-    _check_kernels(_run_kernels("cpu"))
+    _check_kernels(run_script("cpu", _KERNELS))
 
 
 @pytest.mark.gpu
 def test_the_copy_kernel_reads_pinned_host_blocks_on_cuda():
-    _check_kernels(_run_kernels("cuda"))
+    _check_kernels(run_script("cuda", _KERNELS))
 
 
 # --- a model's decode ----------------------------------------------------------------------------------------
