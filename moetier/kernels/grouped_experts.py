@@ -35,13 +35,21 @@ from __future__ import annotations
 import array
 import logging
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
+from moetier.kernels.fp4_blocks import (  # noqa: F401 - re-exported: the bench sweeps through this module
+    FP4_BLOCK_H,
+    FP4_BLOCK_K,
+    FP4_BLOCK_N,
+    HOST_READ_FP4_BLOCKS,
+    Fp4Blocks,
+    current_fp4_blocks,
+    fp4_blocks,
+    set_fp4_blocks,
+)
 from moetier.kernels.rmsnorm import triton_usable
 from moetier.tiers.experts import ExpertWeights, swiglu_expert
 
@@ -61,77 +69,8 @@ _BLOCK_I, _BLOCK_H, _BLOCK_K, _SUM_BLOCK = 32, 32, 128, 1024
 # read pinned host blocks at 41 GB/s, not 31 (the mapped route), and a 1-token call from VRAM took 387 us, not 479
 # (VRAM timings of that probe vary up to 1.7x between hosts; the host reads repeated at 41-42 GB/s).
 _QUANT_BLOCK_N = 16
-_FP4_BLOCK_N, _FP4_BLOCK_H, _FP4_BLOCK_K = 8, 16, 1024
+_FP4_BLOCK_N, _FP4_BLOCK_H, _FP4_BLOCK_K = FP4_BLOCK_N, FP4_BLOCK_H, FP4_BLOCK_K  # the defaults, as before
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass(frozen=True)
-class Fp4Blocks:
-    """The fp4 kernels' block sizes: ``n`` intermediate rows per gate/up program, ``h`` output channels per down
-    program, ``k`` the column step of both (a multiple of every scale unit, which is at most 32 columns).
-
-    Powers of two (``tl.arange``), each program's tile (rows x step) at most ``MAX_TILE`` values, so a tile
-    stays in registers. The defaults are the module constants; ``"8x16x1024"`` is ``parse``'s form (N x H x K).
-    """
-
-    n: int = _FP4_BLOCK_N
-    h: int = _FP4_BLOCK_H
-    k: int = _FP4_BLOCK_K
-
-    MAX_TILE: ClassVar[int] = 1 << 16
-    RANGES: ClassVar[dict[str, tuple[int, int]]] = {"n": (2, 256), "h": (2, 256), "k": (32, 8192)}
-
-    def __post_init__(self) -> None:
-        for name, (low, high) in self.RANGES.items():
-            value = getattr(self, name)
-            if type(value) is not int or not low <= value <= high or value & (value - 1):
-                raise ValueError(f"fp4 block {name} must be a power of two in [{low}, {high}], got {value!r}")
-        if max(self.n, self.h) * self.k > self.MAX_TILE:
-            raise ValueError(f"fp4 blocks {self}: a program's tile (rows x k) must be at most {self.MAX_TILE} values")
-
-    def __str__(self) -> str:
-        return f"{self.n}x{self.h}x{self.k}"
-
-    @classmethod
-    def parse(cls, text: str) -> Fp4Blocks:
-        """``"8x16x1024"`` (N x H x K) -> ``Fp4Blocks(8, 16, 1024)``; ValueError otherwise."""
-        parts = str(text).strip().lower().split("x")
-        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-            raise ValueError(f"fp4 blocks must be N x H x K integers such as 8x16x1024, got {text!r}")
-        return cls(*(int(p) for p in parts))
-
-
-_FP4_BLOCKS = Fp4Blocks()  # what launch_grouped uses now (set_fp4_blocks / fp4_blocks: benches' sweeps)
-# For calls whose blocks are mostly in pinned host memory (the mapped route): narrower down programs, more of them
-# in flight over PCIe. Measured on the H200 (bench gpu-experts --where host, results/h200-20261202-7a92376-fp4-blocks):
-# down 622 vs 899 us for 6 V4-Flash experts at 1 token (~50 vs ~35 GB/s), the call 1937 vs 2154 us; 4 tokens
-# 7715 vs 8631 us. From VRAM it costs 96 vs 92 us, 342 vs 320 us.
-HOST_READ_FP4_BLOCKS = Fp4Blocks(n=8, h=4, k=1024)
-
-
-def current_fp4_blocks() -> Fp4Blocks:
-    """The fp4 block sizes the next launches use."""
-    return _FP4_BLOCKS
-
-
-def set_fp4_blocks(blocks: Fp4Blocks) -> Fp4Blocks:
-    """Launch fp4 experts with ``blocks`` from now on (each new value compiles the kernels once); returns the
-    previous value."""
-    global _FP4_BLOCKS
-    if not isinstance(blocks, Fp4Blocks):
-        raise TypeError(f"set_fp4_blocks takes Fp4Blocks, got {type(blocks).__name__}")
-    previous, _FP4_BLOCKS = _FP4_BLOCKS, blocks
-    return previous
-
-
-@contextmanager
-def fp4_blocks(blocks: Fp4Blocks) -> Iterator[Fp4Blocks]:
-    """``with fp4_blocks(Fp4Blocks(h=32)):`` launches inside use ``blocks``; the previous value after."""
-    previous = set_fp4_blocks(blocks)
-    try:
-        yield blocks
-    finally:
-        set_fp4_blocks(previous)
 
 
 # One (expert block, run of sorted pairs) per group: what the per-expert path loops over.
@@ -536,7 +475,7 @@ def launch_grouped(
     limits = {"limit": float(swiglu_limit or 0.0), "HAS_LIMIT": swiglu_limit is not None}
     unit = _fp4_unit(tile_c) if quant == 2 else _fp8_unit(tile_c)
     quantised = {"QUANT": quant, "TILE_R": tile_r, "TILE_C": tile_c, "UNIT": unit, "POW2": pow2, "ALIGN": align}
-    fp4 = (fp4 or _FP4_BLOCKS) if quant == 2 else None
+    fp4 = (fp4 or current_fp4_blocks()) if quant == 2 else None
     block_k, block_h = (fp4.k, fp4.h) if fp4 else (_BLOCK_K, _BLOCK_H)
     block_n = fp4.n if fp4 else _QUANT_BLOCK_N
     if quant == 0:
