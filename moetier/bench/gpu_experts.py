@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from moetier.bench.bandwidth import h2d_gbps
 from moetier.bench.common import (
     add_expert_shape_arguments,
     expert_shape_options,
@@ -319,13 +320,6 @@ def hbm_copy_gbps(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / _best_copy_seconds(torch.empty_like(src), src) / 1e9
 
 
-def h2d_copy_gbps(nbytes: int = 1 << 29) -> float:
-    """PCIe bandwidth: bytes per second of the best of 6 copies of ``nbytes`` from pinned host memory to the
-    device (1e9 bytes/s, the copy engine), the rate host blocks' reads are judged against."""
-    src = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
-    return nbytes / _best_copy_seconds(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), src) / 1e9
-
-
 def _kernel(kernels: dict[str, float], part: str) -> float | None:
     """The device us of the grouped kernel whose name holds ``part`` (gate_up, down, sum), if profiled."""
     return next((us for name, us in kernels.items() if name.startswith(f"_{part}_")), None)
@@ -391,7 +385,7 @@ def run_bench(cfg: GpuExpertsBenchConfig) -> dict[str, Any]:
     device = torch.device("cuda")
     copy = {"hbm_gbps": hbm_copy_gbps()}
     if "host" in cfg.where:
-        copy["h2d_gbps"] = h2d_copy_gbps()
+        copy["h2d_gbps"] = h2d_gbps(1 << 29)  # the pinned copy engine's rate: host blocks' reads are judged by it
     torch.cuda.empty_cache()
     formats, results = {}, []
     for fmt in cfg.formats:  # one format's experts in memory at a time

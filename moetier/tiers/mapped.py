@@ -430,7 +430,7 @@ class MappedExperts:
         """Copy the counts back to the host (non-blocking; harvested once its event has passed)."""
         if self._readback is not None:
             return
-        stats = self.ahead.take_stats() if self.ahead is not None else None
+        stats = self.ahead.stats if self.ahead is not None else None  # [copied, used] per layer, on the device
         if not self.cuda:
             self._readback = (self.counts.clone(), None, self._steps, None if stats is None else stats.clone())
         else:

@@ -86,8 +86,6 @@ class MappedPrefetch:
 
     def usable(self, hidden: torch.Tensor) -> bool:
         """Whether reads ahead run for calls like ``hidden`` (on CUDA: the copy kernel, 16-byte blocks)."""
-        if self.slots == 0:
-            return False
         return not self.cuda or (ahead_kernels_usable(hidden) and self.block_bytes % 16 == 0)
 
     # --- the step -------------------------------------------------------------------------------
@@ -140,12 +138,8 @@ class MappedPrefetch:
         work only: it may be captured)."""
         if not self._launched and not (self.cuda and torch.cuda.is_current_stream_capturing()):
             return  # nothing read ahead this step (a capture records the kernel for the steps that will)
-        row, span = self._row[layer], self._span(layer)
-        args = (self.chosen[row], self.saved[row], self.table[span], self.home[span], self.pick[span])
-        if self.cuda:
-            launch_restore(*args, topk_ids.reshape(-1).contiguous(), self.stats[row])
-        else:
-            restore_reference(*args, topk_ids, self.stats[row])
+        ids = topk_ids.reshape(-1).contiguous() if self.cuda else topk_ids
+        self._restore_layer(layer, ids)
 
     def finish_step(self, stream: Any, failed: bool = False) -> None:
         """After a step: with ``failed``, every layer's entries restored (a call may have raised before its
@@ -157,20 +151,19 @@ class MappedPrefetch:
             self.join(layer)
         if failed:
             for layer in self.layers:
-                row, span = self._row[layer], self._span(layer)
-                args = (self.chosen[row], self.saved[row], self.table[span], self.home[span], self.pick[span])
-                (launch_restore if self.cuda else restore_reference)(*args, None, self.stats[row])
+                self._restore_layer(layer, None)
         self.cache.mark_released(self._held, stream)
         for slot in self._held:
             self.cache.return_staging(slot)
         self._held, self._launched = [], False
-        self._noted.clear()
-
-    def take_stats(self) -> torch.Tensor:
-        """The ``[copied, used]`` counts per layer so far (a device tensor the caller copies back)."""
-        return self.stats
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _restore_layer(self, layer: int, ids: torch.Tensor | None) -> None:
+        """One layer's entries and picks back as they were; with the call's ``ids``, its reads ahead counted."""
+        row, span = self._row[layer], self._span(layer)
+        args = (self.chosen[row], self.saved[row], self.table[span], self.home[span], self.pick[span])
+        (launch_restore if self.cuda else restore_reference)(*args, ids, self.stats[row])
 
     def _hold(self) -> bool:
         """Staging slots for this step's reads ahead (taken at its first launch); False when none is free."""
@@ -200,7 +193,10 @@ class MappedPrefetch:
                 host = torch.tensor(offsets, dtype=torch.int64)
                 host = host.pin_memory() if self.cuda else host
                 # Copied without a host wait; the pinned source lives as long as its entry.
-                kept = self._offsets[offsets] = (host.to(self.device, non_blocking=True), host)
+                device = host.to(self.device, non_blocking=True)
+                if self.cuda:  # read on the side stream: a dropped entry's memory waits for those reads
+                    device.record_stream(self._side)
+                kept = self._offsets[offsets] = (device, host)
         return kept[0]
 
     def _home_block(self, layer: int, expert: int) -> torch.Tensor:
