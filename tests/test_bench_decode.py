@@ -201,3 +201,23 @@ def test_warm_up_waits_for_the_split_trial_within_the_caches_room(bench_model):
     run = decode._DecodeRun(loaded.model, 1, cfg, loaded.model.config.vocab_size)
     seconds, tokens, trial_steps = decode._time_decode(run, Unsettled())
     assert trial_steps == decode._TRIAL_STEPS_CAP and len(tokens) == 2 and len(seconds) == 1
+
+
+def test_mapped_modes_with_fixed_reads_ahead_compute_the_same_tokens(bench_model):
+    """``mapped-cpu-ahead<K>`` reads K experts ahead at every batch size (none for ``-noahead``): same tokens."""
+    modes = ["naive", "mapped-cpu-noahead", "mapped-cpu-ahead1", "mapped-cpu-ahead2"]
+    cfg = DecodeBenchConfig(
+        model=bench_model, modes=modes, streams=[1, 2], steps=3, repeats=1, warmup=1, prompt_len=8,
+        dtype="fp32", device="cpu", cache_fraction=0.1, quick_bounds=True, host_steps=2,
+    )  # fmt: skip
+    receipt = run_decode_bench(cfg)
+    by_key = {(r["mode"], r["streams"]): r for r in receipt["results"]}
+    assert all(share == 1.0 for share in receipt["greedy_tokens_agree"].values())
+    for streams in (1, 2):
+        assert by_key["mapped-cpu-noahead", streams]["prefetch_used_per_step"] == 0
+        assert by_key["mapped-cpu-noahead", streams]["prefetch_wasted_per_step"] == 0
+        for k in (1, 2):
+            r = by_key[f"mapped-cpu-ahead{k}", streams]
+            copied = r["prefetch_used_per_step"] + r["prefetch_wasted_per_step"]
+            # Up to K a predicted layer (two of the three are), every step; off CUDA nothing is timed.
+            assert 0 < copied <= 2 * k and r["prefetch_wait_ms"] == 0.0

@@ -283,3 +283,9 @@ def test_graphed_reads_ahead_on_cuda_give_the_same_tokens_and_bits(tmp_path):
     assert runs[2][2] == runs[0][2]
     assert all(torch.equal(a, b) for a, b in zip(runs[2][1], runs[0][1], strict=True))
     assert totals[2]["prefetch_used"] > 0 and totals[0]["prefetch_used"] == 0
+    # Every read ahead the flush reached was timed on the device: its copy took time, the call's wait none or some.
+    timed = totals[2]["prefetch_timed"]
+    assert timed > 0 and totals[2]["prefetch_copy_seconds"] > 0 and totals[2]["prefetch_wait_seconds"] >= 0
+    slack = 1e-5 * timed  # the events' resolution
+    assert totals[2]["prefetch_wait_seconds"] <= totals[2]["prefetch_copy_seconds"] + slack
+    assert totals[0]["prefetch_timed"] == 0

@@ -21,6 +21,8 @@ The same loaded model (one pinned home copy of the experts) is measured with eac
   wait). Not in the default modes (``tiered``'s mapped route is this one where the CPU tier can run).
 - ``mapped-cpu-noahead``: ``mapped-cpu`` without the device's reads ahead of the next layer's predicted experts
   during the attention (``mapped_prefetch=0``, :mod:`moetier.tiers.mapped_ahead`). Not in the default modes.
+- ``mapped-cpu-ahead1`` / ``mapped-cpu-ahead2``: ``mapped-cpu`` reading 1 / 2 experts ahead at every batch size
+  (``mapped_prefetch=K``, ``mapped_prefetch_min_tokens=1``). Not in the default modes.
 - ``resident-host``: ``resident`` with launch tables built on the host from the router's ids (one wait
   per MoE layer), where ``resident`` builds them on the device (:mod:`moetier.kernels.device_routing`).
   Not in the default modes.
@@ -78,6 +80,7 @@ _PROFILED_STEPS = 3  # steps the torch profiler records per mode (after one warm
 MODES = (
     *("resident", "naive", "cpu", "copy", "tiered"),
     *("tiered-host", "tiered-nohint", "resident-host", "mapped", "mapped-cpu", "mapped-cpu-noahead"),
+    *("mapped-cpu-ahead1", "mapped-cpu-ahead2"),
 )
 DEFAULT_MODES = MODES[:5]
 DEFAULT_WARMUP_STEPS = 32
@@ -300,7 +303,7 @@ def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: t
     if mode == "naive":  # the seed's baseline: every active expert copied when it is needed, nothing ahead
         options |= {"cache_slots": 0, "miss_route": "copy", "calibrate": False, "decode_prefetch": 0}
     else:
-        route = "auto" if mode.startswith("tiered") else mode.removesuffix("-noahead").removesuffix("-cpu")
+        route = "auto" if mode.startswith("tiered") else mode.split("-")[0]
         options |= {"cache_slots": slots, "miss_route": route}
         options["gpu_waits_for_cpu"] = mode != "tiered-host"
         if mode == "mapped":  # the kernels' PCIe reads alone (mapped-cpu: the default share beside them)
@@ -309,6 +312,8 @@ def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: t
             options |= {"decode_prefetch": 0, "mapped_prefetch": 0}
         if mode.endswith("-noahead"):  # the mapped route without its reads ahead during the attention
             options["mapped_prefetch"] = 0
+        if "-ahead" in mode:  # a fixed number read ahead at every batch size
+            options |= {"mapped_prefetch": int(mode.rsplit("ahead", 1)[1]), "mapped_prefetch_min_tokens": 1}
     dispatcher = TieredDispatcher(store, **options)
     dispatcher.prepare(device)
     return dispatcher
@@ -335,6 +340,9 @@ def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams
         # and how well the hints predicted (distinct experts per hinted call).
         "prefetch_used_per_step": total.prefetch_used / steps,
         "prefetch_wasted_per_step": total.prefetch_wasted / steps,
+        # The mapped route's reads ahead, timed on the device: copy from launch to end, and the call's wait for it.
+        "prefetch_copy_ms": 1e3 * total.prefetch_copy_seconds / max(1, total.prefetch_timed),
+        "prefetch_wait_ms": 1e3 * total.prefetch_wait_seconds / max(1, total.prefetch_timed),
         "hint_precision": snap["totals"]["hint_precision"],
         "hint_recall": snap["totals"]["hint_recall"],
         "hint_rank_precision": list(getattr(dispatcher, "hint_rank_precision", [])),
@@ -345,12 +353,17 @@ def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams
         "split_choices": {str(k): v for k, v in getattr(metrics, "split_choices", dict)().items()},
         # The share of uncached experts the mapped route's fed CPU tier takes (tiers.mapped_cpu; after rebalancing).
         "mapped_cpu_share": _fed_share(dispatcher),
+        "mapped_cpu_share_history": list(getattr(_fed(dispatcher), "history", [])),  # (mapped steps, share)
         "timed_steps": steps,
     }
 
 
+def _fed(dispatcher: ExpertDispatcher) -> Any:
+    return getattr(getattr(dispatcher, "mapped", None), "cpu", None)
+
+
 def _fed_share(dispatcher: ExpertDispatcher) -> float | None:
-    fed = getattr(getattr(dispatcher, "mapped", None), "cpu", None)
+    fed = _fed(dispatcher)
     return None if fed is None or fed.broken else fed.share
 
 

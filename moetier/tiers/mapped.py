@@ -240,6 +240,7 @@ class MappedExperts:
                 self.cpu.settle()
             self.cpu.harvest()
             self._follow_share()
+        self._record_ahead_times()
         admitted = self._admit(*self._harvest())
         self._follow_cache(stream, [slot for slot, _ in admitted])
         if admitted:
@@ -302,6 +303,7 @@ class MappedExperts:
                 self._readback[1].synchronize()
             self._harvest()
             self._start_readback(self._stream_now())
+        self._record_ahead_times()
 
     def _harvest(self) -> tuple[dict[Key, int], int]:
         """The experts used since the counts last came back (if they have), told to the policy and metrics, and
@@ -369,6 +371,16 @@ class MappedExperts:
             counters.prefetch_used += used
             counters.prefetch_wasted += copied - used
             counters.prefetch_bytes += copied * self.cache.block_bytes
+
+    def _record_ahead_times(self) -> None:
+        """The reads ahead the device has passed: their copy and wait times into each layer's counters."""
+        if self.ahead is None:
+            return
+        for layer, copy_seconds, wait_seconds in self.ahead.harvest_times():
+            counters = self.metrics.layer(layer)
+            counters.prefetch_timed += 1
+            counters.prefetch_copy_seconds += copy_seconds
+            counters.prefetch_wait_seconds += wait_seconds
 
     def _admit(self, used: dict[Key, int], steps: int) -> list[tuple[Slot, Key]]:
         """Reserve slots for the missed experts the policy admits, most used first (never evicting an expert of the

@@ -23,6 +23,7 @@ so the CPU tests check the choice, the table and the restore against the residen
 
 from __future__ import annotations
 
+from collections import deque
 from functools import partial
 from typing import Any
 
@@ -39,6 +40,7 @@ from moetier.tiers.expert_cache import ExpertCache, Slot
 from moetier.tiers.experts import ExpertStore
 
 _MAX_SLOT_SETS = 64  # the ring hands out len(ring) / slots sets in turn; more means the ring changed
+_MAX_TIMED = 256  # joined reads ahead kept for timing until the device passes them
 
 
 class MappedPrefetch:
@@ -80,8 +82,11 @@ class MappedPrefetch:
         self._done: dict[int, Any] = {}  # per layer launched this step and not joined yet: its side event
         self._ids: dict[tuple, torch.Tensor] = {}  # per (layer, shape): the copy of a prediction the kernel reads
         self._noted: dict[int, torch.Tensor] = {}  # per layer: this step's prediction, not launched yet
-        self._start = [torch.cuda.Event() for _ in layers] if self.cuda else []
-        self._finished = [torch.cuda.Event() for _ in layers] if self.cuda else []
+        # Per layer launched and not joined: its (start on the compute stream, end on the side stream) events; per
+        # joined layer not harvested: (layer, start, end, compute stream before its wait, after it). Fresh events
+        # each step: the host may run steps ahead of the device, so one step's cannot be recorded over.
+        self._launches: dict[int, tuple[Any, Any]] = {}
+        self._timed: deque[tuple[int, Any, Any, Any, Any]] = deque()
         self._launched = False  # this step launched something (its end restores on failure, gives slots back)
 
     def usable(self, hidden: torch.Tensor) -> bool:
@@ -120,18 +125,38 @@ class MappedPrefetch:
             ahead_reference(ids, table, home, pick, slots, chosen, saved, blocks, partial(self._home_block, layer))
             self._done[layer] = None
             return
-        self._start[row].record(torch.cuda.current_stream(self.device))
-        self._side.wait_event(self._start[row])
+        start, finished = _timing_event(), _timing_event()
+        start.record(torch.cuda.current_stream(self.device))
+        self._side.wait_event(start)
         with torch.cuda.stream(self._side):
             launch_ahead(ids, table, home, pick, slots, chosen, saved, self._base, self.block_bytes)
-        self._finished[row].record(self._side)
-        self._done[layer] = self._finished[row]
+        finished.record(self._side)
+        self._done[layer], self._launches[layer] = finished, (start, finished)
 
     def join(self, layer: int) -> None:
-        """Make the current stream wait for ``layer``'s reads ahead (before the work holding its call)."""
+        """Make the current stream wait for ``layer``'s reads ahead (before the work holding its call); on CUDA
+        the wait is timed (:meth:`harvest_times`)."""
         done = self._done.pop(layer, None)
-        if done is not None:
-            torch.cuda.current_stream(self.device).wait_event(done)
+        if done is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        before, after = _timing_event(), _timing_event()
+        before.record(stream)
+        stream.wait_event(done)
+        after.record(stream)
+        start, finished = self._launches.pop(layer)
+        if len(self._timed) < _MAX_TIMED:  # a host far ahead of the device leaves later joins untimed
+            self._timed.append((layer, start, finished, before, after))
+
+    def harvest_times(self) -> list[tuple[int, float, float]]:
+        """Per joined read ahead the device has passed since the last harvest (never waits): ``(layer, copy
+        seconds, wait seconds)``, the copy's from its launch point on the compute stream to its end on the side
+        stream, the wait's the compute stream's stall before the call (0 where the copy was done by then)."""
+        out = []
+        while self._timed and self._timed[0][4].query():
+            layer, start, finished, before, after = self._timed.popleft()
+            out.append((layer, start.elapsed_time(finished) / 1e3, before.elapsed_time(after) / 1e3))
+        return out
 
     def restore(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Inside ``layer``'s call, after its kernels: its entries home again, ``[copied, used]`` counted (device
@@ -205,3 +230,7 @@ class MappedPrefetch:
     def _span(self, layer: int) -> slice:
         row = self._row[layer]
         return slice(row * self.experts, (row + 1) * self.experts)
+
+
+def _timing_event() -> Any:
+    return torch.cuda.Event(enable_timing=True)

@@ -70,6 +70,7 @@ BALANCE_LIMITS = (0.05, 0.95)
 # share rebalanced inside the split chooser's trial fell to 0.29 while the mapped route alone settled at 0.62).
 MAX_MOVE = 0.1
 SETTLE_STEPS = 4
+SHARE_HISTORY = 64
 
 
 def default_share(costs: RouteCosts, quantised: bool) -> float:
@@ -180,6 +181,8 @@ class FedCpuShare:
         self._queued: dict[int, FedCall] | None = None  # a queued step's jobs, by layer
         self._mapped_steps = 0
         self._moving = True  # no rebalance yet, or the last one moved the share by SETTLED_MOVE or more
+        # (mapped steps so far, share) at the start and after each rebalance, the last SHARE_HISTORY of them.
+        self.history: deque[tuple[int, float]] = deque([(0, share)], maxlen=SHARE_HISTORY)
         self._timed = False  # the step in progress times every call
         self._inboxes: dict[int, FedInbox] = {}
         self._targets: dict[int, FeedTarget] = {}
@@ -380,6 +383,7 @@ class FedCpuShare:
         share, before = balanced_share(self.share, cpu_total, device_total), self.share
         self.share, experts = share, self.store.layout.num_experts
         self._moving = abs(share - before) >= SETTLED_MOVE
+        self.history.append((self._mapped_steps, round(share, 4)))
         if round(share * experts) == round(before * experts):
             return  # less than one expert a layer: kept (the share itself moves on)
         log.info("mapped route: the CPU tier's share %.2f -> %.2f (CPU %.2f ms, device %.2f ms over the samples)",

@@ -22,6 +22,9 @@ class LayerCounters:
     CPU-computed miss being admitted, warm-up). ``prefetch_bytes`` (part of ``copy_bytes``) were
     copied ahead by the previous MoE layer's call (a streaming call's guess, or a decode call's hint);
     ``prefetch_used`` / ``prefetch_wasted`` count the prefetched experts this layer computed / never needed.
+    The mapped route's reads ahead (:mod:`moetier.tiers.mapped_ahead`) are timed on the device: ``prefetch_timed``
+    of them took ``prefetch_copy_seconds`` from their launch to their end, and the call waited
+    ``prefetch_wait_seconds`` for them.
     Hinted decode calls (``ExpertDispatcher.hint``): ``hint_experts`` distinct experts predicted,
     ``hint_correct`` of them used, ``hint_actual`` distinct experts those calls used. The mapped route
     (:mod:`moetier.tiers.mapped`) counts from the device's tallies, so its ``calls`` are steps and a window
@@ -44,6 +47,9 @@ class LayerCounters:
     prefetch_bytes: int = 0
     prefetch_used: int = 0
     prefetch_wasted: int = 0
+    prefetch_timed: int = 0  # the mapped route's reads ahead timed on the device: their copies and the call's wait
+    prefetch_copy_seconds: float = 0.0
+    prefetch_wait_seconds: float = 0.0
     cpu_jobs_gpu_waited: int = 0  # CPU-tier jobs the compute stream waited for (the host went on)
     mapped_pairs: int = 0  # missed pairs the device's kernels computed from the home copy (mapped route)
     mapped_bytes: int = 0  # what their kernels read over PCIe (each pair reads its expert's block)
