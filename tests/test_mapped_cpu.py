@@ -21,7 +21,7 @@ from moetier.tiers import mapped_cpu
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.dispatcher import ResidentDispatcher
 from moetier.tiers.experts import ExpertLayout
-from moetier.tiers.mapped_cpu import balanced_share, cpu_picks, default_share
+from moetier.tiers.mapped_cpu import balanced_share, cpu_fixed_seconds, cpu_picks, default_share
 from moetier.tiers.route_costs import RouteCosts
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
 
@@ -66,6 +66,7 @@ def test_a_fed_job_waits_for_its_start_word_and_computes_only_the_pairs_left_to_
     job_groups = [CpuGroup(store.expert(0, e), rows, gates) for e, (rows, gates) in sorted(groups.items())]
     expected = tier.run(CpuJob(hidden, job_groups)).out
     assert torch.equal(inbox.out, expected) and inbox.out[1].abs().max() == 0
+    assert job.experts == len(groups)  # the distinct experts it computed, as the share's fit reads them
     tier.close()
 
 
@@ -186,13 +187,38 @@ def test_the_balance_moves_half_way_to_the_share_that_evens_both_sides():
     assert balanced_share(0.08, 100.0, 0.001) == 0.05 and balanced_share(0.92, 0.001, 100.0) == 0.95
 
 
+def test_a_fixed_cost_of_the_cpu_jobs_keeps_the_share_from_shrinking_away():
+    # At share 0.3 the CPU took 2 s and the device 1 s, but 1.5 s of the CPU's would be there at any share: the
+    # variable 0.5 s for 0.3 and the device's 1 s for 0.7 even out above 0.3, where without the fixed part it falls.
+    assert balanced_share(0.3, 2.0, 1.0) < 0.3
+    fixed = balanced_share(0.3, 2.0, 1.0, cpu_fixed=1.5)
+    per_share_cpu, per_share_device = 0.5 / 0.3, 1.0 / 0.7
+    target = (per_share_device - 1.5) / (per_share_cpu + per_share_device)
+    assert fixed == pytest.approx(0.3 + max(min(0.5 * (target - 0.3), 0.1), -0.1))
+    assert balanced_share(0.5, 1.0, 1.0, cpu_fixed=0.0) == pytest.approx(0.5)  # no fixed part: as before
+    # The fixed part is never more than 0.9 of the CPU's time (some of it always follows the share).
+    assert balanced_share(0.5, 1.0, 1.0, cpu_fixed=5.0) == balanced_share(0.5, 1.0, 1.0, cpu_fixed=0.9)
+
+
+def test_the_fixed_part_of_a_cpu_job_is_fitted_from_jobs_of_different_sizes():
+    jobs = [(n, 0.4e-3 + n * 0.3e-3) for n in (1, 2, 3, 1, 2, 4, 1, 3, 2)]
+    assert cpu_fixed_seconds(jobs) == pytest.approx(0.4e-3)
+    assert cpu_fixed_seconds(jobs + [(0, 0.0)] * 20) == pytest.approx(0.4e-3)  # empty jobs cost nothing: left out
+    assert cpu_fixed_seconds(jobs[:5]) == 0.0  # too few jobs to fit
+    assert cpu_fixed_seconds([(2, 1e-3)] * 10) == 0.0  # one size: no slope to tell fixed from per-expert time
+    falling = [(n, 2e-3 - n * 1e-4) for n in (1, 2, 3, 4) * 3]  # time not following the experts: mostly fixed
+    mean = sum(t for _, t in falling) / len(falling)
+    assert cpu_fixed_seconds(falling) == pytest.approx(0.9 * mean)
+    assert cpu_fixed_seconds([(n, n * 1e-3) for n in (1, 2, 3) * 3]) == pytest.approx(0.0, abs=1e-12)
+
+
 @needs_kernel
 def test_an_adaptive_share_rebalances_from_sampled_calls_and_the_picks_follow(monkeypatch):
     """Sampled calls' CPU and device times move the share; the device's pick vector then marks the new share's
     experts wherever the table points home, and results stay the resident's."""
     moves = []
 
-    def toward_fewer(share: float, cpu_seconds: float, device_seconds: float) -> float:
+    def toward_fewer(share: float, cpu_seconds: float, device_seconds: float, cpu_fixed: float = 0.0) -> float:
         assert cpu_seconds > 0 and device_seconds > 0  # both sides were timed
         moves.append(share)
         return max(share - 0.25, 0.05)
@@ -216,6 +242,9 @@ def test_an_adaptive_share_rebalances_from_sampled_calls_and_the_picks_follow(mo
             assert mapped.pick.tolist() == want
     tiered.close()
     assert fed.adaptive and len(moves) >= 2 and fed.picks_version >= 2
+    # Each rebalance is in the history with the fixed part of a job fitted over the finished ones.
+    assert len(fed.history) == 1 + len(moves) and fed._jobs_done and all(n >= 0 for n, _ in fed._jobs_done)
+    assert all(fixed >= 0.0 for _, _, fixed in fed.history)
     assert sum(fed.picks) == round(fed.share * LAYOUT.num_experts) * len(LAYOUT.moe_layers)
     _check_bf16_noise(errors)
 

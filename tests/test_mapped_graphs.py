@@ -278,8 +278,8 @@ def test_the_timed_steps_thin_out_once_a_rebalance_barely_moves_the_share(monkey
     tiered = _tiered(_random_store(LAYOUT, torch.bfloat16), graphs=True, share=None)
     fed = tiered.mapped.cpu
     for move, every in ((0.005, mapped_cpu.TIMED_STEP_EVERY), (0.05, mapped_cpu.FAST_TIMED_STEP_EVERY)):
-        monkeypatch.setattr(mapped_cpu, "balanced_share", lambda share, cpu, device, move=move: share + move)
-        fed._samples = [(1e-3, 1e-3)] * mapped_cpu.BALANCE_SAMPLES
+        monkeypatch.setattr(mapped_cpu, "balanced_share", lambda share, cpu, device, move=move, **_: share + move)
+        fed._samples = [(1e-3, 1e-3, 1)] * mapped_cpu.BALANCE_SAMPLES
         fed.harvest()  # a rebalance from the samples
         fed._mapped_steps = 0
         assert [fed.timed_step() for _ in range(48)] == [(i + 1) % every == 0 for i in range(48)]

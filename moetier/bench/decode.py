@@ -21,7 +21,7 @@ The same loaded model (one pinned home copy of the experts) is measured with eac
   wait). Not in the default modes (``tiered``'s mapped route is this one where the CPU tier can run).
 - ``mapped-cpu-noahead``: ``mapped-cpu`` without the device's reads ahead of the next layer's predicted experts
   during the attention (``mapped_prefetch=0``, :mod:`moetier.tiers.mapped_ahead`). Not in the default modes.
-- ``mapped-cpu-ahead1`` / ``mapped-cpu-ahead2``: ``mapped-cpu`` reading 1 / 2 experts ahead at every batch size
+- ``mapped-cpu-ahead<K>`` (K = 1-4): ``mapped-cpu`` reading K experts ahead at every batch size
   (``mapped_prefetch=K``, ``mapped_prefetch_min_tokens=1``). Not in the default modes.
 - ``resident-host``: ``resident`` with launch tables built on the host from the router's ids (one wait
   per MoE layer), where ``resident`` builds them on the device (:mod:`moetier.kernels.device_routing`).
@@ -80,7 +80,7 @@ _PROFILED_STEPS = 3  # steps the torch profiler records per mode (after one warm
 MODES = (
     *("resident", "naive", "cpu", "copy", "tiered"),
     *("tiered-host", "tiered-nohint", "resident-host", "mapped", "mapped-cpu", "mapped-cpu-noahead"),
-    *("mapped-cpu-ahead1", "mapped-cpu-ahead2"),
+    *("mapped-cpu-ahead1", "mapped-cpu-ahead2", "mapped-cpu-ahead3", "mapped-cpu-ahead4"),
 )
 DEFAULT_MODES = MODES[:5]
 DEFAULT_WARMUP_STEPS = 32

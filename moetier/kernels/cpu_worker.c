@@ -380,6 +380,9 @@ int moetier_worker_wait(void *handle, void *job, double *seconds) {
     return q->status;
 }
 
+/* The distinct experts a job that has run computed (a fed job's: those of its pairs the device left it). */
+int64_t moetier_worker_experts(void *job) { return ((queued_t *)job)->job.n_experts; }
+
 /* Free a job that has run (moetier_worker_wait returned for it). */
 void moetier_worker_free(void *job) {
     queued_t *q = job;

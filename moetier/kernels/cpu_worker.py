@@ -54,6 +54,8 @@ class _Entry:
         self.wait.argtypes, self.wait.restype = [_PTR, _PTR, ctypes.POINTER(ctypes.c_double)], _INT
         self.free = lib.moetier_worker_free
         self.free.argtypes, self.free.restype = [_PTR], None
+        self.experts = lib.moetier_worker_experts
+        self.experts.argtypes, self.experts.restype = [_PTR], _I64
 
 
 _entries: dict[str, _Entry | None] = {}
@@ -65,7 +67,7 @@ def _entry(lib: CpuExpertsLibrary) -> _Entry | None:
     key = str(lib.path)
     with _entries_lock:
         if key not in _entries:
-            _entries[key] = _Entry(lib.cdll) if hasattr(lib.cdll, "moetier_worker_cancel_fed") else None
+            _entries[key] = _Entry(lib.cdll) if hasattr(lib.cdll, "moetier_worker_experts") else None
         return _entries[key]
 
 
@@ -75,7 +77,8 @@ def supported(lib: CpuExpertsLibrary) -> bool:
 
 
 class NativeJob:
-    """One queued job: :meth:`wait` blocks (without the GIL) until it ran and returns ``(status, seconds)``.
+    """One queued job: :meth:`wait` blocks (without the GIL) until it ran and returns ``(status, seconds)``;
+    ``experts`` is then the number of distinct experts it computed (a fed job's: those the device left it).
 
     Any thread may wait, any number of times; the C side's record is freed once, by the first wait.
     """
@@ -85,6 +88,7 @@ class NativeJob:
         self.out = out
         self._keep = keep  # the caller's tensors the C thread reads (hidden, out): alive until the job ran
         self._outcome: tuple[int, float] | None = None
+        self.experts = 0
         self._lock = threading.Lock()
 
     def done(self) -> bool:
@@ -97,6 +101,7 @@ class NativeJob:
             if self._outcome is None:
                 seconds = ctypes.c_double(0.0)
                 status = self._entry.wait(self._worker, self._handle, ctypes.byref(seconds))
+                self.experts = int(self._entry.experts(self._handle))
                 self._entry.free(self._handle)
                 self._outcome, self._keep = (int(status), seconds.value), None
             return self._outcome

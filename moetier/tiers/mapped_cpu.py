@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,9 @@ BALANCE_LIMITS = (0.05, 0.95)
 MAX_MOVE = 0.1
 SETTLE_STEPS = 4
 SHARE_HISTORY = 64
+# The fixed part of a CPU job's time is fitted over the last FIT_JOBS jobs (FIT_MIN_JOBS of them with work at least).
+FIT_JOBS = 96
+FIT_MIN_JOBS = 8
 
 
 def default_share(costs: RouteCosts, quantised: bool) -> float:
@@ -100,16 +104,41 @@ def fed_share(
     return fed
 
 
-def balanced_share(share: float, cpu_seconds: float, device_seconds: float) -> float:
-    """The next share from one measured at ``share``: the CPU's job took ``cpu_seconds``, the device's share of the
-    same calls ``device_seconds``. Each side's time is taken as its share over its rate, the share that gives both
-    the same time is the CPU's rate over the sum, and the step goes half way there, by at most ``MAX_MOVE`` (the
-    measurements are noisy; the share stays in [0.05, 0.95], so either side keeps being measured)."""
-    cpu_rate = share / max(cpu_seconds, 1e-9)
-    device_rate = (1.0 - share) / max(device_seconds, 1e-9)
-    target = cpu_rate / (cpu_rate + device_rate)
+def balanced_share(share: float, cpu_seconds: float, device_seconds: float, cpu_fixed: float = 0.0) -> float:
+    """The next share from one measured at ``share``: the CPU's jobs took ``cpu_seconds``, of which ``cpu_fixed``
+    does not depend on how many experts they computed (the job's start-up: :func:`cpu_fixed_seconds`), the device's
+    share of the same calls ``device_seconds``. The rest of each side's time is taken as its share over its rate;
+    the share that gives both sides the same time is the target, and the step goes half way there, by at most
+    ``MAX_MOVE`` (the measurements are noisy; the share stays in [0.05, 0.95], so either side keeps being measured).
+
+    Without ``cpu_fixed``, a CPU slowed by its jobs' fixed cost looks slower the fewer experts it gets, so the share
+    would shrink step after step (on the H200 one run went 0.54 -> 0.27 at one stream, its CPU jobs taking ~1 ms an
+    expert against ~0.3 in a run that kept 0.53)."""
+    fixed = min(max(cpu_fixed, 0.0), 0.9 * cpu_seconds)
+    cpu_per_share = max(cpu_seconds - fixed, 1e-9) / max(share, 1e-9)
+    device_per_share = max(device_seconds, 1e-9) / max(1.0 - share, 1e-9)
+    # fixed + s * cpu_per_share == (1 - s) * device_per_share
+    target = (device_per_share - fixed) / (cpu_per_share + device_per_share)
     step = min(max(0.5 * (target - share), -MAX_MOVE), MAX_MOVE)
     return min(max(share + step, BALANCE_LIMITS[0]), BALANCE_LIMITS[1])
+
+
+def cpu_fixed_seconds(jobs: Sequence[tuple[int, float]]) -> float:
+    """A CPU job's time that does not grow with its experts, fitted over ``(experts, seconds)`` of recent jobs that
+    computed at least one (least squares, ``seconds = fixed + experts * per_expert``): 0 with fewer than
+    ``FIT_MIN_JOBS`` such jobs or one expert count only; at most 0.9 of their mean time (where the fit's slope
+    is not positive, the jobs' time did not follow their experts: that much is taken as fixed)."""
+    worked = [(n, t) for n, t in jobs if n > 0]
+    if len(worked) < FIT_MIN_JOBS:
+        return 0.0
+    mean_n = sum(n for n, _ in worked) / len(worked)
+    mean_t = sum(t for _, t in worked) / len(worked)
+    spread = sum((n - mean_n) ** 2 for n, _ in worked)
+    if spread == 0.0:
+        return 0.0
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in worked) / spread
+    ceiling = 0.9 * mean_t
+    return ceiling if slope <= 0.0 else min(max(mean_t - slope * mean_n, 0.0), ceiling)
 
 
 def cpu_picks(layers: int, experts: int, share: float) -> list[bool]:
@@ -181,13 +210,17 @@ class FedCpuShare:
         self._queued: dict[int, FedCall] | None = None  # a queued step's jobs, by layer
         self._mapped_steps = 0
         self._moving = True  # no rebalance yet, or the last one moved the share by SETTLED_MOVE or more
-        # (mapped steps so far, share) at the start and after each rebalance, the last SHARE_HISTORY of them.
-        self.history: deque[tuple[int, float]] = deque([(0, share)], maxlen=SHARE_HISTORY)
+        # (mapped steps so far, share, fitted fixed ms of a CPU job) at the start and after each rebalance, the last
+        # SHARE_HISTORY of them.
+        self.history: deque[tuple[int, float, float]] = deque([(0, share, 0.0)], maxlen=SHARE_HISTORY)
         self._timed = False  # the step in progress times every call
         self._inboxes: dict[int, FedInbox] = {}
         self._targets: dict[int, FeedTarget] = {}
         self._jobs: deque[FedCall] = deque()
-        self._samples: list[tuple[float, float]] = []  # (CPU job seconds, device share seconds) of sampled calls
+        # (CPU job seconds, device share seconds, experts the CPU computed) of sampled calls
+        self._samples: list[tuple[float, float, int]] = []
+        self._jobs_done: deque[tuple[int, float]] = deque(maxlen=FIT_JOBS)  # (experts, seconds) of finished jobs
+        self.cpu_fixed = 0.0  # the last rebalance's fitted fixed seconds of a CPU job (cpu_fixed_seconds)
         self._calls = 0
         self._untimed = 0  # calls left untimed after a change of route (settle)
         self.broken = share <= 0.0 or not self._set_up(device)
@@ -358,8 +391,10 @@ class FedCpuShare:
             if status not in (0, ABANDONED) and not self.broken:
                 log.error("a fed CPU-tier job failed (status %d): mapped steps run without the CPU tier", status)
                 self.broken = True
+            if status == 0:
+                self._jobs_done.append((call.job.experts, seconds))
             if call.timing is not None and len(call.timing) == 2 and status == 0:
-                self._sample(seconds, call.timing)
+                self._sample(seconds, call.timing, call.job.experts)
         if len(self._samples) >= BALANCE_SAMPLES:
             self._rebalance()
 
@@ -368,22 +403,26 @@ class FedCpuShare:
         marks_passed = not self.cuda or call.timing is None or all(e.query() for e in call.timing)
         return call.job.done() and marks_passed
 
-    def _sample(self, cpu_seconds: float, marks: list[Any]) -> None:
+    def _sample(self, cpu_seconds: float, marks: list[Any], experts: int) -> None:
         if self.cuda:
             marks[1].synchronize()  # passed already (see _done_with); a flush waits here
             device_seconds = marks[0].elapsed_time(marks[1]) / 1e3
         else:
             device_seconds = marks[1] - marks[0]
-        self._samples.append((cpu_seconds, device_seconds))
+        self._samples.append((cpu_seconds, device_seconds, experts))
 
     def _rebalance(self) -> None:
-        """A new share from the samples' totals; new picks where it moved by a step of the picks (1/E)."""
-        cpu_total, device_total = (sum(column) for column in zip(*self._samples, strict=True))
-        self._samples = []
-        share, before = balanced_share(self.share, cpu_total, device_total), self.share
+        """A new share from the samples' totals (the fixed part of the CPU's jobs fitted over the recent ones); new
+        picks where it moved by a step of the picks (1/E)."""
+        cpu_total = sum(cpu for cpu, _, _ in self._samples)
+        device_total = sum(device for _, device, _ in self._samples)
+        worked = sum(1 for _, _, experts in self._samples if experts > 0)
+        self._samples, self.cpu_fixed = [], cpu_fixed_seconds(self._jobs_done)
+        share = balanced_share(self.share, cpu_total, device_total, cpu_fixed=self.cpu_fixed * worked)
+        before = self.share
         self.share, experts = share, self.store.layout.num_experts
         self._moving = abs(share - before) >= SETTLED_MOVE
-        self.history.append((self._mapped_steps, round(share, 4)))
+        self.history.append((self._mapped_steps, round(share, 4), round(1e3 * self.cpu_fixed, 3)))
         if round(share * experts) == round(before * experts):
             return  # less than one expert a layer: kept (the share itself moves on)
         log.info("mapped route: the CPU tier's share %.2f -> %.2f (CPU %.2f ms, device %.2f ms over the samples)",

@@ -21,10 +21,11 @@ DEFAULT_LEND_SLOTS = 128
 # Experts a mapped decode step reads ahead per MoE layer: two fp4 V4-Flash experts (~26 MB) cross PCIe in about
 # the time one layer's attention takes at a few streams.
 DEFAULT_MAPPED_PREFETCH = 2
-# ... for calls of at least this many tokens. Measured on the H200 (fp4 V4-Flash widths, results/h200-20261202-1ebb01d):
-# with two experts read ahead per layer, 4 streams ran at 331 tok/s against 289 without; 1 and 2 streams at 196 and
-# 273 against 233 and 290 (half the reads ahead were wasted, and two experts took longer than one layer's attention).
-DEFAULT_MAPPED_PREFETCH_MIN_TOKENS = 4
+# ... for calls of at least this many tokens: every decode call. Timed on the H200 (fp4 V4-Flash widths,
+# results/h200-20261202-f59f76d), two experts' copies took 0.62 ms and the call waited 0.002 ms for them at 1, 2 and
+# 4 streams: they fit the attention's gap. (A 4-token threshold came from tok/s rows that differed mostly in the fed
+# CPU share's drift, results/h200-20261202-1ebb01d.)
+DEFAULT_MAPPED_PREFETCH_MIN_TOKENS = 1
 
 
 # Where a decode call's misses run: split by cost, all on the CPU tier, all copied in, or all read over PCIe by
