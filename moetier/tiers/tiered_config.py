@@ -21,11 +21,12 @@ DEFAULT_LEND_SLOTS = 128
 # Experts a mapped decode step reads ahead per MoE layer: two fp4 V4-Flash experts (~26 MB) cross PCIe in about
 # the time one layer's attention takes at a few streams.
 DEFAULT_MAPPED_PREFETCH = 2
-# ... for calls of at least this many tokens: every decode call. Timed on the H200 (fp4 V4-Flash widths,
-# results/h200-20261202-f59f76d), two experts' copies took 0.62 ms and the call waited 0.002 ms for them at 1, 2 and
-# 4 streams: they fit the attention's gap. (A 4-token threshold came from tok/s rows that differed mostly in the fed
-# CPU share's drift, results/h200-20261202-1ebb01d.)
-DEFAULT_MAPPED_PREFETCH_MIN_TOKENS = 1
+# ... for calls of at least this many tokens. Measured on the H200 (fp4 V4-Flash widths, two experts ahead against
+# none, tok/s at 1 / 2 / 4 streams): 196 / 273 / 331 vs 233 / 290 / 289 (results/h200-20261202-1ebb01d-reads-ahead),
+# 183 / 264 / 330 vs 234 / 324 / 340 (results/h200-20261202-289e636). Timed on the device, the call never waits for
+# the copies (0.002 ms for 0.62 ms of copies): what they cost at 1-2 streams is elsewhere (those steps' hit rate was
+# lower, 0.36 vs 0.42, and one or three experts ahead ran between: 195 / 168 tok/s at 1 stream).
+DEFAULT_MAPPED_PREFETCH_MIN_TOKENS = 4
 
 
 # Where a decode call's misses run: split by cost, all on the CPU tier, all copied in, or all read over PCIe by
