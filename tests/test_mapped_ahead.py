@@ -73,6 +73,7 @@ import json, torch
 from moetier.kernels import ahead_copy as ac
 torch.manual_seed(0)
 experts, slots, block = 16, 3, 4096 + 80  # a block that no chunk divides: the masked tail
+ac._STEP_WORDS = 128  # 384-word chunks: three programs a slot, the last one's tail masked
 pin = DEVICE == "cuda"
 arena = torch.randint(0, 255, ((experts + slots + 1) * block,), dtype=torch.uint8)
 arena = arena.pin_memory() if pin else arena

@@ -36,10 +36,13 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs use the refere
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
-# Bytes each program of the copy kernel moves (a block of ~13-50 MB spreads over dozens of programs per slot,
-# enough requests in flight for PCIe), and the words it moves per step.
-CHUNK_BYTES = 256 * 1024
-_STEP_WORDS = 2048
+# Programs of the copy kernel per slot, and the words each moves per step (32 KB: 8 programs of two slots keep
+# ~256 KB of reads in flight over PCIe). Few programs on purpose: the copy runs beside the next layer's attention,
+# and in the H200 trace (results/h200-20261202-195484d-trace) 256 KB chunks (~100 programs for two fp4 experts, one
+# per SM) held the attention's projection GEMM back until the copy ended (a 0.54 ms stall inside its graph).
+PROGRAMS_PER_SLOT = 4
+_STEP_WORDS = 8192
+_WARPS = 8
 
 if triton is not None:
 
@@ -129,12 +132,13 @@ def launch_ahead(
     ``chosen`` (int64) / ``saved`` (uint8): ``[len(slots)]`` records. ``block_bytes`` a multiple of 16, every
     offset 16-aligned."""
     batch, top_k = ids.shape
-    words, chunk_words = block_bytes // 4, CHUNK_BYTES // 4
+    words = block_bytes // 4
+    chunk_words = triton.cdiv(triton.cdiv(words, PROGRAMS_PER_SLOT), _STEP_WORDS) * _STEP_WORDS
     grid = (slots.numel(), triton.cdiv(words, chunk_words))
     _ahead_kernel[grid](
         ids, table, home, pick, slots, chosen, saved, base,
         BATCH=batch, TOP_K=top_k, CANDIDATES=_pow2(batch * top_k), SLOTS=slots.numel(),
-        WORDS=words, CHUNK_WORDS=chunk_words, STEP=_STEP_WORDS,
+        WORDS=words, CHUNK_WORDS=chunk_words, STEP=_STEP_WORDS, num_warps=_WARPS,
     )  # fmt: skip
 
 
