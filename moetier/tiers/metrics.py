@@ -23,8 +23,9 @@ class LayerCounters:
     copied ahead by the previous MoE layer's call (a streaming call's guess, or a decode call's hint);
     ``prefetch_used`` / ``prefetch_wasted`` count the prefetched experts this layer computed / never needed.
     The mapped route's reads ahead (:mod:`moetier.tiers.mapped_ahead`) are timed on the device: ``prefetch_timed``
-    of them took ``prefetch_copy_seconds`` from their launch to their end, and the call waited
-    ``prefetch_wait_seconds`` for them.
+    of them took ``prefetch_copy_seconds`` from their launch to their end, and the compute stream waited
+    ``prefetch_wait_seconds`` for them at the join before the call (work held back beside the copy, e.g. kernels
+    that found no free SM, is not in it).
     Hinted decode calls (``ExpertDispatcher.hint``): ``hint_experts`` distinct experts predicted,
     ``hint_correct`` of them used, ``hint_actual`` distinct experts those calls used. The mapped route
     (:mod:`moetier.tiers.mapped`) counts from the device's tallies, so its ``calls`` are steps and a window
