@@ -61,7 +61,10 @@ class SplitChooser:
     the steady state, copies only alone 5.43; and at 4 streams a 16.84 ms trial median left out the mapped route
     that alone ran 12.4 ms a step (so every close rival plays, not only the closest). The winner runs for
     ``revisit_steps`` steps, then the trial (and any playoff) runs again (routing, load and the cache's contents
-    change over a session).
+    change over a session). A route of ``playoff_always`` plays off whenever the trial did not pick it, close or not:
+    the mapped route's short visits measure its worst steps (its share's timed eager steps, a cache the copies
+    left), 25-60% above its steady state in every H200 receipt of the twelfth session (trial 7.63 ms a 1-stream step
+    against copies' 5.80, so copies won, while mapped alone ran 4.17 ms).
     :meth:`route` names the route of the step about to run (a batch size's routes are ``routes``, or those
     its first :meth:`route` call passes: the mapped route takes decode-sized calls only), :meth:`observe`
     takes the seconds of a step that ran with the route it was given.
@@ -76,6 +79,7 @@ class SplitChooser:
     playoff_steps: int = 24
     playoff_settle: int = 8
     routes: tuple[str, ...] = ("auto", "copy")
+    playoff_always: tuple[str, ...] = ("mapped",)
     _trials: dict[int, _BatchTrial] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -92,6 +96,8 @@ class SplitChooser:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"split chooser {name} must be in [0, 1), got {getattr(self, name)}")
         _check_routes(self.routes)
+        if any(route not in SPLIT_ROUTES for route in self.playoff_always):
+            raise ConfigError(f"split chooser playoff_always must name routes of {SPLIT_ROUTES}: {self.playoff_always}")
 
     def route(self, tokens: int, routes: tuple[str, ...] | None = None) -> str:
         """The route for a step of ``tokens`` tokens per call (``routes``: that batch size's, if it is new)."""
@@ -143,7 +149,8 @@ class SplitChooser:
         else:
             winner = self._pick(trial.routes[0], trial.routes, medians)
             close = self.playoff_margin * medians[winner]
-            rivals = sorted((r for r in trial.routes if r != winner and abs(medians[r] - medians[winner]) <= close),
+            rivals = sorted((r for r in trial.routes if r != winner and (abs(medians[r] - medians[winner]) <= close
+                                                                       or r in self.playoff_always)),
                             key=medians.__getitem__)  # fmt: skip
             if rivals:
                 trial.playoff, trial.pending = (winner, *rivals), medians
