@@ -25,7 +25,10 @@ DEFAULT_MAPPED_PREFETCH = 2
 # none, tok/s at 1 / 2 / 4 streams): 196 / 273 / 331 vs 233 / 290 / 289 (results/h200-20261202-1ebb01d-reads-ahead),
 # 183 / 264 / 330 vs 234 / 324 / 340 (results/h200-20261202-289e636). Timed on the device, the call never waits for
 # the copies (0.002 ms for 0.62 ms of copies): what they cost at 1-2 streams is elsewhere (those steps' hit rate was
-# lower, 0.36 vs 0.42, and one or three experts ahead ran between: 195 / 168 tok/s at 1 stream).
+# lower, 0.36 vs 0.42, and one or three experts ahead ran between: 195 / 168 tok/s at 1 stream). The H200 traces
+# showed the copy kernel holding the attention's GEMMs off the SMs; with that fixed the join waits 0.26-0.30 ms a
+# layer for two experts (~0.25 ms of attention to hide them in), and they still lost: 196 / 281 / 352 vs 230 / 317 /
+# 386 (results/h200-20261202-9841684).
 DEFAULT_MAPPED_PREFETCH_MIN_TOKENS = 4
 
 
