@@ -79,13 +79,13 @@ class MappedPrefetch:
         # Per set of held slots: their offsets on the device (and the pinned copy they came from).
         self._offsets: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
-        self._done: dict[int, Any] = {}  # per layer launched this step and not joined yet: its side event
         self._ids: dict[tuple, torch.Tensor] = {}  # per (layer, shape): the copy of a prediction the kernel reads
         self._noted: dict[int, torch.Tensor] = {}  # per layer: this step's prediction, not launched yet
-        # Per layer launched and not joined: its (start on the compute stream, end on the side stream) events; per
-        # joined layer not harvested: (layer, start, end, compute stream before its wait, after it). Fresh events
-        # each step: the host may run steps ahead of the device, so one step's cannot be recorded over.
-        self._launches: dict[int, tuple[Any, Any]] = {}
+        # Per layer launched this step and not joined: its (start on the compute stream, end on the side stream)
+        # events (None off CUDA, where it ran at once); per joined layer not harvested: (layer, start, end, compute
+        # stream before its wait, after it). Fresh events each step: the host may run steps ahead of the device, so
+        # one step's cannot be recorded over.
+        self._launches: dict[int, tuple[Any, Any] | None] = {}
         self._timed: deque[tuple[int, Any, Any, Any, Any]] = deque()
         self._launched = False  # this step launched something (its end restores on failure, gives slots back)
 
@@ -112,7 +112,7 @@ class MappedPrefetch:
         """Read ahead ``layer``'s noted prediction after the work on the current stream so far (the one the note's
         copy went to); a step without free staging slots reads nothing ahead."""
         ids = self._noted.pop(layer, None)
-        if ids is None or layer in self._done or not self._hold():
+        if ids is None or layer in self._launches or not self._hold():
             return
         row, span = self._row[layer], self._span(layer)
         table, home, pick = self.table[span], self.home[span], self.pick[span]
@@ -123,7 +123,7 @@ class MappedPrefetch:
         if not self.cuda:
             blocks = [slot.tensor for slot in self._held]
             ahead_reference(ids, table, home, pick, slots, chosen, saved, blocks, partial(self._home_block, layer))
-            self._done[layer] = None
+            self._launches[layer] = None
             return
         start, finished = _timing_event(), _timing_event()
         start.record(torch.cuda.current_stream(self.device))
@@ -131,20 +131,20 @@ class MappedPrefetch:
         with torch.cuda.stream(self._side):
             launch_ahead(ids, table, home, pick, slots, chosen, saved, self._base, self.block_bytes)
         finished.record(self._side)
-        self._done[layer], self._launches[layer] = finished, (start, finished)
+        self._launches[layer] = (start, finished)
 
     def join(self, layer: int) -> None:
         """Make the current stream wait for ``layer``'s reads ahead (before the work holding its call); on CUDA
         the wait is timed (:meth:`harvest_times`)."""
-        done = self._done.pop(layer, None)
-        if done is None:
+        events = self._launches.pop(layer, None)
+        if events is None:
             return
+        start, finished = events
         stream = torch.cuda.current_stream(self.device)
         before, after = _timing_event(), _timing_event()
         before.record(stream)
-        stream.wait_event(done)
+        stream.wait_event(finished)
         after.record(stream)
-        start, finished = self._launches.pop(layer)
         if len(self._timed) < _MAX_TIMED:  # a host far ahead of the device leaves later joins untimed
             self._timed.append((layer, start, finished, before, after))
 
@@ -172,7 +172,7 @@ class MappedPrefetch:
         self._noted.clear()
         if not self._launched:
             return
-        for layer in list(self._done):
+        for layer in list(self._launches):
             self.join(layer)
         if failed:
             for layer in self.layers:
