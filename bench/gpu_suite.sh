@@ -22,6 +22,8 @@
 # expert formats in CPU_TIER_FORMATS, default bf16,fp8,fp4).
 # GPU_EXPERTS=1 adds `moetier bench gpu-experts` (the device's routed-expert kernels alone, bf16/fp8/fp4,
 # grouped Triton against per-expert; GPU_EXPERTS_ARGS: its extra flags).
+# LINKS=1 adds `moetier bench links` (the home copy's links alone and at once: the CPU tier's kernel, the mapped
+# route's reads over PCIe, DMA copies, the DRAM read; LINKS_ARGS: its extra flags, e.g. "--cpu-experts 6").
 # DISPATCH_HOST=1 adds `moetier bench dispatch-host` (the host's us and aten calls per MoE dispatch call, per
 # dispatcher, small experts; DISPATCH_HOST_ARGS: its extra flags).
 # OMP_AB=1 adds a decode run of OMP_AB_MODES (default mapped-cpu,cpu) with OMP_WAIT_POLICY=ACTIVE (the CPU tier's
@@ -100,6 +102,12 @@ if [ -n "${GPU_EXPERTS:-}" ]; then  # the device's expert kernels alone, per for
     echo "=== bench gpu-experts" >> "$LOG"
     eval "gpu_experts_args=(${GPU_EXPERTS_ARGS:-})"
     timeout 240 python3 -m moetier.cli bench gpu-experts "${gpu_experts_args[@]}" --out "$OUT" 2>&1 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ -n "${LINKS:-}" ]; then  # the home copy's links alone and at once, no model needed
+    echo "=== bench links" >> "$LOG"
+    eval "links_args=(${LINKS_ARGS:-})"
+    timeout 240 python3 -m moetier.cli bench links "${links_args[@]}" --out "$OUT" 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [ -n "${DISPATCH_HOST:-}" ]; then  # the host's cost of one MoE dispatch call, per dispatcher, no model needed

@@ -337,6 +337,7 @@ def _setup_bench(parser: argparse.ArgumentParser) -> None:
         dispatch_host,
         gpu_experts,
         hf_baseline,
+        links,
         plots,
         prefill,
         serve,
@@ -363,6 +364,9 @@ def _setup_bench(parser: argparse.ArgumentParser) -> None:
     )
     gpu_experts.configure_parser(
         kinds.add_parser("gpu-experts", help="device expert kernels alone: us/call and GB/s per format, cold experts")
+    )
+    links.configure_parser(
+        kinds.add_parser("links", help="the home copy's links (CPU tier, mapped reads, DMA, DRAM) alone and at once")
     )
     dispatch_host.configure_parser(
         kinds.add_parser("dispatch-host", help="the host's cost of one MoE dispatch call: us and aten calls per call")
