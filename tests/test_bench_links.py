@@ -88,7 +88,13 @@ def test_the_cpu_tier_and_the_dram_read_run_alone_and_together(tmp_path, capsys)
     assert set(rows["cpu+read"]["gbps"]) == {"cpu", "read"} and rows["read"]["x_read"] == pytest.approx(1.0)
     assert receipt["best_split"] is None  # no device link ran
     assert receipt["cpu_kernel"] and len(receipt["cpu_kernel"]) == 1
-    assert "| cpu+read |" in capsys.readouterr().out
+    assert rows["read"]["cpu_job_ms"] is None  # no CPU job ran in that combination
+    for combo in ("cpu", "cpu+read"):  # where a job's time went, from the native worker's marks
+        phases = rows[combo]["cpu_job_ms"]
+        assert list(phases) == ["job", "team_start", "gate_up", "gate_up_spread", "down", "down_spread", "rest"]
+        assert all(v >= 0 for v in phases.values()) and phases["gate_up"] + phases["down"] <= phases["job"]
+    out = capsys.readouterr().out
+    assert "| cpu+read |" in out and "CPU jobs, median ms" in out
 
 
 def test_config_defaults_measure_a_decode_layers_split():

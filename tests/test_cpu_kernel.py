@@ -168,6 +168,19 @@ def test_result_does_not_depend_on_the_thread_count(variant):
     assert torch.equal(_run(lib, x, groups, None, threads=3), one)  # uneven shares, more threads than cores
 
 
+def test_fixed_shares_build_gives_the_same_bits_as_the_shared_counter():
+    """Threads take chunks as they come free by default; the fixed-share build (the older schedule) must give the
+    same sums: chunks of 16 units and 32 columns split these experts (72 units, 200 columns) unevenly."""
+    lib = _library()
+    fixed = cpu_experts.library(("-DMOETIER_STATIC_SHARES=1",))
+    assert fixed is not None
+    _, x, groups = _job(200, 72, tokens=(8, 1, 3, 2), seed=9)
+    x4, groups4, _ = _fp4_job(224, 96, (1, 32), tokens=(3, 1, 2), seed=29)
+    for threads in (1, 2, 3):
+        assert torch.equal(_run(fixed, x, groups, 0.4, threads), _run(lib, x, groups, 0.4, threads))
+        assert torch.equal(_run_fp4(fixed, x4, groups4, None, threads), _run_fp4(lib, x4, groups4, None, threads))
+
+
 def test_out_is_overwritten_and_untouched_rows_are_zero():
     lib = _library()
     _, x, groups = _job(256, 128, tokens=(1, 3), seed=4)

@@ -196,3 +196,24 @@ def test_an_unknown_worker_switch_is_refused(monkeypatch):
         CpuExpertTier(0.4, threads=1)
     monkeypatch.setenv("MOETIER_CPU_WORKER", "python")
     assert not CpuExpertTier(0.4, threads=1).native
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_native_job_reports_where_its_time_went(threads):
+    """The marks are seconds after the kernel's entry, ordered as the job passes them (a late thread may enter
+    after another finished phase 1, but phase 2 starts after the barrier), within its wall time."""
+    experts = _experts(3, "fp4")
+    tier = CpuExpertTier(0.4, threads=threads)
+    result = tier.submit(_job(experts, seed=2)).result()
+    tier.close()
+    marks = result.marks
+    assert list(marks) == ["before", *cpu_worker.MARK_NAMES]
+    for phase in ("entered", "gate_up", "down"):
+        assert marks[f"{phase}_first"] <= marks[f"{phase}_last"]
+    passed = ("allocated", "entered_first", "gate_up_first", "gate_up_last", "down_last", "end")
+    order = [marks[name] for name in passed]
+    assert order == sorted(order) and order[0] >= 0.0 and order[-1] <= result.seconds
+    assert marks["entered_last"] <= marks["down_first"]  # every thread is in before the barrier lets any through
+    assert 0.0 <= marks["before"] <= result.seconds - order[-1] + 1e-6
+    if threads == 1:  # a team of one: the first thread is the last
+        assert marks["gate_up_first"] == marks["gate_up_last"] and marks["down_first"] == marks["down_last"]

@@ -23,6 +23,7 @@ bench's DRAM bound assumes to be 1.0. Off CUDA only ``cpu`` and ``read`` run.
 from __future__ import annotations
 
 import argparse
+import statistics
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -127,11 +128,19 @@ class CpuRunner(Runner):
         self.experts = experts  # alive while the jobs point at them
         self.tier = CpuExpertTier(None, threads=cfg.cpu_threads, spin_seconds=DECODE_SPIN_S)
         self.kernels: set[str] = set()
+        self.marks: list[dict[str, float]] = []  # each job's marks and seconds since the last take_marks
 
     def step(self) -> int:
         job, self.next = self.jobs[self.next], (self.next + 1) % len(self.jobs)
-        self.kernels.add(self.tier.submit(job).result().kernel)
+        result = self.tier.submit(job).result()
+        self.kernels.add(result.kernel)
+        if result.marks:
+            self.marks.append({**result.marks, "seconds": result.seconds})
         return self.job_bytes
+
+    def take_marks(self) -> list[dict[str, float]]:
+        marks, self.marks = self.marks, []
+        return marks
 
     def close(self) -> None:
         self.tier.close()
@@ -295,7 +304,31 @@ def measure_combo(combo: str, runners: dict[str, Runner], seconds: float) -> dic
     windows = run_window([runners[n] for n in names], seconds)
     gbps = {n: w.bytes / w.seconds / 1e9 for n, w in zip(names, windows, strict=True)}
     steps = {n: w.steps for n, w in zip(names, windows, strict=True)}
-    return {"combo": combo, "gbps": gbps, "total_gbps": sum(gbps.values()), "steps": steps}
+    row = {"combo": combo, "gbps": gbps, "total_gbps": sum(gbps.values()), "steps": steps}
+    if isinstance(cpu := runners.get("cpu"), CpuRunner):
+        marks = cpu.take_marks()  # the warm-up's too, when this combination has no cpu: dropped
+        row["cpu_job_ms"] = job_phases_ms(marks) if "cpu" in names else None
+    return row
+
+
+# A CPU job's time in parts (cpu_worker.MARK_NAMES): the team's start, each phase from its first thread's start
+# to its last thread's end, how far apart the phase's threads ended (what its barrier waits out), the rest.
+_PHASES = {
+    "job": lambda m: m["seconds"],
+    "team_start": lambda m: m["entered_last"] - m["allocated"],
+    "gate_up": lambda m: m["gate_up_last"] - m["entered_first"],
+    "gate_up_spread": lambda m: m["gate_up_last"] - m["gate_up_first"],
+    "down": lambda m: m["down_last"] - m["gate_up_last"],
+    "down_spread": lambda m: m["down_last"] - m["down_first"],
+    "rest": lambda m: m["seconds"] - (m["down_last"] - m["entered_first"]),
+}
+
+
+def job_phases_ms(marks: list[dict[str, float]]) -> dict[str, float] | None:
+    """Median ms of each part of a CPU job (``_PHASES``) over ``marks``; None without marks (the Python worker)."""
+    if not marks:
+        return None
+    return {name: 1e3 * statistics.median(part(m) for m in marks) for name, part in _PHASES.items()}
 
 
 def _runners_needed(cfg: LinksBenchConfig) -> list[str]:
@@ -350,7 +383,8 @@ def markdown_table(receipt: dict[str, Any]) -> str:
     lines = [
         f"Links to the home copy: {cfg['expert_format']} experts (hidden {cfg['hidden']}, intermediate "
         f"{cfg['intermediate']}), {cfg['tokens'][0]} token(s), CPU jobs of {cfg['cpu_experts']} experts on "
-        f"{cfg['cpu_threads']} threads ({', '.join(receipt['cpu_kernel'] or ['-'])}), device calls of {cfg['gpu_experts']}, "
+        f"{cfg['cpu_threads']} threads ({', '.join(receipt['cpu_kernel'] or ['-'])}), "
+        f"device calls of {cfg['gpu_experts']}, "
         f"{cfg['seconds']} s a combination, git {receipt['environment']['git_sha']}",
         "",
         "GB/s: expert bytes as stored per second, each runner over its own span while the combination ran; x read:"
@@ -363,6 +397,14 @@ def markdown_table(receipt: dict[str, Any]) -> str:
         cells = [f"{r['gbps'][n]:.1f}" if n in r["gbps"] else "-" for n in RUNNERS]
         ratio = "-" if r["x_read"] is None else f"{r['x_read']:.2f}"
         lines.append(f"| {r['combo']} | " + " | ".join(cells) + f" | {r['total_gbps']:.1f} | {ratio} |")
+    phased = [r for r in receipt["results"] if r.get("cpu_job_ms")]
+    if phased:
+        names = list(_PHASES)
+        lines += ["", "CPU jobs, median ms: the job; its team's start; each phase from its first thread's start to its"
+                  " last thread's end, and how far apart its threads ended; the rest (allocation, wrap-up).", "",
+                  "| combination | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]  # fmt: skip
+        for r in phased:
+            lines.append(f"| {r['combo']} | " + " | ".join(f"{r['cpu_job_ms'][n]:.3f}" for n in names) + " |")
     if (best := receipt["best_split"]) is not None:
         of_read = "" if read is None else f" ({best['total_gbps'] / read:.2f}x the host read, {read:.1f} GB/s)"
         lines += ["", f"Best split: {best['combo']} at {best['total_gbps']:.1f} GB/s{of_read}."]

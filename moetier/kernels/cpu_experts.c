@@ -5,10 +5,10 @@
  * for 1-8 tokens. So every weight row is loaded once and used for all of its expert's tokens, and the
  * rows of all experts are split across all threads (a 1-token job over 6 experts still uses every core).
  *
- *   phase 1  units j (gate row j, up row j) of every expert split across threads:
+ *   phase 1  units j (gate row j, up row j) of every expert, taken by threads in chunks as they come free:
  *            act[p][j] = bf16(silu(bf16(gate_j . x_p)) * bf16(up_j . x_p))   (clamped when has_limit)
  *   barrier
- *   phase 2  output columns h split across threads (each thread owns its h's: no atomics):
+ *   phase 2  output columns h, taken in chunks the same way (one thread owns each h: no atomics):
  *            out[rows[p]][h] += gates[p] * bf16(down_h . act[p])
  *
  * Dot products accumulate in fp32. The roundings to bf16 are those of a bf16 GEMM (its output is bf16);
@@ -29,8 +29,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <omp.h>
+
+static double now_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -49,6 +56,18 @@ typedef uint16_t bf16_t;
 #endif
 /* Output columns per cache line of fp32: phase 2 splits h on this grain so threads never share a line. */
 #define OUT_GRAIN 16
+/* Threads take the phases' work in chunks from a shared counter, as they come free, rather than each a fixed
+ * share: a team's threads enter its region up to tens of microseconds apart and stream DRAM at different
+ * rates, and with fixed shares every phase lasted as long as its slowest thread (measured in the job marks:
+ * phase 1's threads finished 10-30% of the phase apart). Chunks: GATE_UP_CHUNK units (2 weight rows each;
+ * 64 KB of fp4, 256 KB of bf16 at V4-Flash's width) and DOWN_CHUNK output columns (a multiple of OUT_GRAIN).
+ * -DMOETIER_STATIC_SHARES=1 builds the fixed shares instead (the results are bit for bit the same: every
+ * value is computed by the same steps whichever thread computes it). */
+#ifndef MOETIER_STATIC_SHARES
+#define MOETIER_STATIC_SHARES 0
+#endif
+#define GATE_UP_CHUNK 16
+#define DOWN_CHUNK 32
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -475,6 +494,22 @@ static void dot_block(const rows_t *rows, int r, const xval_t *const *x, int nt,
 /* ------------------------------------------------------------------------------------------------------- */
 /* The job                                                                                                 */
 
+/* A job's marks, seconds after run_job's entry: its buffers allocated; the first and the last thread in the
+ * parallel region (the team's start); the first and the last thread done with phase 1 (the spread is the
+ * imbalance the barrier waits out); the same for phase 2; the region left. A team of one has all of them. */
+enum {
+    MARK_ALLOCATED,
+    MARK_ENTERED_FIRST,
+    MARK_ENTERED_LAST,
+    MARK_GATE_UP_FIRST,
+    MARK_GATE_UP_LAST,
+    MARK_DOWN_FIRST,
+    MARK_DOWN_LAST,
+    MARK_END,
+    N_MARKS
+};
+enum { THREAD_ENTERED, THREAD_GATE_UP, THREAD_DOWN, THREAD_MARKS };
+
 typedef struct {
     int64_t n_experts;
     const bf16_t *const *gate_up; /* [E] -> [2I, H] (gate rows, then up rows) */
@@ -501,6 +536,11 @@ typedef struct {
     int64_t tile_rows, tile_cols;
     bf16_t *row_buf;       /* [threads][MAX_ROWS][row_stride]: dequantised rows, one set per thread */
     int64_t row_stride;
+    /* Where the job's wall time went (run_job fills it: seconds after run_job's entry, see job_marks). */
+    double t0;
+    double *thread_marks; /* [threads][THREAD_MARKS]: when each thread entered, ended phase 1, ended phase 2 */
+    double marks[N_MARKS];
+    int64_t next_unit, next_column; /* the phases' shared counters (dynamic shares), zeroed by run_job */
 } job_t;
 
 enum { GATE = 0, UP = 1, DOWN = 2 };
@@ -597,17 +637,37 @@ static void gate_up_rows(const job_t *job, int64_t e, int64_t j0, int64_t j1, bf
     }
 }
 
-/* Phase 1: the (expert, j) units of all experts, flattened, one contiguous share per thread. */
-static void gate_up_phase(const job_t *job, int tid, int nthreads) {
+/* The next [lo, hi) of `total` items this thread takes: its fixed share (on the first call only) with
+ * MOETIER_STATIC_SHARES, else the next `chunk` from the shared `counter`. 0 when nothing is left. */
+ALWAYS_INLINE int take(int64_t *counter, int64_t total, int64_t chunk, int tid, int nthreads, int *calls, int64_t *lo,
+                       int64_t *hi) {
+    if (MOETIER_STATIC_SHARES) {
+        if ((*calls)++) return 0;
+        share(total, tid, nthreads, lo, hi);
+        return *lo < *hi;
+    }
+    *lo = __atomic_fetch_add(counter, chunk, __ATOMIC_RELAXED);
+    *hi = *lo + chunk < total ? *lo + chunk : total;
+    return *lo < total;
+}
+
+/* Units [lo, hi) of the (expert, j) units of all experts, flattened (a range may span experts). */
+static void gate_up_units(const job_t *job, int64_t lo, int64_t hi, bf16_t *bufs) {
     const int64_t I = job->inter;
-    int64_t lo, hi;
-    share(job->n_experts * I, tid, nthreads, &lo, &hi);
     while (lo < hi) {
         int64_t e = lo / I, j0 = lo % I;
         int64_t j1 = (hi - lo < I - j0) ? j0 + (hi - lo) : I;
-        gate_up_rows(job, e, j0, j1, thread_rows(job, tid));
+        gate_up_rows(job, e, j0, j1, bufs);
         lo += j1 - j0;
     }
+}
+
+/* Phase 1: the units of all experts, in chunks as threads come free (or one fixed share each). */
+static void gate_up_phase(job_t *job, int tid, int nthreads) {
+    int64_t lo, hi;
+    int calls = 0;
+    while (take(&job->next_unit, job->n_experts * job->inter, GATE_UP_CHUNK, tid, nthreads, &calls, &lo, &hi))
+        gate_up_units(job, lo, hi, thread_rows(job, tid));
 }
 
 /* Output columns [h0, h1) of one expert: out[row][h] += gate * bf16(down_h . act). The range is cut in
@@ -638,15 +698,21 @@ static void down_rows(const job_t *job, int64_t e, int64_t h0, int64_t h1, bf16_
     }
 }
 
-/* Phase 2: zero, then accumulate this thread's output columns, experts in job order (as index_add would). */
-static void down_phase(const job_t *job, int tid, int nthreads) {
+/* Output columns [h0, h1): zeroed, then every expert's part accumulated in job order (as index_add would). */
+static void down_columns(const job_t *job, int64_t h0, int64_t h1, bf16_t *bufs) {
     const int64_t H = job->hidden_size;
-    int64_t grains = (H + OUT_GRAIN - 1) / OUT_GRAIN, g0, g1;
-    share(grains, tid, nthreads, &g0, &g1);
-    int64_t h0 = g0 * OUT_GRAIN, h1 = g1 * OUT_GRAIN < H ? g1 * OUT_GRAIN : H;
-    if (h0 >= h1) return;
     for (int64_t u = 0; u < job->out_rows; ++u) memset(job->out + u * H + h0, 0, (size_t)(h1 - h0) * sizeof(float));
-    for (int64_t e = 0; e < job->n_experts; ++e) down_rows(job, e, h0, h1, thread_rows(job, tid));
+    for (int64_t e = 0; e < job->n_experts; ++e) down_rows(job, e, h0, h1, bufs);
+}
+
+/* Phase 2: the output columns, OUT_GRAIN-aligned chunks as threads come free (or one fixed share each); one
+ * thread owns each column, so no atomics and the same sums whichever thread it is. */
+static void down_phase(job_t *job, int tid, int nthreads) {
+    const int64_t H = job->hidden_size, grains = (H + OUT_GRAIN - 1) / OUT_GRAIN;
+    int64_t g0, g1;
+    int calls = 0;
+    while (take(&job->next_column, grains, DOWN_CHUNK / OUT_GRAIN, tid, nthreads, &calls, &g0, &g1))
+        down_columns(job, g0 * OUT_GRAIN, g1 * OUT_GRAIN < H ? g1 * OUT_GRAIN : H, thread_rows(job, tid));
 }
 
 static int valid(const job_t *job) {
@@ -664,6 +730,8 @@ static int valid(const job_t *job) {
 }
 
 static void release(job_t *job) {
+    free(job->thread_marks);
+    job->thread_marks = NULL;
     free(job->act);
     free(job->x_scratch);
     free(job->row_buf);
@@ -677,6 +745,7 @@ static int allocate(job_t *job, int threads) {
     job->x_scratch = NULL;
     job->row_buf = NULL;
     job->x = (const xval_t *)job->hidden;
+    job->thread_marks = malloc((size_t)threads * THREAD_MARKS * sizeof(double));
     if (!X_IS_BF16) {
         job->x_scratch = malloc((size_t)(job->out_rows > 0 ? job->out_rows : 1) * (size_t)job->hidden_size *
                                 sizeof(xval_t));
@@ -688,30 +757,55 @@ static int allocate(job_t *job, int threads) {
         job->row_stride = (widest + 31) / 32 * 32;
         job->row_buf = aligned_alloc(64, (size_t)threads * MAX_ROWS * (size_t)job->row_stride * sizeof(bf16_t));
     }
-    return job->act != NULL && (X_IS_BF16 || job->x_scratch != NULL) && (!is_quantised(job) || job->row_buf != NULL);
+    return job->act != NULL && job->thread_marks != NULL && (X_IS_BF16 || job->x_scratch != NULL) &&
+           (!is_quantised(job) || job->row_buf != NULL);
+}
+
+/* This thread's mark `which` (THREAD_*), seconds after the job's entry. */
+ALWAYS_INLINE void mark_thread(const job_t *job, int tid, int which) {
+    job->thread_marks[tid * THREAD_MARKS + which] = now_seconds() - job->t0;
+}
+
+/* The first and the last thread's mark `which` into marks[first] and marks[first + 1]. */
+static void reduce_marks(job_t *job, int threads, int which, int first) {
+    double lo = job->thread_marks[which], hi = lo;
+    for (int t = 1; t < threads; ++t) {
+        const double v = job->thread_marks[t * THREAD_MARKS + which];
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    job->marks[first] = lo;
+    job->marks[first + 1] = hi;
 }
 
 /* This thread's part of every phase (orphaned barriers: outside a parallel region they bind to a team of one). */
-static void work(const job_t *job) {
+static void work(job_t *job) {
     const int tid = omp_get_thread_num(), nthreads = omp_get_num_threads();
+    mark_thread(job, tid, THREAD_ENTERED);
     if (!X_IS_BF16) {
         convert_phase(job, tid, nthreads);
 #pragma omp barrier
     }
     gate_up_phase(job, tid, nthreads);
+    mark_thread(job, tid, THREAD_GATE_UP);
 #pragma omp barrier
     down_phase(job, tid, nthreads);
+    mark_thread(job, tid, THREAD_DOWN);
 }
 
 /* Validate, allocate, compute and free one job of either kind. */
 static int run_job(job_t *job, int threads) {
     /* torch's clamp of a bf16 tensor by a float bound gives the bound rounded to bf16, so clamp by that. */
     job->limit = round_bf16(job->limit);
+    job->t0 = now_seconds();
+    job->thread_marks = NULL;
+    job->next_unit = job->next_column = 0;
     if (threads < 1 || !valid(job)) return MOETIER_BAD_ARGS;
     if (!allocate(job, threads)) {
         release(job);
         return MOETIER_NO_MEMORY;
     }
+    job->marks[MARK_ALLOCATED] = now_seconds() - job->t0;
     if (threads == 1) {
         /* No region at all: libgomp miscounts its threads after a one-thread team's master exits, and then
          * makes every other team sleep in futexes instead of spinning (measured: 50x slower jobs). */
@@ -720,6 +814,10 @@ static int run_job(job_t *job, int threads) {
 #pragma omp parallel num_threads(threads)
         work(job);
     }
+    job->marks[MARK_END] = now_seconds() - job->t0;
+    reduce_marks(job, threads, THREAD_ENTERED, MARK_ENTERED_FIRST);
+    reduce_marks(job, threads, THREAD_GATE_UP, MARK_GATE_UP_FIRST);
+    reduce_marks(job, threads, THREAD_DOWN, MARK_DOWN_FIRST);
     release(job);
     return MOETIER_OK;
 }

@@ -61,6 +61,7 @@ typedef struct queued {
     int32_t flag_value;
     int status;     /* run_job's, once done */
     double seconds; /* the job's wall time on the worker */
+    double started; /* when the worker began it (now_seconds) */
     int done;       /* set under the worker's lock; read atomically by moetier_worker_done */
     int64_t epoch;  /* a fed job's: the worker's cancel epoch when it was queued */
     void *owned;    /* the copied arrays, one allocation */
@@ -77,12 +78,6 @@ typedef struct {
     double spin_seconds;
     int64_t epoch; /* moetier_worker_cancel_fed's count: fed jobs queued before a cancel are abandoned */
 } worker_t;
-
-static double now_seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 /* Spin (without the lock) until a job is queued, stop is asked, or spin_seconds pass. */
 static void spin_for_work(worker_t *w) {
@@ -179,9 +174,9 @@ static void *worker_main(void *arg) {
             q->status = MOETIER_ABANDONED;
             if (started < 0) q->flag = NULL; /* cancelled: nothing waits for it */
         } else {
-            const double start = now_seconds();
+            q->started = now_seconds();
             q->status = q->feed != NULL ? run_fed(q) : run_job(&q->job, q->threads);
-            q->seconds = now_seconds() - start;
+            q->seconds = now_seconds() - q->started;
         }
         /* The sums are in `out`: release a stream waiting for them (x86-TSO and this barrier keep the order). */
         if (q->flag != NULL) __atomic_store_n(q->flag, q->flag_value, __ATOMIC_RELEASE);
@@ -382,6 +377,16 @@ int moetier_worker_wait(void *handle, void *job, double *seconds) {
 
 /* The distinct experts a job that has run computed (a fed job's: those of its pairs the device left it). */
 int64_t moetier_worker_experts(void *job) { return ((queued_t *)job)->job.n_experts; }
+
+/* A job that has run: its N_MARKS marks into out (seconds after run_job's entry, see the enum in
+ * cpu_experts.c; a job that failed before its region has only zeros), and the seconds its worker spent before
+ * run_job (a fed job grouping its pairs). Returns N_MARKS, the count the caller must have room for. */
+int moetier_worker_marks(void *job, double *out, double *before) {
+    const queued_t *q = job;
+    memcpy(out, q->job.marks, sizeof q->job.marks);
+    *before = q->job.t0 > 0.0 ? q->job.t0 - q->started : 0.0;
+    return N_MARKS;
+}
 
 /* Free a job that has run (moetier_worker_wait returned for it). */
 void moetier_worker_free(void *job) {

@@ -23,6 +23,11 @@ from moetier.kernels.cpu_experts import CheckedExperts, CpuExpertsLibrary, check
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 ABANDONED = -3  # a fed job's status when its start never came (MOETIER_ABANDONED)
+# A job's marks (cpu_experts.c's MARK_* order): seconds after the kernel's entry, ``before`` the seconds the worker
+# spent ahead of it (a fed job grouping its pairs). ``*_first`` / ``*_last``: the first and the last thread.
+MARK_NAMES = (
+    "allocated", "entered_first", "entered_last", "gate_up_first", "gate_up_last", "down_first", "down_last", "end",
+)  # fmt: skip
 
 
 class _Entry:
@@ -56,6 +61,9 @@ class _Entry:
         self.free.argtypes, self.free.restype = [_PTR], None
         self.experts = lib.moetier_worker_experts
         self.experts.argtypes, self.experts.restype = [_PTR], _I64
+        self.marks = lib.moetier_worker_marks
+        self.marks.argtypes = [_PTR, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double)]
+        self.marks.restype = _INT
 
 
 _entries: dict[str, _Entry | None] = {}
@@ -89,6 +97,7 @@ class NativeJob:
         self._keep = keep  # the caller's tensors the C thread reads (hidden, out): alive until the job ran
         self._outcome: tuple[int, float] | None = None
         self.experts = 0
+        self.marks: dict[str, float] = {}  # once waited for: where its wall time went (MARK_NAMES, and "before")
         self._lock = threading.Lock()
 
     def done(self) -> bool:
@@ -102,9 +111,17 @@ class NativeJob:
                 seconds = ctypes.c_double(0.0)
                 status = self._entry.wait(self._worker, self._handle, ctypes.byref(seconds))
                 self.experts = int(self._entry.experts(self._handle))
+                self.marks = self._read_marks()
                 self._entry.free(self._handle)
                 self._outcome, self._keep = (int(status), seconds.value), None
             return self._outcome
+
+    def _read_marks(self) -> dict[str, float]:
+        values, before = (ctypes.c_double * len(MARK_NAMES))(), ctypes.c_double(0.0)
+        count = self._entry.marks(self._handle, values, ctypes.byref(before))
+        if count != len(MARK_NAMES):  # a build whose enum this module does not know: no marks, not wrong ones
+            return {}
+        return {"before": before.value, **dict(zip(MARK_NAMES, values, strict=True))}
 
     def __del__(self) -> None:  # a job nobody waited for: it still runs; its record is freed once it has
         if getattr(self, "_outcome", True) is None:

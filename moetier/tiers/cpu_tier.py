@@ -95,6 +95,8 @@ class CpuResult:
     # which path ran: "torch", or "c-" + the C kernel's ISA (e.g. "c-avx512_bf16"), then "-fp8" or "-fp4"
     # for quantised experts
     kernel: str = TORCH_KERNEL
+    # a native job's marks: where its wall time went (cpu_worker.MARK_NAMES, seconds); empty for the Python worker
+    marks: dict[str, float] = field(default_factory=dict)
 
 
 class CpuExpertTier:
@@ -326,7 +328,9 @@ class NativeFuture:
             status, seconds = self._job.wait()
             cpu_experts.raise_for(status)
             record_phase("tiers.cpu_job", seconds)
-            self._result = CpuResult(out=self._job.out, seconds=seconds, pairs=self._pairs, kernel=self._kernel)
+            self._result = CpuResult(
+                out=self._job.out, seconds=seconds, pairs=self._pairs, kernel=self._kernel, marks=self._job.marks
+            )
         return self._result
 
 
