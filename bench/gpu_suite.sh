@@ -26,8 +26,6 @@
 # route's reads over PCIe, DMA copies, the DRAM read; LINKS_ARGS: its extra flags, e.g. "--cpu-experts 6").
 # DISPATCH_HOST=1 adds `moetier bench dispatch-host` (the host's us and aten calls per MoE dispatch call, per
 # dispatcher, small experts; DISPATCH_HOST_ARGS: its extra flags).
-# OMP_AB=1 adds a decode run of OMP_AB_MODES (default mapped-cpu,cpu) with OMP_WAIT_POLICY=ACTIVE (the CPU tier's
-# OpenMP threads spin between jobs instead of sleeping), to compare with the main decode run.
 # CPU_WORKER_AB=1 adds a decode run of CPU_WORKER_AB_MODES (default cpu,tiered) with MOETIER_CPU_WORKER=python (the
 # CPU tier's Python worker thread instead of its native one), to compare with the main decode run.
 # TRACE=modes (e.g. "tiered") saves those modes' profiled 1-stream decode steps as gzipped Chrome traces.
@@ -141,11 +139,6 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     if [ -n "${CPU_WORKER_AB:-}" ]; then  # the CPU tier's Python worker, against the main run's native one
         MOETIER_CPU_WORKER=python bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
             --modes "${CPU_WORKER_AB_MODES:-cpu,tiered}" --profile
-    fi
-    if [ -n "${OMP_AB:-}" ]; then  # OMP_AB_MODES (default mapped-cpu,cpu) again with OpenMP threads that never sleep
-        echo "=== decode with OMP_WAIT_POLICY=ACTIVE" >> "$LOG"
-        OMP_WAIT_POLICY=ACTIVE bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
-            --modes "${OMP_AB_MODES:-mapped-cpu,cpu}" --profile
     fi
     if [ -n "${ALT_TREE:-}" ]; then  # ALT_MODES (default resident,tiered) again from the source tree ALT_TREE
         echo "=== decode from the tree $ALT_TREE" >> "$LOG"

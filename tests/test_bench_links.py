@@ -93,6 +93,7 @@ def test_the_cpu_tier_and_the_dram_read_run_alone_and_together(tmp_path, capsys)
         phases = rows[combo]["cpu_job_ms"]
         assert list(phases) == ["job", "team_start", "gate_up", "gate_up_spread", "down", "down_spread", "rest"]
         assert all(v >= 0 for v in phases.values()) and phases["gate_up"] + phases["down"] <= phases["job"]
+        assert 1 <= rows[combo]["cpu_joined"] <= receipt["config"]["cpu_threads"]
     out = capsys.readouterr().out
     assert "| cpu+read |" in out and "CPU jobs, median ms" in out
 

@@ -168,17 +168,39 @@ def test_result_does_not_depend_on_the_thread_count(variant):
     assert torch.equal(_run(lib, x, groups, None, threads=3), one)  # uneven shares, more threads than cores
 
 
-def test_fixed_shares_build_gives_the_same_bits_as_the_shared_counter():
-    """Threads take chunks as they come free by default; the fixed-share build (the older schedule) must give the
-    same sums: chunks of 16 units and 32 columns split these experts (72 units, 200 columns) unevenly."""
+def test_helpers_that_never_come_change_nothing():
+    """A job is done when its chunks are, whichever threads took them: built with its odd helpers always absent
+    (as if always late), the team gives the same sums; chunks of 16 units and 32 columns split these experts
+    (72 units, 200 columns) unevenly."""
     lib = _library()
-    fixed = cpu_experts.library(("-DMOETIER_STATIC_SHARES=1",))
-    assert fixed is not None
+    absent = cpu_experts.library(("-DMOETIER_TEAM_ODD_HELPERS_ABSENT=1",))
+    assert absent is not None
     _, x, groups = _job(200, 72, tokens=(8, 1, 3, 2), seed=9)
     x4, groups4, _ = _fp4_job(224, 96, (1, 32), tokens=(3, 1, 2), seed=29)
-    for threads in (1, 2, 3):
-        assert torch.equal(_run(fixed, x, groups, 0.4, threads), _run(lib, x, groups, 0.4, threads))
-        assert torch.equal(_run_fp4(fixed, x4, groups4, None, threads), _run_fp4(lib, x4, groups4, None, threads))
+    for threads in (2, 3, 4):
+        assert torch.equal(_run(absent, x, groups, 0.4, threads), _run(lib, x, groups, 0.4, threads))
+        assert torch.equal(_run_fp4(absent, x4, groups4, None, threads), _run_fp4(lib, x4, groups4, None, threads))
+
+
+def test_many_threads_run_their_own_teams_at_once():
+    """Each calling thread owns a team: jobs from several threads at once (and a thread count that grows) give
+    the bits of the same jobs run one at a time."""
+    lib = _library()
+    jobs = [_job(200, 72, tokens=(8, 1, 3), seed=s) for s in range(6)]
+    alone = [_run(lib, x, groups, None, threads=1 + s % 3) for s, (_, x, groups) in enumerate(jobs)]
+    results: dict[int, torch.Tensor] = {}
+
+    def run(s: int) -> None:
+        _, x, groups = jobs[s]
+        for _ in range(3):
+            results[s] = _run(lib, x, groups, None, threads=1 + s % 3)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(results[s], alone[s]) for s in range(len(jobs)))
 
 
 def test_out_is_overwritten_and_untouched_rows_are_zero():

@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_cpu_tier_overhead import HIDDEN, _checked_run, _experts, _job
 
+from moetier.bench.cpu_tier import CpuTierBenchConfig, JobMaker, make_experts
 from moetier.kernels import cpu_experts, cpu_worker
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob, NativeFuture
 from moetier.tiers.gpu_wait import FlagRelease
@@ -217,3 +218,26 @@ def test_a_native_job_reports_where_its_time_went(threads):
     assert 0.0 <= marks["before"] <= result.seconds - order[-1] + 1e-6
     if threads == 1:  # a team of one: the first thread is the last
         assert marks["gate_up_first"] == marks["gate_up_last"] and marks["down_first"] == marks["down_last"]
+
+
+def test_a_job_counts_the_threads_that_joined_it():
+    """A job's marks count the threads that took part: never the odd helpers of a build that keeps them away (the
+    caller alone may do a job before any helper wakes), and the helpers of the default build do come (jobs of
+    ~1 ms: 4 bf16 experts of 1024 x 512)."""
+    cfg = CpuTierBenchConfig(experts=4, hidden=1024, intermediate=512, top_k=4, formats=["bf16"], seed=0)
+    _, experts = make_experts(cfg, "bf16")
+    job = JobMaker(cfg, experts).job(2)
+    checked = cpu_experts.check_experts(
+        None, job.hidden, None, [(g.weights.gate_up, g.weights.down) for g in job.groups]
+    )
+    rows, gates = [g.rows for g in job.groups], [g.gates for g in job.groups]
+    absent = cpu_experts.library(("-DMOETIER_TEAM_ODD_HELPERS_ABSENT=1",))
+    assert absent is not None
+    for lib, most in ((absent, 2), (cpu_experts.library(), 4)):
+        worker = cpu_worker.NativeWorker(lib, spin_seconds=0.002)
+        queued = [worker.submit(checked, job.hidden, rows, gates, 0.4, 4) for _ in range(20)]
+        assert [q.wait()[0] for q in queued] == [0] * 20
+        worker.close()
+        joined = [q.marks["joined"] for q in queued]
+        assert min(joined) >= 1 and max(joined) <= most and max(joined) > 1, joined
+        assert all(torch.equal(q.out, queued[0].out) for q in queued)

@@ -308,11 +308,13 @@ def measure_combo(combo: str, runners: dict[str, Runner], seconds: float) -> dic
     if isinstance(cpu := runners.get("cpu"), CpuRunner):
         marks = cpu.take_marks()  # the warm-up's too, when this combination has no cpu: dropped
         row["cpu_job_ms"] = job_phases_ms(marks) if "cpu" in names else None
+        row["cpu_joined"] = statistics.median(m["joined"] for m in marks) if "cpu" in names and marks else None
     return row
 
 
-# A CPU job's time in parts (cpu_worker.MARK_NAMES): the team's start, each phase from its first thread's start
-# to its last thread's end, how far apart the phase's threads ended (what its barrier waits out), the rest.
+# A CPU job's time in parts (cpu_worker.MARK_NAMES): the team's start (the last thread that joined it), each phase
+# from its first thread's start to its last thread's end, how far apart the phase's threads ended (what the phase's
+# end waits out), the rest.
 _PHASES = {
     "job": lambda m: m["seconds"],
     "team_start": lambda m: m["entered_last"] - m["allocated"],
@@ -401,10 +403,12 @@ def markdown_table(receipt: dict[str, Any]) -> str:
     if phased:
         names = list(_PHASES)
         lines += ["", "CPU jobs, median ms: the job; its team's start; each phase from its first thread's start to its"
-                  " last thread's end, and how far apart its threads ended; the rest (allocation, wrap-up).", "",
-                  "| combination | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]  # fmt: skip
+                  " last thread's end, and how far apart its threads ended; the rest (allocation, wrap-up); the"
+                  f" threads that took part (of {cfg['cpu_threads']}).", "",
+                  f"| combination | {' | '.join(names)} | joined |", "|---|" + "---|" * (len(names) + 1)]  # fmt: skip
         for r in phased:
-            lines.append(f"| {r['combo']} | " + " | ".join(f"{r['cpu_job_ms'][n]:.3f}" for n in names) + " |")
+            cells = [f"{r['cpu_job_ms'][n]:.3f}" for n in names] + [f"{r['cpu_joined']:g}"]
+            lines.append(f"| {r['combo']} | " + " | ".join(cells) + " |")
     if (best := receipt["best_split"]) is not None:
         of_read = "" if read is None else f" ({best['total_gbps'] / read:.2f}x the host read, {read:.1f} GB/s)"
         lines += ["", f"Best split: {best['combo']} at {best['total_gbps']:.1f} GB/s{of_read}."]

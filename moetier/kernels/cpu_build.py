@@ -22,8 +22,8 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu_experts.c")
 # The files SOURCE #includes (one translation unit): a build depends on them too.
-INCLUDED = (SOURCE.with_name("cpu_experts_fp4.c"), SOURCE.with_name("cpu_worker.c"))
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC")
+INCLUDED = tuple(SOURCE.with_name(name) for name in ("cpu_experts_fp4.c", "cpu_team.c", "cpu_worker.c"))
+FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
 
 

@@ -1,5 +1,5 @@
-/* moetier CPU expert kernel: one whole CPU-tier job (several SwiGLU experts, a few tokens each) in one
- * OpenMP parallel region (none at one thread).
+/* moetier CPU expert kernel: one whole CPU-tier job (several SwiGLU experts, a few tokens each) on the calling
+ * thread and its team of helpers (cpu_team.c; none at one thread).
  *
  * Decode on the CPU tier is bound by DRAM bandwidth: each expert's weights (~50 MB in bf16) are read once
  * for 1-8 tokens. So every weight row is loaded once and used for all of its expert's tokens, and the
@@ -7,7 +7,7 @@
  *
  *   phase 1  units j (gate row j, up row j) of every expert, taken by threads in chunks as they come free:
  *            act[p][j] = bf16(silu(bf16(gate_j . x_p)) * bf16(up_j . x_p))   (clamped when has_limit)
- *   barrier
+ *   (phase 1 done: every chunk, whichever threads took them)
  *   phase 2  output columns h, taken in chunks the same way (one thread owns each h: no atomics):
  *            out[rows[p]][h] += gates[p] * bf16(down_h . act[p])
  *
@@ -30,8 +30,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-#include <omp.h>
 
 static double now_seconds(void) {
     struct timespec t;
@@ -56,18 +54,14 @@ typedef uint16_t bf16_t;
 #endif
 /* Output columns per cache line of fp32: phase 2 splits h on this grain so threads never share a line. */
 #define OUT_GRAIN 16
-/* Threads take the phases' work in chunks from a shared counter, as they come free, rather than each a fixed
- * share: a team's threads enter its region up to tens of microseconds apart and stream DRAM at different
- * rates, and with fixed shares every phase lasted as long as its slowest thread (measured in the job marks:
- * phase 1's threads finished 10-30% of the phase apart). Chunks: GATE_UP_CHUNK units (2 weight rows each;
- * 64 KB of fp4, 256 KB of bf16 at V4-Flash's width) and DOWN_CHUNK output columns (a multiple of OUT_GRAIN).
- * -DMOETIER_STATIC_SHARES=1 builds the fixed shares instead (the results are bit for bit the same: every
- * value is computed by the same steps whichever thread computes it). */
-#ifndef MOETIER_STATIC_SHARES
-#define MOETIER_STATIC_SHARES 0
-#endif
+/* Threads take each phase's work in chunks from a shared counter as they come (cpu_team.c: a thread may come
+ * late or not at all), and a phase is over when its chunks are done. Chunks: GATE_UP_CHUNK units (2 weight
+ * rows each; 64 KB of fp4, 256 KB of bf16 at V4-Flash's width), DOWN_CHUNK output columns (a multiple of
+ * OUT_GRAIN), CONVERT_CHUNK values. Every value is computed by the same steps whichever thread computes it, so
+ * the sums do not depend on the threads. */
 #define GATE_UP_CHUNK 16
 #define DOWN_CHUNK 32
+#define CONVERT_CHUNK 4096
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -494,8 +488,8 @@ static void dot_block(const rows_t *rows, int r, const xval_t *const *x, int nt,
 /* ------------------------------------------------------------------------------------------------------- */
 /* The job                                                                                                 */
 
-/* A job's marks, seconds after run_job's entry: its buffers allocated; the first and the last thread in the
- * parallel region (the team's start); the first and the last thread done with phase 1 (the spread is the
+/* A job's marks, seconds after run_job's entry: its buffers allocated; the first and the last thread to join
+ * the job (the team's start); the first and the last thread done with phase 1 (the spread is the
  * imbalance the barrier waits out); the same for phase 2; the region left. A team of one has all of them. */
 enum {
     MARK_ALLOCATED,
@@ -506,11 +500,18 @@ enum {
     MARK_DOWN_FIRST,
     MARK_DOWN_LAST,
     MARK_END,
+    MARK_JOINED, /* not a time: how many threads took part (a helper that came after the work was done did not) */
     N_MARKS
 };
 enum { THREAD_ENTERED, THREAD_GATE_UP, THREAD_DOWN, THREAD_MARKS };
 
+/* One phase's shared counters: the next item to take, and how many are done (added with release). */
 typedef struct {
+    int64_t next, done;
+} phase_t;
+enum { PHASE_CONVERT, PHASE_GATE_UP, PHASE_DOWN, N_PHASES };
+
+typedef struct job {
     int64_t n_experts;
     const bf16_t *const *gate_up; /* [E] -> [2I, H] (gate rows, then up rows) */
     const bf16_t *const *down;    /* [E] -> [H, I] */
@@ -538,10 +539,14 @@ typedef struct {
     int64_t row_stride;
     /* Where the job's wall time went (run_job fills it: seconds after run_job's entry, see job_marks). */
     double t0;
-    double *thread_marks; /* [threads][THREAD_MARKS]: when each thread entered, ended phase 1, ended phase 2 */
+    double *thread_marks; /* [threads][THREAD_MARKS]: when each thread joined, ended phase 1, ended phase 2 */
     double marks[N_MARKS];
-    int64_t next_unit, next_column; /* the phases' shared counters (dynamic shares), zeroed by run_job */
+    phase_t phases[N_PHASES]; /* zeroed by run_job */
 } job_t;
+
+/* The team the phases run on (needs job_t's tag and now_seconds). */
+#include "cpu_team.c"
+
 
 enum { GATE = 0, UP = 1, DOWN = 2 };
 
@@ -592,22 +597,15 @@ ALWAYS_INLINE xval_t swiglu(const job_t *job, float gate, float up) {
     return x_from_bf16(f32_to_bf16(gate / (1.0f + expf(-gate)) * up));
 }
 
-/* The [lo, hi) share of `total` items of thread `tid` of `n` (contiguous, sizes differ by at most one). */
-static void share(int64_t total, int tid, int n, int64_t *lo, int64_t *hi) {
-    *lo = total * tid / n;
-    *hi = total * (tid + 1) / n;
-}
-
 /* The size of the token block starting at token tb of expert e (at most TOKEN_BLOCK). */
 ALWAYS_INLINE int token_block(const job_t *job, int64_t e, int64_t tb) {
     int64_t left = job->offsets[e + 1] - job->offsets[e] - tb;
     return (int)(left < TOKEN_BLOCK ? left : TOKEN_BLOCK);
 }
 
-/* Phase 0 (only when xval_t is fp32): this thread's share of the hidden rows, converted. */
-static void convert_phase(const job_t *job, int tid, int nthreads) {
-    int64_t lo, hi;
-    share(job->out_rows * job->hidden_size, tid, nthreads, &lo, &hi);
+/* Phase 0 (only when xval_t is fp32): hidden values [lo, hi), converted. */
+static void convert_values(const job_t *job, int64_t lo, int64_t hi, int tid) {
+    (void)tid;
     for (int64_t i = lo; i < hi; ++i) job->x_scratch[i] = x_from_bf16(job->hidden[i]);
 }
 
@@ -637,37 +635,15 @@ static void gate_up_rows(const job_t *job, int64_t e, int64_t j0, int64_t j1, bf
     }
 }
 
-/* The next [lo, hi) of `total` items this thread takes: its fixed share (on the first call only) with
- * MOETIER_STATIC_SHARES, else the next `chunk` from the shared `counter`. 0 when nothing is left. */
-ALWAYS_INLINE int take(int64_t *counter, int64_t total, int64_t chunk, int tid, int nthreads, int *calls, int64_t *lo,
-                       int64_t *hi) {
-    if (MOETIER_STATIC_SHARES) {
-        if ((*calls)++) return 0;
-        share(total, tid, nthreads, lo, hi);
-        return *lo < *hi;
-    }
-    *lo = __atomic_fetch_add(counter, chunk, __ATOMIC_RELAXED);
-    *hi = *lo + chunk < total ? *lo + chunk : total;
-    return *lo < total;
-}
-
-/* Units [lo, hi) of the (expert, j) units of all experts, flattened (a range may span experts). */
-static void gate_up_units(const job_t *job, int64_t lo, int64_t hi, bf16_t *bufs) {
+/* Phase 1: units [lo, hi) of the (expert, j) units of all experts, flattened (a range may span experts). */
+static void gate_up_units(const job_t *job, int64_t lo, int64_t hi, int tid) {
     const int64_t I = job->inter;
     while (lo < hi) {
         int64_t e = lo / I, j0 = lo % I;
         int64_t j1 = (hi - lo < I - j0) ? j0 + (hi - lo) : I;
-        gate_up_rows(job, e, j0, j1, bufs);
+        gate_up_rows(job, e, j0, j1, thread_rows(job, tid));
         lo += j1 - j0;
     }
-}
-
-/* Phase 1: the units of all experts, in chunks as threads come free (or one fixed share each). */
-static void gate_up_phase(job_t *job, int tid, int nthreads) {
-    int64_t lo, hi;
-    int calls = 0;
-    while (take(&job->next_unit, job->n_experts * job->inter, GATE_UP_CHUNK, tid, nthreads, &calls, &lo, &hi))
-        gate_up_units(job, lo, hi, thread_rows(job, tid));
 }
 
 /* Output columns [h0, h1) of one expert: out[row][h] += gate * bf16(down_h . act). The range is cut in
@@ -698,21 +674,29 @@ static void down_rows(const job_t *job, int64_t e, int64_t h0, int64_t h1, bf16_
     }
 }
 
-/* Output columns [h0, h1): zeroed, then every expert's part accumulated in job order (as index_add would). */
-static void down_columns(const job_t *job, int64_t h0, int64_t h1, bf16_t *bufs) {
-    const int64_t H = job->hidden_size;
+/* Phase 2: output grains [g0, g1) (OUT_GRAIN columns each, so threads never share a line of `out`): zeroed,
+ * then every expert's part accumulated in job order (as index_add would). One thread owns each column: no
+ * atomics, and the same sums whichever thread it is. */
+static void down_grains(const job_t *job, int64_t g0, int64_t g1, int tid) {
+    const int64_t H = job->hidden_size, h0 = g0 * OUT_GRAIN, h1 = g1 * OUT_GRAIN < H ? g1 * OUT_GRAIN : H;
     for (int64_t u = 0; u < job->out_rows; ++u) memset(job->out + u * H + h0, 0, (size_t)(h1 - h0) * sizeof(float));
-    for (int64_t e = 0; e < job->n_experts; ++e) down_rows(job, e, h0, h1, bufs);
+    for (int64_t e = 0; e < job->n_experts; ++e) down_rows(job, e, h0, h1, thread_rows(job, tid));
 }
 
-/* Phase 2: the output columns, OUT_GRAIN-aligned chunks as threads come free (or one fixed share each); one
- * thread owns each column, so no atomics and the same sums whichever thread it is. */
-static void down_phase(job_t *job, int tid, int nthreads) {
-    const int64_t H = job->hidden_size, grains = (H + OUT_GRAIN - 1) / OUT_GRAIN;
-    int64_t g0, g1;
-    int calls = 0;
-    while (take(&job->next_column, grains, DOWN_CHUNK / OUT_GRAIN, tid, nthreads, &calls, &g0, &g1))
-        down_columns(job, g0 * OUT_GRAIN, g1 * OUT_GRAIN < H ? g1 * OUT_GRAIN : H, thread_rows(job, tid));
+typedef void (*chunk_fn_t)(const job_t *job, int64_t lo, int64_t hi, int tid);
+
+/* Take chunks of phase p's `total` items until none is left, then wait until every chunk is done (other threads
+ * may still hold some): the acquire that sees the count complete makes their results visible to this thread. */
+static void run_phase(job_t *job, int p, int64_t total, int64_t chunk, chunk_fn_t fn, int tid) {
+    phase_t *phase = &job->phases[p];
+    for (;;) {
+        const int64_t lo = __atomic_fetch_add(&phase->next, chunk, __ATOMIC_RELAXED);
+        if (lo >= total) break;
+        const int64_t hi = lo + chunk < total ? lo + chunk : total;
+        fn(job, lo, hi, tid);
+        __atomic_add_fetch(&phase->done, hi - lo, __ATOMIC_RELEASE);
+    }
+    while (__atomic_load_n(&phase->done, __ATOMIC_ACQUIRE) < total) CPU_RELAX();
 }
 
 static int valid(const job_t *job) {
@@ -746,6 +730,8 @@ static int allocate(job_t *job, int threads) {
     job->row_buf = NULL;
     job->x = (const xval_t *)job->hidden;
     job->thread_marks = malloc((size_t)threads * THREAD_MARKS * sizeof(double));
+    if (job->thread_marks != NULL) /* -1: never joined (a helper may not come) */
+        for (int64_t i = 0; i < (int64_t)threads * THREAD_MARKS; ++i) job->thread_marks[i] = -1.0;
     if (!X_IS_BF16) {
         job->x_scratch = malloc((size_t)(job->out_rows > 0 ? job->out_rows : 1) * (size_t)job->hidden_size *
                                 sizeof(xval_t));
@@ -766,30 +752,32 @@ ALWAYS_INLINE void mark_thread(const job_t *job, int tid, int which) {
     job->thread_marks[tid * THREAD_MARKS + which] = now_seconds() - job->t0;
 }
 
-/* The first and the last thread's mark `which` into marks[first] and marks[first + 1]. */
+/* The first and the last joined thread's mark `which` into marks[first] and marks[first + 1]; the count of
+ * threads that joined into MARK_JOINED (the caller always does). */
 static void reduce_marks(job_t *job, int threads, int which, int first) {
-    double lo = job->thread_marks[which], hi = lo;
+    double lo = job->thread_marks[which], hi = lo; /* the caller's: never -1 */
+    int joined = 1;
     for (int t = 1; t < threads; ++t) {
         const double v = job->thread_marks[t * THREAD_MARKS + which];
+        if (v < 0.0) continue;
+        ++joined;
         lo = v < lo ? v : lo;
         hi = v > hi ? v : hi;
     }
     job->marks[first] = lo;
     job->marks[first + 1] = hi;
+    if (which == THREAD_ENTERED) job->marks[MARK_JOINED] = joined;
 }
 
-/* This thread's part of every phase (orphaned barriers: outside a parallel region they bind to a team of one). */
-static void work(job_t *job) {
-    const int tid = omp_get_thread_num(), nthreads = omp_get_num_threads();
+/* One thread's part of every phase: chunks while there are any, each phase waited out before the next (the
+ * caller, tid 0, returns only once the job is done; see cpu_team.c). */
+static void work(job_t *job, int tid, int nthreads) {
+    (void)nthreads;
     mark_thread(job, tid, THREAD_ENTERED);
-    if (!X_IS_BF16) {
-        convert_phase(job, tid, nthreads);
-#pragma omp barrier
-    }
-    gate_up_phase(job, tid, nthreads);
+    if (!X_IS_BF16) run_phase(job, PHASE_CONVERT, job->out_rows * job->hidden_size, CONVERT_CHUNK, convert_values, tid);
+    run_phase(job, PHASE_GATE_UP, job->n_experts * job->inter, GATE_UP_CHUNK, gate_up_units, tid);
     mark_thread(job, tid, THREAD_GATE_UP);
-#pragma omp barrier
-    down_phase(job, tid, nthreads);
+    run_phase(job, PHASE_DOWN, (job->hidden_size + OUT_GRAIN - 1) / OUT_GRAIN, DOWN_CHUNK / OUT_GRAIN, down_grains, tid);
     mark_thread(job, tid, THREAD_DOWN);
 }
 
@@ -799,20 +787,18 @@ static int run_job(job_t *job, int threads) {
     job->limit = round_bf16(job->limit);
     job->t0 = now_seconds();
     job->thread_marks = NULL;
-    job->next_unit = job->next_column = 0;
+    memset(job->phases, 0, sizeof job->phases);
     if (threads < 1 || !valid(job)) return MOETIER_BAD_ARGS;
     if (!allocate(job, threads)) {
         release(job);
         return MOETIER_NO_MEMORY;
     }
     job->marks[MARK_ALLOCATED] = now_seconds() - job->t0;
-    if (threads == 1) {
-        /* No region at all: libgomp miscounts its threads after a one-thread team's master exits, and then
-         * makes every other team sleep in futexes instead of spinning (measured: 50x slower jobs). */
-        work(job);
-    } else {
-#pragma omp parallel num_threads(threads)
-        work(job);
+    if (threads == 1)
+        work(job, 0, 1);
+    else if (!team_run(job, work, threads)) {
+        release(job);
+        return MOETIER_NO_MEMORY; /* its threads could not be started */
     }
     job->marks[MARK_END] = now_seconds() - job->t0;
     reduce_marks(job, threads, THREAD_ENTERED, MARK_ENTERED_FIRST);

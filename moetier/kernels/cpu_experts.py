@@ -1,4 +1,6 @@
-"""The CPU tier's C kernel (``cpu_experts.c``): a whole job of bf16 SwiGLU experts in one OpenMP region.
+"""The CPU tier's C kernel (``cpu_experts.c``): a whole job of bf16 SwiGLU experts on the calling
+thread and its team of helper threads (``cpu_team.c``: a job is done when its work is, not when its last thread
+arrives).
 
 Experts kept as float8 e4m3fn with float32 tile scales (DeepSeek-V3's release format) run through
 :meth:`CpuExpertsLibrary.run_fp8`, and packed fp4 e2m1 ones with one float32 scale per 32 inputs
@@ -9,8 +11,9 @@ dequantised weights, reading half (fp8) or 0.31x (fp4, with its scales) the byte
 power-of-two scale makes every dequantised value exact (the release's) are decoded in registers instead,
 into the same values, straight into the dot products (``cpu_experts_fp4.c``).
 
-The source (``cpu_experts.c``, with the ``cpu_experts_fp4.c`` and ``cpu_worker.c`` it includes) is compiled with
-the system C compiler (``-O3 -march=native -fopenmp``) into a per-host cache (:mod:`moetier.kernels.cpu_build`).
+The source (``cpu_experts.c``, with the ``cpu_experts_fp4.c``, ``cpu_team.c`` and ``cpu_worker.c`` it includes) is
+compiled with the system C compiler (``-O3 -march=native -pthread``) into a per-host cache
+(:mod:`moetier.kernels.cpu_build`).
 
 Without a compiler, or when the build fails, one warning says why and :func:`available` is False:
 the CPU tier then runs torch. ``MOETIER_CPU_KERNEL`` selects: unset (or ``auto``) uses the kernel when

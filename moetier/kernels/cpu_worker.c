@@ -30,14 +30,6 @@
 #include <pthread.h>
 #include <time.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#define CPU_RELAX() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define CPU_RELAX() __asm__ __volatile__("yield")
-#else
-#define CPU_RELAX() ((void)0)
-#endif
-
 
 /* A fed job's inputs, written by the device (see the header). */
 typedef struct {

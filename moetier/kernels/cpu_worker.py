@@ -23,10 +23,12 @@ from moetier.kernels.cpu_experts import CheckedExperts, CpuExpertsLibrary, check
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 ABANDONED = -3  # a fed job's status when its start never came (MOETIER_ABANDONED)
-# A job's marks (cpu_experts.c's MARK_* order): seconds after the kernel's entry, ``before`` the seconds the worker
-# spent ahead of it (a fed job grouping its pairs). ``*_first`` / ``*_last``: the first and the last thread.
+# A job's marks (cpu_experts.c's MARK_* order): seconds after the kernel's entry (but "joined"), ``before`` the
+# seconds the worker spent ahead of it (a fed job grouping its pairs). ``*_first`` / ``*_last``: the first and the
+# last thread that joined the job.
 MARK_NAMES = (
     "allocated", "entered_first", "entered_last", "gate_up_first", "gate_up_last", "down_first", "down_last", "end",
+    "joined",  # not a time: how many of the job's threads took part (a helper that came late did not)
 )  # fmt: skip
 
 

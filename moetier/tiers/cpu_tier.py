@@ -1,12 +1,12 @@
 """The CPU expert tier: cold (token, expert) pairs computed on host cores straight from the home copy.
 
 A missed expert costs its bytes at DRAM bandwidth here instead of PCIe bandwidth, and nothing waits
-for a copy. A worker thread runs the jobs with its own thread count (torch's OpenMP thread count is
+for a copy. A worker thread runs the jobs with its own thread count (torch's thread count is
 per calling thread; the C kernel takes it per job), so the dispatching thread keeps its cores for
 launching device work. Each job returns an fp32 partial sum over the rows it touched.
 
-bf16 jobs run the C kernel of :mod:`moetier.kernels.cpu_experts` when it is available (one OpenMP
-region for the whole job, every weight row read once for all of its expert's tokens), and so do
+bf16 jobs run the C kernel of :mod:`moetier.kernels.cpu_experts` when it is available (one team of
+threads for the whole job, every weight row read once for all of its expert's tokens), and so do
 float8 e4m3fn experts (``expert_format="fp8"``) and packed fp4 e2m1 experts (``expert_format="fp4"``,
 DeepSeek-V4's release), dequantised row by row inside the kernel exactly as :func:`swiglu_expert`
 dequantises them; other dtypes (e5m2 included), and hosts where it cannot be built, run torch.
