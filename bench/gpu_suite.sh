@@ -23,7 +23,8 @@
 # GPU_EXPERTS=1 adds `moetier bench gpu-experts` (the device's routed-expert kernels alone, bf16/fp8/fp4,
 # grouped Triton against per-expert; GPU_EXPERTS_ARGS: its extra flags).
 # LINKS=1 adds `moetier bench links` (the home copy's links alone and at once: the CPU tier's kernel, the mapped
-# route's reads over PCIe, DMA copies, the DRAM read; LINKS_ARGS: its extra flags, e.g. "--cpu-experts 6").
+# route's reads over PCIe, DMA copies, the DRAM read; LINKS_ARGS: its extra flags, e.g. "--cpu-experts 6"), and
+# with ALT_TREE the same again from that tree (its receipt's git sha ends in -alt).
 # DISPATCH_HOST=1 adds `moetier bench dispatch-host` (the host's us and aten calls per MoE dispatch call, per
 # dispatcher, small experts; DISPATCH_HOST_ARGS: its extra flags).
 # CPU_WORKER_AB=1 adds a decode run of CPU_WORKER_AB_MODES (default cpu,tiered) with MOETIER_CPU_WORKER=python (the
@@ -107,6 +108,12 @@ if [ -n "${LINKS:-}" ]; then  # the home copy's links alone and at once, no mode
     eval "links_args=(${LINKS_ARGS:-})"
     timeout 240 python3 -m moetier.cli bench links "${links_args[@]}" --out "$OUT" 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    if [ -n "${ALT_TREE:-}" ]; then  # the same from ALT_TREE (run from inside it: python -m imports from the cwd)
+        echo "=== bench links from the tree $ALT_TREE" >> "$LOG"
+        (cd "$ALT_TREE" && export PYTHONPATH=/tmp/site:$PWD MOETIER_GIT_SHA="${MOETIER_GIT_SHA:-unknown}-alt" \
+            && timeout 240 python3 -m moetier.cli bench links "${links_args[@]}" --out "$OUT") 2>&1 | tee -a "$LOG"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    fi
 fi
 if [ -n "${DISPATCH_HOST:-}" ]; then  # the host's cost of one MoE dispatch call, per dispatcher, no model needed
     echo "=== bench dispatch-host" >> "$LOG"

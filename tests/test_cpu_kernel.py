@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import threading
 from pathlib import Path
@@ -201,6 +202,26 @@ def test_many_threads_run_their_own_teams_at_once():
     for t in threads:
         t.join()
     assert all(torch.equal(results[s], alone[s]) for s in range(len(jobs)))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not Path("/proc/self/task").is_dir(), reason="needs fork and /proc")
+def test_a_forked_child_runs_jobs_with_a_team_of_its_own():
+    """The child of a thread whose team exists has none of its helpers: it starts a team of its own (its thread
+    count grows by the helpers) rather than run every job alone on the parent's record, and gets the same sums."""
+    lib = _library()
+    _, x, groups = _job(200, 72, tokens=(8, 1, 3), seed=3)
+    parent = _run(lib, x, groups, None, threads=3)  # this thread's team now exists
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status only
+        code = 3
+        try:
+            before = len(os.listdir("/proc/self/task"))
+            same = torch.equal(_run(lib, x, groups, None, threads=3), parent)
+            code = 0 if same and len(os.listdir("/proc/self/task")) >= before + 2 else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_out_is_overwritten_and_untouched_rows_are_zero():

@@ -150,7 +150,14 @@ static team_t *team_new(int helpers) {
 static pthread_key_t team_key;
 static pthread_once_t team_key_once = PTHREAD_ONCE_INIT;
 
-static void team_key_init(void) { pthread_key_create(&team_key, team_free); }
+/* A forked child has the forking thread's team but none of its helpers: it starts a team of its own (the
+ * parent's record is left alone: its helpers' state belongs to the parent). */
+static void team_forget_after_fork(void) { pthread_setspecific(team_key, NULL); }
+
+static void team_key_init(void) {
+    pthread_key_create(&team_key, team_free);
+    pthread_atfork(NULL, NULL, team_forget_after_fork);
+}
 
 /* The calling thread's team with at least `helpers` helpers (a smaller one is replaced), or NULL. */
 static team_t *my_team(int helpers) {
