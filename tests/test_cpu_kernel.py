@@ -284,6 +284,18 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch, tmp_path, caplog):
     cpu_experts._built.pop(flags, None)
 
 
+def test_the_build_key_covers_every_file_the_source_includes():
+    """A part #included by the kernel but missing from cpu_build.INCLUDED would leave a stale build cached."""
+    sources = [cpu_build.SOURCE, *cpu_build.INCLUDED]
+    quoted = {
+        line.split('"')[1]
+        for path in sources
+        for line in path.read_text().splitlines()
+        if line.startswith('#include "')
+    }
+    assert quoted == {path.name for path in cpu_build.INCLUDED}
+
+
 def test_build_is_cached_and_concurrent_builds_are_safe(monkeypatch, tmp_path):
     _require_compiler()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

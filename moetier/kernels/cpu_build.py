@@ -1,6 +1,6 @@
 """Building the CPU tier's C kernel: the system C compiler, the cache of builds, the key that names one.
 
-The source (``cpu_experts.c``, with the ``cpu_experts_fp4.c`` and ``cpu_worker.c`` it includes) ships with the
+The source (``cpu_experts.c``, with the ``cpu_*.c`` parts it includes: :data:`INCLUDED`) ships with the
 package and is compiled on first use with ``$CC``, else Python's configured compiler, else ``cc``/``gcc``, into
 ``$XDG_CACHE_HOME/moetier/kernels`` (default ``~/.cache/moetier/kernels``). The file name hashes the
 sources, the flags, the compiler and the CPU, so a changed source or another host never loads a stale
@@ -22,7 +22,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu_experts.c")
 # The files SOURCE #includes (one translation unit): a build depends on them too.
-INCLUDED = tuple(SOURCE.with_name(name) for name in ("cpu_experts_fp4.c", "cpu_team.c", "cpu_worker.c"))
+INCLUDED = tuple(SOURCE.with_name(n) for n in ("cpu_experts_fp4.c", "cpu_job.c", "cpu_team.c", "cpu_worker.c"))
 FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300
 

@@ -11,8 +11,8 @@ dequantised weights, reading half (fp8) or 0.31x (fp4, with its scales) the byte
 power-of-two scale makes every dequantised value exact (the release's) are decoded in registers instead,
 into the same values, straight into the dot products (``cpu_experts_fp4.c``).
 
-The source (``cpu_experts.c``, with the ``cpu_experts_fp4.c``, ``cpu_team.c`` and ``cpu_worker.c`` it includes) is
-compiled with the system C compiler (``-O3 -march=native -pthread``) into a per-host cache
+The source (``cpu_experts.c``, with the ``cpu_experts_fp4.c``, ``cpu_job.c``, ``cpu_team.c`` and ``cpu_worker.c``
+it includes) is compiled with the system C compiler (``-O3 -march=native -pthread``) into a per-host cache
 (:mod:`moetier.kernels.cpu_build`).
 
 Without a compiler, or when the build fails, one warning says why and :func:`available` is False:
