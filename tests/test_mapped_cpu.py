@@ -125,6 +125,11 @@ def test_mapped_with_a_fed_cpu_share_matches_resident_in_bf16(tokens):
     assert moved > 0  # the CPU's sums are not the device path's bits: the CPU really computed its pairs
     assert totals["cpu_pairs"] > 0 and totals["mapped_pairs"] > 0 and totals["cpu_seconds"] > 0
     assert totals["uses_miss"] == totals["cpu_pairs"] + totals["mapped_pairs"]
+    # The fed jobs' marks: the ones that ran the kernel (some layers leave the CPU nothing) joined 1..threads
+    assert 0 < totals["cpu_jobs_marked"] <= len(tokens) * len(LAYOUT.moe_layers)
+    threads = tiered.mapped.cpu.tier.threads
+    assert totals["cpu_jobs_marked"] <= totals["cpu_threads_joined"] <= threads * totals["cpu_jobs_marked"]
+    assert totals["cpu_team_start_seconds"] <= totals["cpu_seconds"]
     assert tiered.mapped.cpu is not None and alone.mapped.cpu is None
 
 

@@ -98,6 +98,8 @@ def test_tiered_server_matches_resident_and_exports_tier_metrics(checkpoint, bud
     assert _metric(text, "moetier:tier_hit_rate") == pytest.approx(1 - miss_rate)
     assert _metric(text, "moetier:tier_expert_uses_miss_total") == total.uses_miss
     assert _metric(text, "moetier:tier_copy_bytes_total") == total.copy_bytes
+    assert _metric(text, "moetier:tier_cpu_jobs_marked_total") == total.cpu_jobs_marked
+    assert _metric(text, "moetier:tier_cpu_threads_joined_total") == total.cpu_threads_joined
     assert _metric(text, "moetier:tier_misses_per_token") == pytest.approx(total.uses_miss / metrics.tokens)
     layer_rates = {layer: c["hit_rate"] for layer, c in metrics.snapshot()["per_layer"].items()}
     assert sorted(layer_rates) == ["0", "2", "3"]  # layer 1 is dense

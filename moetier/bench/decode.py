@@ -336,6 +336,9 @@ def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams
         "mapped_bytes_per_token": total.mapped_bytes / tokens,  # the mapped route's reads over PCIe
         "cpu_pairs_per_token": total.cpu_pairs / tokens,
         "cpu_ms_per_layer_call": 1e3 * total.cpu_seconds / max(1, total.calls),
+        # The CPU tier's native jobs: how long their team took to start, how many threads joined (of cpu_threads).
+        "cpu_team_start_ms_per_job": 1e3 * total.cpu_team_start_seconds / max(1, total.cpu_jobs_marked),
+        "cpu_threads_joined_per_job": total.cpu_threads_joined / max(1, total.cpu_jobs_marked),
         # Next-layer prefetch from the model's hints: experts copied ahead that were used / never needed,
         # and how well the hints predicted (distinct experts per hinted call).
         "prefetch_used_per_step": total.prefetch_used / steps,

@@ -238,6 +238,19 @@ class _TierCollector(Collector):
             ),
             (CounterMetricFamily, "tier_tokens", "Tokens that went through the tiered expert path.", metrics.tokens),
             (CounterMetricFamily, "tier_cpu_seconds", "Seconds the CPU expert tier computed.", total.cpu_seconds),
+            (CounterMetricFamily, "tier_cpu_jobs_marked", "Native CPU-tier jobs with marks.", total.cpu_jobs_marked),
+            (
+                CounterMetricFamily,
+                "tier_cpu_team_start_seconds",
+                "Seconds native CPU-tier jobs waited for their last thread to join.",
+                total.cpu_team_start_seconds,
+            ),
+            (
+                CounterMetricFamily,
+                "tier_cpu_threads_joined",
+                "Threads that joined native CPU-tier jobs (divide by tier_cpu_jobs_marked).",
+                total.cpu_threads_joined,
+            ),
             (
                 CounterMetricFamily,
                 "tier_copy_bytes",

@@ -387,7 +387,9 @@ class FedCpuShare:
         while self._jobs and (wait or self._done_with(self._jobs[0])):
             call = self._jobs.popleft()
             status, seconds = call.job.wait()
-            self.metrics.layer(call.layer).cpu_seconds += seconds
+            counters = self.metrics.layer(call.layer)
+            counters.cpu_seconds += seconds
+            counters.count_cpu_marks(call.job.marks)
             if status not in (0, ABANDONED) and not self.broken:
                 log.error("a fed CPU-tier job failed (status %d): mapped steps run without the CPU tier", status)
                 self.broken = True

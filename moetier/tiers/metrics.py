@@ -52,11 +52,24 @@ class LayerCounters:
     prefetch_copy_seconds: float = 0.0
     prefetch_wait_seconds: float = 0.0
     cpu_jobs_gpu_waited: int = 0  # CPU-tier jobs the compute stream waited for (the host went on)
+    # Native CPU-tier jobs with marks (cpu_worker.MARK_NAMES): their team's start (allocated -> the last thread that
+    # joined) and the threads that joined, summed: a host whose helpers come late shows here (a VM's vCPUs, say).
+    cpu_jobs_marked: int = 0
+    cpu_team_start_seconds: float = 0.0
+    cpu_threads_joined: int = 0
     mapped_pairs: int = 0  # missed pairs the device's kernels computed from the home copy (mapped route)
     mapped_bytes: int = 0  # what their kernels read over PCIe (each pair reads its expert's block)
     hint_experts: int = 0
     hint_correct: int = 0
     hint_actual: int = 0
+
+    def count_cpu_marks(self, marks: dict[str, float]) -> None:
+        """One native job's marks (empty for a Python-worker job, or one that failed before its kernel ran)."""
+        if not marks or marks.get("joined", 0) < 1:
+            return
+        self.cpu_jobs_marked += 1
+        self.cpu_team_start_seconds += max(0.0, marks["entered_last"] - marks["allocated"])
+        self.cpu_threads_joined += int(marks["joined"])
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}

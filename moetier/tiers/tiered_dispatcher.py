@@ -548,6 +548,7 @@ class TieredDispatcher(ExpertDispatcher):
         counters = self.metrics.layer(layer)
         counters.cpu_wait_seconds += time.perf_counter() - wait_start
         counters.cpu_seconds += result.seconds
+        counters.count_cpu_marks(result.marks)
         self._observe_cpu(future, result)
         values = result.out.to(self.device, non_blocking=True)
         return rows_dev, values
@@ -557,7 +558,9 @@ class TieredDispatcher(ExpertDispatcher):
         pending, self._pending = self._pending, []
         for layer, future, _ in pending:
             result = future.result()  # raises the worker's error: this forward's sums were incomplete
-            self.metrics.layer(layer).cpu_seconds += result.seconds
+            counters = self.metrics.layer(layer)
+            counters.cpu_seconds += result.seconds
+            counters.count_cpu_marks(result.marks)
             self._observe_cpu(future, result)
 
     # --- keeping the split's costs true (RouteAdapter) ------------------------------------------
