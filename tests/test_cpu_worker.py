@@ -222,8 +222,8 @@ def test_a_native_job_reports_where_its_time_went(threads):
 
 def test_a_job_counts_the_threads_that_joined_it():
     """A job's marks count the threads that took part: never the odd helpers of a build that keeps them away (the
-    caller alone may do a job before any helper wakes), and the helpers of the default build do come (jobs of
-    ~1 ms: 4 bf16 experts of 1024 x 512)."""
+    caller alone may do a job before any helper wakes), the helpers of the default build do come (jobs of ~1 ms: 4
+    bf16 experts of 1024 x 512), and a build whose team cannot start runs every job on its caller: the same sums."""
     cfg = CpuTierBenchConfig(experts=4, hidden=1024, intermediate=512, top_k=4, formats=["bf16"], seed=0)
     _, experts = make_experts(cfg, "bf16")
     job = JobMaker(cfg, experts).job(2)
@@ -233,11 +233,16 @@ def test_a_job_counts_the_threads_that_joined_it():
     rows, gates = [g.rows for g in job.groups], [g.gates for g in job.groups]
     absent = cpu_experts.library(("-DMOETIER_TEAM_ODD_HELPERS_ABSENT=1",))
     assert absent is not None
-    for lib, most in ((absent, 2), (cpu_experts.library(), 4)):
+    alone = cpu_experts.library(("-DMOETIER_TEAM_CANNOT_START=1",))
+    assert alone is not None
+    outs = []
+    for lib, most in ((absent, 2), (cpu_experts.library(), 4), (alone, 1)):
         worker = cpu_worker.NativeWorker(lib, spin_seconds=0.002)
         queued = [worker.submit(checked, job.hidden, rows, gates, 0.4, 4) for _ in range(20)]
         assert [q.wait()[0] for q in queued] == [0] * 20
         worker.close()
         joined = [q.marks["joined"] for q in queued]
-        assert min(joined) >= 1 and max(joined) <= most and max(joined) > 1, joined
+        assert min(joined) >= 1 and max(joined) <= most and (max(joined) > 1 or most == 1), joined
         assert all(torch.equal(q.out, queued[0].out) for q in queued)
+        outs.append(queued[0].out)
+    assert all(torch.equal(out, outs[0]) for out in outs)

@@ -311,12 +311,8 @@ static int run_job(job_t *job, int threads) {
         return MOETIER_NO_MEMORY;
     }
     job->marks[MARK_ALLOCATED] = now_seconds() - job->t0;
-    if (threads == 1)
-        work(job, 0, 1);
-    else if (!team_run(job, work, threads)) {
-        release(job);
-        return MOETIER_NO_MEMORY; /* its threads could not be started */
-    }
+    /* Without a team (its threads could not be started) the caller does every chunk itself: slower, same sums. */
+    if (threads == 1 || !team_run(job, work, threads)) work(job, 0, threads);
     job->marks[MARK_END] = now_seconds() - job->t0;
     reduce_marks(job, threads, THREAD_ENTERED, MARK_ENTERED_FIRST);
     reduce_marks(job, threads, THREAD_GATE_UP, MARK_GATE_UP_FIRST);

@@ -3,7 +3,8 @@
  * Each thread that runs jobs (a native worker, or a Python thread calling the kernel directly) owns a team of
  * helper threads, started on its first job of more than one thread and stopped when that thread exits. A job
  * is published to the team; the caller and every helper that comes take the job's work in chunks
- * (cpu_experts.c's phases), and the job is over when its work is done, whichever threads did it.
+ * (cpu_job.c's phases), and the job is over when its work is done, whichever threads did it (the caller alone,
+ * where its team could not be started).
  *
  * Why not an OpenMP parallel region: a region ends when its last thread has arrived, and on the H200 host's
  * virtual machine one of 14 threads regularly arrived 0.2-1.4 ms late (the job marks' team start, in medians
@@ -37,6 +38,13 @@
 #define TEAM_SKIPS(id) ((id) % 2 == 1)
 #else
 #define TEAM_SKIPS(id) 0
+#endif
+/* For tests: -DMOETIER_TEAM_CANNOT_START=1 builds a kernel whose teams never start (as when threads cannot be
+ * created): every job then runs on its caller alone. */
+#if defined(MOETIER_TEAM_CANNOT_START) && MOETIER_TEAM_CANNOT_START
+#define TEAM_CANNOT_START 1
+#else
+#define TEAM_CANNOT_START 0
 #endif
 
 struct job; /* cpu_experts.c's job_t */
@@ -122,6 +130,7 @@ static void team_free(void *p) {
 
 /* A team of `helpers` started threads, or NULL when a thread could not be created. */
 static team_t *team_new(int helpers) {
+    if (TEAM_CANNOT_START) return NULL;
     team_t *t = calloc(1, sizeof(team_t));
     if (t == NULL) return NULL;
     t->threads = calloc((size_t)helpers, sizeof(pthread_t));
