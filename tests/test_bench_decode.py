@@ -221,3 +221,14 @@ def test_mapped_modes_with_fixed_reads_ahead_compute_the_same_tokens(bench_model
             copied = r["prefetch_used_per_step"] + r["prefetch_wasted_per_step"]
             # Up to K a predicted layer (two of the three are), every step; off CUDA nothing is timed.
             assert 0 < copied <= 2 * k and r["prefetch_wait_ms"] == 0.0
+
+
+def test_the_cpu_tiers_team_gets_a_note_where_its_jobs_were_marked():
+    from moetier.bench.decode import _cpu_team_note
+
+    marked = {"mode": "cpu", "streams": 1, "cpu_team_start_ms_per_job": 0.0021, "cpu_threads_joined_per_job": 14.0}
+    unmarked = {"mode": "cpu", "streams": 2, "cpu_team_start_ms_per_job": 0.0, "cpu_threads_joined_per_job": 0.0}
+    assert _cpu_team_note("cpu", [marked, unmarked]) == (
+        "cpu: CPU-tier jobs' team start and threads joined, by streams: 1: 0.002 ms, 14.0 threads"
+    )
+    assert _cpu_team_note("naive", [{"mode": "naive", "streams": 1}]) is None  # no CPU tier, no note

@@ -443,6 +443,8 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
             profiles[mode] += "\n" + _python_profile(_DecodeRun(model, 1, cfg, vocab), cfg.host_steps)
         if choices := getattr(getattr(dispatcher, "metrics", None), "split_choices", dict)():
             notes.append(f"{mode}: decode split chosen by measured step time, per tokens per call: {choices}")
+        if note := _cpu_team_note(mode, [r for r in results if r["mode"] == mode]):
+            notes.append(note)
         if hasattr(dispatcher, "close"):
             dispatcher.close()
         del dispatcher
@@ -494,6 +496,18 @@ def _pair(result: dict[str, Any], first: str, second: str, digits: int) -> str:
     if first not in result:
         return "-"
     return f"{fmt(result[first], digits)} / {fmt(result[second], digits)}"
+
+
+def _cpu_team_note(mode: str, results: list[dict[str, Any]]) -> str | None:
+    """The CPU tier's native jobs per stream count: their team's start and the threads that joined (None without)."""
+    marked = [r for r in results if r.get("cpu_threads_joined_per_job", 0) > 0]
+    if not marked:
+        return None
+    parts = [
+        f"{r['streams']}: {r['cpu_team_start_ms_per_job']:.3f} ms, {r['cpu_threads_joined_per_job']:.1f} threads"
+        for r in marked
+    ]
+    return f"{mode}: CPU-tier jobs' team start and threads joined, by streams: {'; '.join(parts)}"
 
 
 def markdown_table(receipt: dict[str, Any]) -> str:
