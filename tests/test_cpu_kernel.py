@@ -26,7 +26,7 @@ from moetier.cli import main
 from moetier.kernels import cpu_build, cpu_experts
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights, swiglu_expert
-from moetier.weights.fp4 import dequantize_fp4
+from moetier.weights.fp4 import dequantize_fp4, scale_to_float
 from moetier.weights.fp8 import dequantize_blocks
 
 BF16_BAR = 0.005  # kernel vs torch bf16, relative RMS
@@ -812,3 +812,58 @@ def test_tier_uses_the_kernel_for_fp4_experts():
     mixed = tier.run(CpuJob(hidden=x, groups=[groups[0], CpuGroup(fp8[0], groups[1].rows, groups[1].gates)]))
     tier.close()
     assert mixed.kernel == "torch"  # fp4 and fp8 experts in one job: no single kernel entry
+
+
+def _fill_fp4_e8m0(q: torch.Tensor, scale: torch.Tensor, gen: torch.Generator) -> None:
+    """Random bytes and exponent bytes near unit projections (2^-9 .. 2^-3)."""
+    q.copy_(torch.randint(0, 256, q.shape, dtype=torch.uint8, generator=gen))
+    scale.copy_(torch.randint(118, 125, scale.shape, dtype=torch.uint8, generator=gen))
+
+
+def _e8m0_and_float_experts(count, hidden, inter, seed):
+    """The same fp4 experts twice: with e8m0 scale bytes, and with those scales widened to float32."""
+    quant = ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=True, scale_format="e8m0")
+    e8m0 = _quant_experts(count, hidden, inter, quant, _fill_fp4_e8m0, seed)
+    for e in e8m0:  # the extremes: 2^-127 (subnormal) and 2^-126 in gate's first tiles, 2^127 in down's last row
+        e.gate_scale.view(-1)[:2] = torch.tensor([0, 1], dtype=torch.uint8)  # (only that output column overflows)
+        e.down_scale[-1, :3] = torch.tensor([0, 1, 254], dtype=torch.uint8)
+    wide = _quant_experts(count, hidden, inter, ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=True),
+                          lambda q, s, g: None, seed)  # fmt: skip
+    for e, w in zip(e8m0, wide, strict=True):
+        for name in ("gate", "up", "down"):
+            getattr(w, f"{name}_q").copy_(getattr(e, f"{name}_q"))
+            getattr(w, f"{name}_scale").copy_(scale_to_float(getattr(e, f"{name}_scale")))
+    return e8m0, wide
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fp4_with_e8m0_scale_bytes_gives_the_float32_scales_bits(variant):
+    """A block keeping its scales as e8m0 bytes (a quarter of their bytes) computes what the same block with
+    float32 scales does, bit for bit, on every path (fused 1-4 tokens, the row buffer past them)."""
+    lib = _library(variant)
+    e8m0, wide = _e8m0_and_float_experts(3, 256, 96, seed=41)
+    for e, w in zip(e8m0, wide, strict=True):
+        assert e.gate_scale.dtype == torch.uint8 and e.block.numel() < w.block.numel()
+        assert torch.equal(e.dequantized(torch.bfloat16).block, w.dequantized(torch.bfloat16).block)
+    _, x, dense = _job(256, 96, (1, 4, 7), seed=41)
+    groups = [[CpuGroup(w, g.rows, g.gates) for w, g in zip(ws, dense, strict=True)] for ws in (e8m0, wide)]
+    for threads in (1, 3):
+        ours, reference = (_run_fp4(lib, x, g, 0.4, threads) for g in groups)
+        assert _same_outputs(ours, reference), (lib.isa, threads)
+        touched = ours[torch.unique(torch.cat([g.rows for g in groups[0]]))]
+        assert touched[:, :-1].isfinite().all() and not touched[:, -1].isfinite().all()  # 2^127: that column
+
+
+def test_the_tier_runs_e8m0_scale_bytes_on_the_kernel():
+    """The CPU tier picks the kernel's e8m0 entry for such blocks (and reports it), with the float32 blocks' sums."""
+    _library()
+    e8m0, wide = _e8m0_and_float_experts(2, 256, 96, seed=43)
+    _, x, dense = _job(256, 96, (2, 3), seed=43)
+    tier = CpuExpertTier(0.4, threads=2)
+    results = [
+        tier.submit(CpuJob(x, [CpuGroup(w, g.rows, g.gates) for w, g in zip(ws, dense, strict=True)])).result()
+        for ws in (e8m0, wide)
+    ]
+    tier.close()
+    assert results[0].kernel.endswith("-fp4_e8m0") and results[1].kernel.endswith("-fp4")
+    assert _same_outputs(results[0].out, results[1].out)

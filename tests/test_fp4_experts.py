@@ -277,3 +277,47 @@ def test_ue8m0_layouts_refuse_scales_that_are_not_powers_of_two():
         copy_quant_expert(weights, "up", packed, pow2 * 1.5)
     assert all_powers_of_two(torch.tensor([0.0, 2.0**-126, 0.5, 1.0, 2.0**100]))
     assert not any(all_powers_of_two(torch.tensor([v])) for v in (0.75, 3.0, 2.0**-127, float("inf"), float("nan")))
+
+
+@pytest.mark.parametrize("route", ["cpu", "copy"])
+def test_e8m0_scale_bytes_in_the_home_copy_decode_as_float32_scales_do(checkpoints, prompt, route, monkeypatch):
+    """MOETIER_FP4_SCALES=e8m0 keeps each scale as its exponent byte (blocks a quarter of the scale bytes
+    smaller); the tiered engine's steps are bit for bit those of the same experts with float32 scales."""
+    runs, blocks = {}, {}
+    for scales in ("float32", "e8m0"):
+        monkeypatch.setenv("MOETIER_FP4_SCALES", scales)
+        arena = HostExpertArena.for_checkpoint(checkpoints[1], torch.bfloat16, "fp4", progress=False)
+        options = dict(cache_slots=2, miss_route=route, cpu_threads=1)
+        loaded = _load(
+            checkpoints[1], torch.bfloat16, "fp4", dispatcher="tiered", expert_allocator=arena,
+            dispatcher_options=options,
+        )  # fmt: skip
+        assert loaded.store.layout.quant.scale_format == scales
+        assert loaded.store.expert(2, 0).gate_scale.dtype == (torch.uint8 if scales == "e8m0" else torch.float32)
+        blocks[scales] = loaded.store.layout.block_numel
+        runs[scales] = moetier_run(loaded, prompt, STEPS)
+        totals = loaded.model.dispatcher.metrics.snapshot()["totals"]
+        assert totals["cpu_pairs" if route == "cpu" else "copy_bytes"] > 0
+        loaded.model.dispatcher.close()
+    assert blocks["e8m0"] < blocks["float32"]
+    (ref_prefill, ref_steps, ref_tokens), (prefill, steps, tokens) = runs["float32"], runs["e8m0"]
+    assert torch.equal(prefill, ref_prefill) and tokens == ref_tokens
+    assert all(torch.equal(a, b) for a, b in zip(steps, ref_steps, strict=True))
+
+
+def test_e8m0_scale_bytes_are_refused_where_they_cannot_hold_the_scales(checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOETIER_FP4_SCALES", "e8m1")
+    with pytest.raises(ConfigError, match="MOETIER_FP4_SCALES must be one of float32, e8m0"):
+        _load(checkpoints[1], torch.bfloat16, "fp4")
+    monkeypatch.setenv("MOETIER_FP4_SCALES", "e8m0")
+    no_ue8m0 = tmp_path / "no-ue8m0"
+    _write(checkpoints[0], no_ue8m0, config_update={**FP4_CONFIG, "quantization_config": {}})
+    with pytest.raises(ConfigError, match="needs ue8m0 scales .* unset MOETIER_FP4_SCALES"):
+        _load(no_ue8m0, torch.bfloat16, "fp4")
+    layout = ExpertLayout((0,), 1, HIDDEN, INTER, 1, quant=replace(FP4, pow2_scales=True, scale_format="e8m0"))
+    weights = ExpertWeights.from_block(torch.zeros(layout.block_numel, dtype=torch.uint8), layout)
+    packed = torch.zeros(INTER, HIDDEN // 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="zero, negative or not normal powers of two"):
+        copy_quant_expert(weights, "gate", packed, torch.zeros(INTER, HIDDEN // 32))
+    with pytest.raises(ConfigError, match="e8m0 scale bytes need fp4-block experts with power-of-two"):
+        ExpertQuant(kind="fp4-block", tile=(1, 32), scale_format="e8m0")

@@ -347,6 +347,66 @@ def test_fp4_sums_scaled_by_powers_of_two_equal_weights_scaled_on_cuda():
     _check_pow2_same("cuda")
 
 
+_E8M0_SAME = """
+import json, torch
+import moetier.kernels.grouped_experts as k
+from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights
+from moetier.weights.fp4 import scale_to_float
+
+DEVICE = {device!r}
+results = []
+for dt in ("float32", "bfloat16"):
+    dtype = getattr(torch, dt)
+    g = torch.Generator().manual_seed(11)
+    hidden, inter, counts, tokens = 128, 64, [1, 3, 2], 4
+    layouts = [ExpertLayout(moe_layers=(0,), num_experts=3, hidden_size=hidden, intermediate_size=inter, top_k=2,
+                            swiglu_limit=0.9, quant=ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=True,
+                                                                scale_format=f)) for f in ("e8m0", "float32")]
+    pairs = []
+    for _ in counts:
+        e, w = (ExpertWeights.from_block(torch.zeros(l.block_numel, dtype=torch.uint8, device=DEVICE), l)
+                for l in layouts)
+        for name in ("gate", "up", "down"):
+            q = torch.randint(0, 256, getattr(e, name + "_q").shape, dtype=torch.uint8, generator=g)
+            b = torch.randint(118, 125, getattr(e, name + "_scale").shape, dtype=torch.uint8, generator=g)
+            b.view(-1)[0] = 0  # 2^-127, the subnormal e8m0 value
+            for weights, scale in ((e, b), (w, scale_to_float(b))):
+                getattr(weights, name + "_q").copy_(q.to(DEVICE))
+                getattr(weights, name + "_scale").copy_(scale.to(DEVICE))
+        pairs.append((e, w))
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
+    pair_tokens = torch.cat([torch.randperm(tokens, generator=g)[:c] for c in counts]).to(DEVICE)
+    gates = torch.rand(pair_tokens.shape[0], generator=g).to(dtype).to(DEVICE)
+    outs = []
+    for which in (0, 1):  # e8m0 bytes, then the same scales as float32
+        groups = [(p[which], s, c) for p, s, c in zip(pairs, starts, counts)]
+        assert k._placement(groups[0][0])[0] == (3 if which == 0 else 2)
+        acc = torch.zeros(tokens, hidden, device=DEVICE)
+        k.run_grouped(acc, x, pair_tokens, gates, groups, 0.9, pair_tokens.cpu(), 2)
+        outs.append(acc.cpu())
+    smaller = pairs[0][0].block.numel() < pairs[0][1].block.numel()
+    results.append({{"dtype": dt, "equal": bool(torch.equal(*outs)), "nonzero": bool(outs[0].abs().sum() > 0),
+                    "smaller": smaller}})
+print(json.dumps(results))
+"""
+
+
+def _check_e8m0_same(device: str) -> None:
+    for r in _run_script(_E8M0_SAME.format(device=device), device):
+        assert r["equal"] and r["nonzero"] and r["smaller"], r
+
+
+def test_fp4_e8m0_scale_bytes_give_the_float32_scales_sums_under_the_interpreter():
+    """Blocks keeping their scales as e8m0 bytes (QUANT 3) compute what the same scales as float32 do."""
+    _check_e8m0_same("cpu")
+
+
+@pytest.mark.gpu
+def test_fp4_e8m0_scale_bytes_give_the_float32_scales_sums_on_cuda():
+    _check_e8m0_same("cuda")
+
+
 _TIERED_BITS = """
 import json, torch
 import moetier.kernels.grouped_experts as k

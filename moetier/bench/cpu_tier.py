@@ -43,6 +43,7 @@ from moetier.errors import ConfigError
 from moetier.kernels import cpu_experts
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights
+from moetier.weights.quant_experts import e8m0_bytes
 
 KIND = "cpu-tier"
 PATHS = ("torch", "c")
@@ -52,8 +53,10 @@ FORMATS = {
     "bf16": None,
     "fp8": ExpertQuant("fp8-block", (128, 128)),
     "fp4": ExpertQuant("fp4-block", (1, 32), pow2_scales=True),
+    # the same, its scales kept as e8m0 exponent bytes (MOETIER_FP4_SCALES=e8m0)
+    "fp4_e8m0": ExpertQuant("fp4-block", (1, 32), pow2_scales=True, scale_format="e8m0"),
 }
-KERNEL_SUFFIX = {"bf16": "", "fp8": "-fp8", "fp4": "-fp4"}
+KERNEL_SUFFIX = {"bf16": "", "fp8": "-fp8", "fp4": "-fp4", "fp4_e8m0": "-fp4_e8m0"}
 
 
 def default_threads() -> list[int]:
@@ -118,7 +121,8 @@ def _fill_quantised(weights: ExpertWeights, hidden: int, gen: torch.Generator) -
         if fp4:
             q.copy_(codes)
             exponent = round(-0.5 * torch.log2(torch.tensor(float(hidden))).item() - 1.5)  # 2.9 ~ 2^1.5
-            scale.copy_(2.0 ** torch.randint(exponent - 1, exponent + 2, scale.shape, generator=gen).float())
+            powers = 2.0 ** torch.randint(exponent - 1, exponent + 2, scale.shape, generator=gen).float()
+            scale.copy_(e8m0_bytes(powers) if scale.dtype == torch.uint8 else powers)
         else:
             codes[(codes & 0x7F) == 0x7F] -= 1  # the two NaN codes
             q.view(torch.uint8).copy_(codes)

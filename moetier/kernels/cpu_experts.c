@@ -67,7 +67,8 @@ typedef uint16_t bf16_t;
 
 enum { MOETIER_OK = 0, MOETIER_BAD_ARGS = -1, MOETIER_NO_MEMORY = -2, MOETIER_ABANDONED = -3 };
 /* How a job's weights are stored (the `quant` argument of moetier_cpu_experts_quantised). */
-enum { QUANT_NONE = 0, QUANT_E4M3 = 1, QUANT_E2M1 = 2 };
+/* QUANT_E2M1_E8M0: packed e2m1 whose scales are e8m0 exponent bytes (2^(e - 127), e = 0 the subnormal 2^-127). */
+enum { QUANT_NONE = 0, QUANT_E4M3 = 1, QUANT_E2M1 = 2, QUANT_E2M1_E8M0 = 3 };
 
 /* ------------------------------------------------------------------------------------------------------- */
 /* bf16 <-> fp32                                                                                          */

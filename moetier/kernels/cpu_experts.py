@@ -56,7 +56,7 @@ _ERRORS = {
     -3: "abandoned: the worker stopped before the device stored the job's start value",
 }
 # The C kernel's QUANT_* codes: how a quantised job's weights are stored.
-QUANT_E4M3, QUANT_E2M1 = 1, 2
+QUANT_E4M3, QUANT_E2M1, QUANT_E2M1_E8M0 = 1, 2, 3
 
 
 class QuantExpert(Protocol):
@@ -75,9 +75,10 @@ class QuantExpert(Protocol):
 class _QuantFormat:
     """How one quantised format's experts are checked and passed to ``moetier_cpu_experts_quantised``."""
 
-    code: int  # QUANT_E4M3 or QUANT_E2M1
+    code: int  # QUANT_E4M3, QUANT_E2M1 or QUANT_E2M1_E8M0
     dtype: torch.dtype  # of the stored values
     per_byte: int  # values per stored element along a row
+    scale_dtype: torch.dtype = torch.float32  # of the scale grids: float32, or uint8 e8m0 exponent bytes
 
     def stored_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
         return shape[0], shape[1] // self.per_byte
@@ -85,7 +86,8 @@ class _QuantFormat:
 
 _FP8 = _QuantFormat(QUANT_E4M3, torch.float8_e4m3fn, 1)
 _FP4 = _QuantFormat(QUANT_E2M1, torch.uint8, 2)
-_FORMATS = {"fp8": _FP8, "fp4": _FP4}
+_FP4_E8M0 = _QuantFormat(QUANT_E2M1_E8M0, torch.uint8, 2, torch.uint8)
+_FORMATS = {"fp8": _FP8, "fp4": _FP4, "fp4_e8m0": _FP4_E8M0}
 # A quantised expert's tensors, in the order of moetier_cpu_experts_quantised's pointer arrays.
 QUANT_PARTS = ("gate_q", "up_q", "down_q", "gate_scale", "up_scale", "down_scale")
 quant_tensors = operator.attrgetter(*QUANT_PARTS)  # expert -> its QUANT_PARTS tensors, as a tuple
@@ -183,6 +185,11 @@ class CpuExpertsLibrary:
         """Whether this build has the packed fp4 (e2m1) entry point (the same one as fp8's)."""
         return self._run_quantised is not None
 
+    @property
+    def supports_fp4_e8m0(self) -> bool:
+        """Whether this build runs packed fp4 with e8m0 scale bytes (QUANT_E2M1_E8M0, the same entry point)."""
+        return self._run_quantised is not None
+
     def run(
         self,
         hidden: torch.Tensor,
@@ -240,11 +247,12 @@ class CpuExpertsLibrary:
 
         Each expert has ``gate_q``/``up_q`` uint8 ``[I, H / 2]`` and ``down_q`` ``[H, I / 2]`` (value ``2j`` of
         a row in the low nibble of byte ``j``) and float32 ``*_scale`` grids ``[ceil(R / tile[0]),
-        ceil(C / tile[1])]`` over the ``[R, C]`` values (DeepSeek-V4: ``tile`` (1, 32)), all contiguous on the
-        CPU; ``H``, ``I`` and ``tile[1]`` even. The result equals :meth:`run` on the weights dequantised to
-        bf16 (``dequantize_fp4``), exactly.
+        ceil(C / tile[1])]`` over the ``[R, C]`` values (DeepSeek-V4: ``tile`` (1, 32)), or uint8 grids of e8m0
+        exponent bytes (``2 ** (e - 127)``), all contiguous on the CPU; ``H``, ``I`` and ``tile[1]`` even. The
+        result equals :meth:`run` on the weights dequantised to bf16 (``dequantize_fp4``), exactly.
         """
-        return self._run_quant("fp4", hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
+        name = fp4_name(experts[0].gate_scale if experts else None)
+        return self._run_quant(name, hidden, experts, tile, rows, gates, swiglu_limit, threads, out)
 
     def _run_quant(
         self, name: str, hidden: torch.Tensor, experts: Sequence[QuantExpert], tile: tuple[int, int], *job: Any
@@ -357,6 +365,11 @@ def raise_for(status: int) -> None:
         raise ValueError(f"cpu_experts: {_ERRORS.get(status, f'error {status}')}")
 
 
+def fp4_name(scale: torch.Tensor | None) -> str:
+    """The kernel's name for packed fp4 experts with this scale grid: "fp4_e8m0" for uint8 exponent bytes."""
+    return "fp4_e8m0" if scale is not None and scale.dtype == torch.uint8 else "fp4"
+
+
 def _check_out(out: torch.Tensor | None, units: int, hidden_size: int) -> torch.Tensor:
     if out is None:
         return torch.empty((units, hidden_size), dtype=torch.float32)
@@ -388,7 +401,7 @@ def _check_quant_experts(
             if q is None or scale is None:
                 raise ValueError(f"cpu_experts: expert {e} has no {name}_q / {name}_scale (not quantised)")
             _check(q, fmt.dtype, f"expert {e} {name}_q", ndim=2)
-            _check(scale, torch.float32, f"expert {e} {name}_scale", ndim=2)
+            _check(scale, fmt.scale_dtype, f"expert {e} {name}_scale", ndim=2)
             stored, grid = fmt.stored_shape(shape), (-(-shape[0] // tile[0]), -(-shape[1] // tile[1]))
             if tuple(q.shape) != stored or tuple(scale.shape) != grid:
                 raise ValueError(
@@ -534,7 +547,8 @@ def _one_line(exc: BaseException) -> str:
     return " ".join((str(exc).strip() or type(exc).__name__).split())[:500]
 
 
-QUANT_NAMES = ("fp8", "fp4")  # the quantised expert formats the kernel runs: e4m3 fp8-block, packed e2m1 fp4-block
+# The quantised expert formats the kernel runs: e4m3 fp8-block, packed e2m1 fp4-block (float32 or e8m0 scales)
+QUANT_NAMES = ("fp8", "fp4", "fp4_e8m0")
 
 
 def kernel_isa() -> str | None:

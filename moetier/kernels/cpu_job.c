@@ -52,8 +52,10 @@ typedef struct job {
     const uint8_t *const *codes[3];
     const float *const *scales[3];
     int64_t tile_rows, tile_cols;
-    bf16_t *row_buf;       /* [threads][MAX_ROWS][row_stride]: dequantised rows, one set per thread */
-    int64_t row_stride;
+    /* Per thread (thread_stride bf16 apart): MAX_ROWS dequantised rows of row_stride bf16, then (e8m0 scales)
+     * MAX_ROWS rows of scale_stride float32 scales widened from their bytes. */
+    bf16_t *row_buf;
+    int64_t row_stride, scale_stride, thread_stride;
     /* Where the job's wall time went (run_job fills it: seconds after run_job's entry, see job_marks). */
     double t0;
     double *thread_marks; /* [threads][THREAD_MARKS]: when each thread joined, ended phase 1, ended phase 2 */
@@ -71,13 +73,23 @@ ALWAYS_INLINE int is_quantised(const job_t *job) { return job->quant != QUANT_NO
 
 /* This thread's MAX_ROWS row buffers (NULL for bf16 jobs). */
 ALWAYS_INLINE bf16_t *thread_rows(const job_t *job, int tid) {
-    return job->row_buf == NULL ? NULL : job->row_buf + (int64_t)tid * MAX_ROWS * job->row_stride;
+    return job->row_buf == NULL ? NULL : job->row_buf + (int64_t)tid * job->thread_stride;
+}
+
+/* Packed e2m1, with float32 or e8m0 scales. */
+ALWAYS_INLINE int is_e2m1(const job_t *job) { return job->quant == QUANT_E2M1 || job->quant == QUANT_E2M1_E8M0; }
+
+/* n e8m0 exponent bytes as the float32 scales 2^(e - 127) they stand for, as the reference widens them
+ * (torch.ldexp: e = 0 the subnormal 2^-127, e = 255 infinity, which is e << 23 as well). */
+static void e8m0_widen(const uint8_t *e, int64_t n, float *dst) {
+    uint32_t *bits = (uint32_t *)dst;
+    for (int64_t i = 0; i < n; ++i) bits[i] = e[i] ? (uint32_t)e[i] << 23 : 0x00400000u;
 }
 
 /* Whether the dot products read this expert's rows packed (rows_t.packed, dot_rows_e2m1): e2m1 rows in the
  * release's 32-value tiles, for experts of at most MOETIER_FP4_FUSED_TOKENS tokens. */
 ALWAYS_INLINE int packed_rows(const job_t *job, int64_t tokens) {
-    return job->quant == QUANT_E2M1 && job->tile_cols == 32 && tokens <= MOETIER_FP4_FUSED_TOKENS;
+    return is_e2m1(job) && job->tile_cols == 32 && tokens <= MOETIER_FP4_FUSED_TOKENS;
 }
 
 /* Row `row` of matrix m of expert e into `slot` of `rows`: a pointer into the weights (bf16), or the row
@@ -90,8 +102,14 @@ static void weight_row(const job_t *job, int m, int64_t e, int64_t row, bf16_t *
         return;
     }
     const int64_t cols = m == DOWN ? I : H, grid_cols = (cols + job->tile_cols - 1) / job->tile_cols;
-    const float *scales = job->scales[m][e] + (row / job->tile_rows) * grid_cols;
+    const int64_t grid_at = (row / job->tile_rows) * grid_cols;
+    const float *scales = job->quant == QUANT_E2M1_E8M0 ? NULL : job->scales[m][e] + grid_at;
     bf16_t *dst = bufs + slot * job->row_stride;
+    if (job->quant == QUANT_E2M1_E8M0) { /* the row's scale bytes, widened into this thread's scale row */
+        float *widened = (float *)(bufs + MAX_ROWS * job->row_stride) + slot * job->scale_stride;
+        e8m0_widen((const uint8_t *)job->scales[m][e] + grid_at, grid_cols, widened);
+        scales = widened;
+    }
     rows->w[slot] = rows->buf[slot] = dst;
     if (job->quant == QUANT_E4M3) {
         e4m3_row(job->codes[m][e] + row * cols, scales, cols, job->tile_cols, dst);
@@ -218,9 +236,9 @@ static void run_phase(job_t *job, int p, int64_t total, int64_t chunk, chunk_fn_
 
 static int valid(const job_t *job) {
     if (job->n_experts < 0 || job->hidden_size < 1 || job->inter < 1 || job->out_rows < 0) return 0;
-    if (job->quant < QUANT_NONE || job->quant > QUANT_E2M1) return 0;
+    if (job->quant < QUANT_NONE || job->quant > QUANT_E2M1_E8M0) return 0;
     if (is_quantised(job) && (job->tile_rows < 1 || job->tile_cols < 1)) return 0;
-    if (job->quant == QUANT_E2M1 && (job->tile_cols % 2 || job->hidden_size % 2 || job->inter % 2))
+    if (is_e2m1(job) && (job->tile_cols % 2 || job->hidden_size % 2 || job->inter % 2))
         return 0; /* whole bytes: every row and every tile starts on one */
     if (job->offsets[0] != 0) return 0;
     for (int64_t e = 0; e < job->n_experts; ++e)
@@ -258,7 +276,10 @@ static int allocate(job_t *job, int threads) {
         /* Rows padded to whole cache lines (32 bf16), so each buffer starts on a line of its own. */
         const int64_t widest = job->hidden_size > job->inter ? job->hidden_size : job->inter;
         job->row_stride = (widest + 31) / 32 * 32;
-        job->row_buf = aligned_alloc(64, (size_t)threads * MAX_ROWS * (size_t)job->row_stride * sizeof(bf16_t));
+        const int64_t scales = (widest + job->tile_cols - 1) / job->tile_cols;
+        job->scale_stride = job->quant == QUANT_E2M1_E8M0 ? (scales + 15) / 16 * 16 : 0; /* whole lines */
+        job->thread_stride = MAX_ROWS * (job->row_stride + 2 * job->scale_stride);   /* in bf16 */
+        job->row_buf = aligned_alloc(64, (size_t)threads * (size_t)job->thread_stride * sizeof(bf16_t));
     }
     return job->act != NULL && job->thread_marks != NULL && (X_IS_BF16 || job->x_scratch != NULL) &&
            (!is_quantised(job) || job->row_buf != NULL);
@@ -334,7 +355,8 @@ int moetier_cpu_experts(int64_t n_experts, const bf16_t *const *gate_up, const b
 }
 
 /* moetier_cpu_experts for quantised experts, `quant` QUANT_E4M3 (float8 e4m3fn, one code a byte) or
- * QUANT_E2M1 (packed fp4, two codes a byte: value 2j the low nibble of byte j). gate [E] -> [I, H] values,
+ * QUANT_E2M1 (packed fp4, two codes a byte: value 2j the low nibble of byte j) or QUANT_E2M1_E8M0 (the same
+ * with uint8 e8m0 scale grids, passed through the scale pointer arrays). gate [E] -> [I, H] values,
  * up [E] -> [I, H], down [E] -> [H, I] (rows of H or I bytes, or H / 2 or I / 2 packed), each with its
  * float32 scale grid ([ceil(rows / tile_rows), ceil(cols / tile_cols)] in values, row-major). e2m1 needs
  * even H, I and tile_cols. The result is bit for bit moetier_cpu_experts on the weights dequantised to bf16

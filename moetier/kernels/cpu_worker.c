@@ -258,7 +258,7 @@ void *moetier_worker_submit(void *handle, int quant, int64_t n_experts, const ui
                             int *status) {
     worker_t *w = handle;
     *status = MOETIER_BAD_ARGS;
-    if (w == NULL || n_experts < 0 || threads < 1 || quant < QUANT_NONE || quant > QUANT_E2M1 || offsets[0] != 0)
+    if (w == NULL || n_experts < 0 || threads < 1 || quant < QUANT_NONE || quant > QUANT_E2M1_E8M0 || offsets[0] != 0)
         return NULL;
     for (int64_t e = 0; e < n_experts; ++e)
         if (offsets[e + 1] < offsets[e]) return NULL;
@@ -311,7 +311,7 @@ void *moetier_worker_submit_fed(void *handle, int quant, int64_t n_layer, const 
     worker_t *w = handle;
     *status = MOETIER_BAD_ARGS;
     if (w == NULL || n_layer < 1 || tokens < 1 || top_k < 1 || threads < 1 || quant < QUANT_NONE ||
-        quant > QUANT_E2M1 || start == NULL || ids == NULL || weights == NULL || table == NULL)
+        quant > QUANT_E2M1_E8M0 || start == NULL || ids == NULL || weights == NULL || table == NULL)
         return NULL;
     const int64_t pairs = tokens * top_k, parts = quant == QUANT_NONE ? 2 : 6;
     /* 8-byte arrays first, the 4-byte gates last: every part stays aligned. */

@@ -108,6 +108,7 @@ if triton is not None:
         UNIT: tl.constexpr,
         UNITS: tl.constexpr,
         POW2: tl.constexpr,
+        E8M0: tl.constexpr,
     ):
         """``sum_k w[row, k] * x[k]`` over the ``UNITS * UNIT`` columns from ``k0`` of a packed fp4 matrix, per row.
 
@@ -119,7 +120,9 @@ if triton is not None:
         and odd columns, ``[UNITS, UNIT / 2]``. Each weight is the loader's ``(value * scale).to(dtype)``:
         with ``POW2`` (every scale a power of two, as ue8m0 scales are) that product is exact, so the
         scale multiplies each unit's sum instead, which is the same number (scaling by a power of two
-        commutes with every rounding) for a fraction of the work.
+        commutes with every rounding) for a fraction of the work. With ``E8M0`` the scales are exponent bytes
+        ``e`` (uint8, ``2 ** (e - 127)``): the float32 with that exponent field (``e = 0``: the subnormal
+        2^-127, as ``torch.ldexp`` gives), the same values from a quarter of the bytes.
         """
         HALF: tl.constexpr = UNIT // 2
         unit = k0 // UNIT + tl.arange(0, UNITS)
@@ -131,7 +134,11 @@ if triton is not None:
         raw = tl.load(base + part + at, mask=ok[:, :, None], other=0).to(tl.uint32)
         grid = width // TILE_C
         scale_at = (rows // TILE_R)[:, None] * grid + (unit * UNIT // TILE_C)[None, :]
-        scale = tl.load(as_f32(base + scales) + scale_at, mask=ok, other=0.0)
+        if E8M0:
+            e = tl.load(base + scales + scale_at, mask=ok, other=0).to(tl.uint32)
+            scale = tl.where(e == 0, 2.0**-127, (e << 23).to(tl.float32, bitcast=True))
+        else:
+            scale = tl.load(as_f32(base + scales) + scale_at, mask=ok, other=0.0)
         low, high = e2m1(raw & 0xF), e2m1(raw >> 4)
         if POW2:
             return tl.sum(tl.sum(low * x_even[None, :, :] + high * x_odd[None, :, :], axis=2) * scale, axis=1)

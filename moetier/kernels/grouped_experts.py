@@ -173,12 +173,12 @@ if triton is not None:
         acc_gate = tl.zeros(n.shape, dtype=tl.float32)
         acc_up = tl.zeros(n.shape, dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
-            if QUANT == 2:
+            if QUANT >= 2:
                 x_even, x_odd = even_odd(x_row, k0, hidden, UNIT, BLOCK_K // UNIT)
                 acc_gate += fp4_row_dot(weights, GATE, GATE_SCALE, n, n_ok, k0, x_even, x_odd, hidden, dtype,
-                                         TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2)  # fmt: skip
+                                         TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2, QUANT == 3)  # fmt: skip
                 acc_up += fp4_row_dot(weights, UP, UP_SCALE, n, n_ok, k0, x_even, x_odd, hidden, dtype,
-                                       TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2)  # fmt: skip
+                                       TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2, QUANT == 3)  # fmt: skip
             else:
                 x = units(x_row, k0, hidden, UNIT, BLOCK_K // UNIT)
                 acc_gate += fp8_row_dot(weights, GATE, GATE_SCALE, n, n_ok, k0, x, hidden, dtype,
@@ -259,10 +259,10 @@ if triton is not None:
             h_ok = h < hidden
             acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
             for k0 in range(0, inter, BLOCK_K):
-                if QUANT == 2:
+                if QUANT >= 2:
                     a_even, a_odd = even_odd(act_ptr + pair * inter, k0, inter, UNIT, BLOCK_K // UNIT)
                     acc += fp4_row_dot(weights, DOWN, DOWN_SCALE, h, h_ok, k0, a_even, a_odd, inter, dtype,
-                                        TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2)  # fmt: skip
+                                        TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2, QUANT == 3)  # fmt: skip
                 elif QUANT == 1:
                     a = units(act_ptr + pair * inter, k0, inter, UNIT, BLOCK_K // UNIT)
                     acc += fp8_row_dot(weights, DOWN, DOWN_SCALE, h, h_ok, k0, a, inter, dtype,
@@ -335,7 +335,8 @@ def _layout_key(weights: ExpertWeights) -> tuple:
     """What fixes where a block's matrices lie: its dtype, quantisation, and the down matrix's shape
     (hidden x intermediate, or its packed bytes) — equal keys, equal :func:`_placement`."""
     down = weights.down_q if weights.quantized else weights.down
-    return (weights.block.dtype, weights.quant_kind, weights.tile, weights.pow2_scales, down.shape, down.dtype)
+    scales = weights.gate_scale.dtype if weights.quantized else None
+    return (weights.block.dtype, weights.quant_kind, weights.tile, weights.pow2_scales, scales, down.shape, down.dtype)
 
 
 def _layout_fits(weights: ExpertWeights, dtype: torch.dtype) -> bool:
@@ -367,7 +368,8 @@ def fp4_grouped_enabled() -> bool:
 
 
 def _placement(weights: ExpertWeights) -> tuple:
-    """The kernels' constants for a block: its ``QUANT`` (0 dense, 1 fp8, 2 fp4), where its matrices lie,
+    """The kernels' constants for a block: its ``QUANT`` (0 dense, 1 fp8, 2 fp4, 3 fp4 with e8m0 scale bytes),
+    where its matrices lie,
     the tile, whether its scales are all powers of two.
 
     Dense: element offsets of gate, up and down in ``[gate; up; down]``. Quantised: byte offsets of the
@@ -379,7 +381,7 @@ def _placement(weights: ExpertWeights) -> tuple:
     block = weights.block.data_ptr()
     offset = lambda view: view.data_ptr() - block  # noqa: E731 - a local shorthand
     views = (weights.gate_q, weights.up_q, weights.down_q, weights.gate_scale, weights.up_scale, weights.down_scale)
-    quant = 2 if weights.quant_kind == "fp4-block" else 1
+    quant = 1 if weights.quant_kind != "fp4-block" else 3 if weights.gate_scale.dtype == torch.uint8 else 2
     return (quant, *(offset(v) for v in views), *weights.tile, weights.pow2_scales)
 
 
@@ -473,9 +475,9 @@ def launch_grouped(
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     blocks = first.block.view(torch.uint8)  # the table's offsets count from here
     limits = {"limit": float(swiglu_limit or 0.0), "HAS_LIMIT": swiglu_limit is not None}
-    unit = _fp4_unit(tile_c) if quant == 2 else _fp8_unit(tile_c)
+    unit = _fp4_unit(tile_c) if quant >= 2 else _fp8_unit(tile_c)
     quantised = {"QUANT": quant, "TILE_R": tile_r, "TILE_C": tile_c, "UNIT": unit, "POW2": pow2, "ALIGN": align}
-    fp4 = (fp4 or current_fp4_blocks()) if quant == 2 else None
+    fp4 = (fp4 or current_fp4_blocks()) if quant >= 2 else None
     block_k, block_h = (fp4.k, fp4.h) if fp4 else (_BLOCK_K, _BLOCK_H)
     block_n = fp4.n if fp4 else _QUANT_BLOCK_N
     if quant == 0:

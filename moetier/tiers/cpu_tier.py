@@ -406,9 +406,18 @@ def _remember(tensors: list[tuple[Any, ...]], checked: cpu_experts.CheckedExpert
 
 
 _dense_tensors = operator.attrgetter("gate_up", "down")
+
+
 # The quantised kind the kernel must run (e4m3fn fp8-block, packed fp4-block; e5m2 runs torch, as _tensors_fit
 # finds) and the tile, which every expert of a job shares (packed fp4: of even width, whole bytes per tile).
-_kind_and_tile = operator.attrgetter("quant_kind", "tile")
+def _kind_and_tile(weights: ExpertWeights) -> tuple[str | None, tuple[int, int] | None]:
+    """The expert's quantised kind as the kernel knows it (fp4 with e8m0 scale bytes is its own) and its tile."""
+    kind = weights.quant_kind
+    if kind == "fp4-block" and weights.gate_scale is not None and weights.gate_scale.dtype == torch.uint8:
+        kind = "fp4-block-e8m0"
+    return kind, weights.tile
+
+
 _BF16 = (torch.bfloat16, torch.bfloat16)
 
 
@@ -430,11 +439,12 @@ class _KernelQuant:
     values: torch.dtype
     name: str
     even_tile_cols: bool = False  # packed: two values a byte, so every tile must start on a whole byte
+    scales: torch.dtype = torch.float32  # of the scale grids (uint8: e8m0 exponent bytes)
 
     @property
     def parts(self) -> tuple[torch.dtype, ...]:
-        """The dtypes of :data:`cpu_experts.QUANT_PARTS`: three of values, three float32 scale grids."""
-        return (self.values,) * 3 + (torch.float32,) * 3
+        """The dtypes of :data:`cpu_experts.QUANT_PARTS`: three of values, three scale grids."""
+        return (self.values,) * 3 + (self.scales,) * 3
 
     def supported(self, lib: cpu_experts.CpuExpertsLibrary) -> bool:
         return bool(getattr(lib, f"supports_{self.name}"))
@@ -443,6 +453,7 @@ class _KernelQuant:
 _KERNEL_QUANT = {
     "fp8-block": _KernelQuant(torch.float8_e4m3fn, "fp8"),
     "fp4-block": _KernelQuant(torch.uint8, "fp4", even_tile_cols=True),
+    "fp4-block-e8m0": _KernelQuant(torch.uint8, "fp4_e8m0", even_tile_cols=True, scales=torch.uint8),
 }
 
 

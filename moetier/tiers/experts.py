@@ -26,6 +26,7 @@ from moetier.weights.fp8 import dequantize_blocks, scale_grid
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUANT_KINDS = ("fp8-block", "fp4-block")
+SCALE_FORMATS = ("float32", "e8m0")
 # Every part of a quantised block starts on a cache line: enough for the float32 scales, and what
 # vector loads of a future CPU kernel want.
 PART_ALIGN = 64
@@ -45,12 +46,16 @@ class ExpertQuant:
     (DeepSeek-V4's release: ``(1, 32)``, :mod:`moetier.weights.fp4`); ``fp8`` is unused there.
     ``pow2_scales``: every scale is a power of two (the release's ue8m0 scales; the loader checks each
     one), which lets the GPU's fp4 kernels scale a sum instead of every weight, for the same result.
+    ``scale_format``: how the block stores its scales, ``"float32"``, or ``"e8m0"`` (fp4 with power-of-two
+    scales only): one exponent byte each, ``2 ** (e - 127)`` as the release's ue8m0 scales, a quarter of the
+    bytes (an fp4 V4-Flash expert: 13.4 MB instead of 15.7) for the same values.
     """
 
     kind: str = "fp8-block"
     tile: tuple[int, int] = (128, 128)
     fp8: torch.dtype = torch.float8_e4m3fn
     pow2_scales: bool = False
+    scale_format: str = "float32"
 
     def __post_init__(self) -> None:
         if self.kind not in QUANT_KINDS:
@@ -62,11 +67,23 @@ class ExpertQuant:
             raise ConfigError(f"fp8-block values must be float8_e4m3fn or float8_e5m2, got {self.fp8}")
         if self.packed and self.tile[1] % 2:
             raise ConfigError(f"fp4-block tile columns must be even (two values a byte), got {self.tile!r}")
+        if self.scale_format not in SCALE_FORMATS:
+            raise ConfigError(f"unknown scale format {self.scale_format!r}; use one of {', '.join(SCALE_FORMATS)}")
+        if self.scale_format == "e8m0" and not (self.packed and self.pow2_scales):
+            raise ConfigError(
+                f"e8m0 scale bytes need fp4-block experts with power-of-two (ue8m0) scales, got {self.kind} with "
+                f"pow2_scales={self.pow2_scales}: keep float32 scales (MOETIER_FP4_SCALES=float32)"
+            )
 
     @property
     def packed(self) -> bool:
         """Whether two values share a byte (fp4): stored matrices are ``[N, K/2]``."""
         return self.kind == "fp4-block"
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """The dtype of the stored scales: float32, or exponent bytes (uint8) for ``"e8m0"``."""
+        return torch.uint8 if self.scale_format == "e8m0" else torch.float32
 
     @property
     def values_dtype(self) -> torch.dtype:
@@ -147,7 +164,7 @@ class ExpertLayout:
 
     def quant_parts(self) -> list[BlockPart]:
         """Where each matrix of a quantised block lies: gate, up, down (float8 or packed fp4 bytes), then
-        their float32 scales, each part on a 64-byte line.
+        their scales (float32, or e8m0 exponent bytes), each part on a 64-byte line.
 
         Gate and up keep separate scale grids: ``I`` need not be a multiple of the tile.
         """
@@ -156,7 +173,8 @@ class ExpertLayout:
         inter, hidden, quant = self.intermediate_size, self.hidden_size, self.quant
         shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
         wanted = [(name, quant.stored_shape(shape), quant.values_dtype) for name, shape in shapes.items()]
-        wanted += [(f"{name}_scale", scale_grid(shape, quant.tile), torch.float32) for name, shape in shapes.items()]
+        scales = quant.scale_dtype
+        wanted += [(f"{name}_scale", scale_grid(shape, quant.tile), scales) for name, shape in shapes.items()]
         parts, offset = [], 0
         for name, shape, dtype in wanted:
             part = BlockPart(name, offset, shape, dtype)

@@ -13,6 +13,7 @@ of bf16 (half a byte a value plus a float32 scale per 32 values; scales are conv
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 
 from moetier.config import check_expert_format
 from moetier.errors import ConfigError
-from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights
+from moetier.tiers.experts import SCALE_FORMATS, ExpertLayout, ExpertQuant, ExpertWeights
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.fp4 import scale_to_float
 from moetier.weights.fp8 import block_size_of
@@ -64,7 +65,22 @@ def fp4_expert_quant_of(hf_config: dict[str, Any], where: str) -> ExpertQuant:
         )
     quant = hf_config.get("quantization_config")
     ue8m0 = isinstance(quant, dict) and quant.get("scale_fmt") == "ue8m0"  # powers of two, checked at load
-    return ExpertQuant(kind="fp4-block", tile=FP4_TILE, pow2_scales=ue8m0)
+    scales = fp4_scale_format()
+    if scales == "e8m0" and not ue8m0:
+        raise ConfigError(
+            f"{where}: MOETIER_FP4_SCALES=e8m0 keeps scales as exponent bytes, which needs ue8m0 scales "
+            "(quantization_config.scale_fmt 'ue8m0'), and this checkpoint does not say so; unset MOETIER_FP4_SCALES"
+        )
+    return ExpertQuant(kind="fp4-block", tile=FP4_TILE, pow2_scales=ue8m0, scale_format=scales)
+
+
+def fp4_scale_format() -> str:
+    """``MOETIER_FP4_SCALES``: how fp4 expert blocks keep their scales, ``float32`` (the default) or ``e8m0``
+    (one exponent byte each: 15% fewer bytes a block to read on a miss); anything else is refused."""
+    value = os.environ.get("MOETIER_FP4_SCALES", "float32").strip().lower()
+    if value not in SCALE_FORMATS:
+        raise ConfigError(f"MOETIER_FP4_SCALES must be one of {', '.join(SCALE_FORMATS)}, got {value!r}: unset it")
+    return value
 
 
 def expert_layout_for(layout: ExpertLayout, hf_config: dict[str, Any], expert_format: str, where: str) -> ExpertLayout:
@@ -93,8 +109,9 @@ def copy_quant_expert(weights: ExpertWeights, part: str, stored: torch.Tensor, s
     """Copy one stored quantised matrix (``part``: gate, up or down) and its scales into a quantised block.
 
     fp8: float8 values of the checkpoint's encoding. fp4: packed bytes of any one-byte dtype (int8, uint8,
-    float4_e2m1fn_x2). Scales become float32 (:func:`scale_to_float`). Raises ``ValueError`` (the loader
-    adds the tensor's name) for another part, encoding or shape.
+    float4_e2m1fn_x2). Scales become float32 (:func:`scale_to_float`), or exponent bytes where the block keeps
+    e8m0 scales. Raises ``ValueError`` (the loader adds the tensor's name) for another part, encoding or shape,
+    or a scale e8m0 cannot hold.
     """
     if part not in ("gate", "up", "down"):
         raise ValueError(
@@ -120,7 +137,20 @@ def copy_quant_expert(weights: ExpertWeights, part: str, stored: torch.Tensor, s
         )
     # Raw bytes: a float8 -> float8 copy_ would go through float and is not needed.
     dest.view(torch.uint8).copy_(stored.view(torch.uint8))
-    dest_scale.copy_(scale)
+    dest_scale.copy_(e8m0_bytes(scale) if dest_scale.dtype == torch.uint8 else scale)
+
+
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Positive normal powers of two (float32) as their e8m0 exponent bytes: ``2 ** (e - 127)`` -> ``e``, exactly;
+    ValueError for any other value (zero, negative, subnormal), which only float32 scales can hold."""
+    bits = scale.contiguous().view(torch.int32)
+    exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    if not bool(((bits >= 0) & (mantissa == 0) & (exponent >= 1) & (exponent <= 254)).all()):
+        raise ValueError(
+            "has scales that are zero, negative or not normal powers of two, which e8m0 scale bytes cannot hold; "
+            "unset MOETIER_FP4_SCALES (float32 scales)"
+        )
+    return exponent.to(torch.uint8)
 
 
 def all_powers_of_two(scale: torch.Tensor) -> bool:
