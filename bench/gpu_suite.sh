@@ -27,6 +27,8 @@
 # with ALT_TREE the same again from that tree (its receipt's git sha ends in -alt).
 # DISPATCH_HOST=1 adds `moetier bench dispatch-host` (the host's us and aten calls per MoE dispatch call, per
 # dispatcher, small experts; DISPATCH_HOST_ARGS: its extra flags).
+# FP4_SCALES_AB=1 (with FP4_EXPERTS=1) adds a decode run of FP4_SCALES_AB_MODES (default cpu,copy,tiered,mapped-cpu)
+# with MOETIER_FP4_SCALES=e8m0 (the home copy's fp4 scales as exponent bytes), to compare with the main decode run.
 # CPU_WORKER_AB=1 adds a decode run of CPU_WORKER_AB_MODES (default cpu,tiered) with MOETIER_CPU_WORKER=python (the
 # CPU tier's Python worker thread instead of its native one), to compare with the main decode run.
 # TRACE=modes (e.g. "tiered") saves those modes' profiled 1-stream decode steps as gzipped Chrome traces.
@@ -142,6 +144,11 @@ if [ -z "${SKIP_BENCH:-}" ]; then
         [ -n "${TRACE:-}" ] && trace=(--trace "$TRACE")
         bench decode 480 --streams 1,2,4 --cache-fraction 0.05 --policy lfu ${BENCH_ARGS---profile} "${hf[@]}" \
             "${trace[@]}"
+    fi
+    if [ -n "${FP4_SCALES_AB:-}" ]; then  # fp4 blocks keeping e8m0 scale bytes, against the main run's float32 scales
+        echo "=== decode with MOETIER_FP4_SCALES=e8m0" >> "$LOG"
+        MOETIER_FP4_SCALES=e8m0 bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
+            --modes "${FP4_SCALES_AB_MODES:-cpu,copy,tiered,mapped-cpu}" --profile
     fi
     if [ -n "${CPU_WORKER_AB:-}" ]; then  # the CPU tier's Python worker, against the main run's native one
         MOETIER_CPU_WORKER=python bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
