@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,10 +21,11 @@ from moetier.kernels.cpu_worker import FedInbox, NativeWorker
 from moetier.tiers import mapped_cpu
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.dispatcher import ResidentDispatcher
-from moetier.tiers.experts import ExpertLayout
+from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertStore, device_allocator
 from moetier.tiers.mapped_cpu import balanced_share, cpu_fixed_seconds, cpu_picks, default_share
 from moetier.tiers.route_costs import RouteCosts
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
+from moetier.weights.fp4 import scale_to_float
 
 LAYOUT = ExpertLayout((0, 1), num_experts=12, hidden_size=64, intermediate_size=32, top_k=3, swiglu_limit=2.0)
 needs_kernel = pytest.mark.skipif(not cpu_experts.available(), reason="no C compiler for the CPU tier's kernel")
@@ -268,3 +270,43 @@ def test_calls_right_after_another_route_are_not_timed():
     timed = [call.timing is not None for call in calls[settling:]]
     assert sum(timed) == len(timed) // mapped_cpu.SAMPLE_EVERY  # then every SAMPLE_EVERY-th call
     tiered.close()
+
+
+def _fp4_store(scale_format: str) -> ExpertStore:
+    """LAYOUT's experts as fp4 blocks, their power-of-two scales kept as ``scale_format`` (the same values)."""
+    quant = ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=True, scale_format=scale_format)
+    store = ExpertStore(replace(LAYOUT, quant=quant), torch.bfloat16, device_allocator("cpu"))
+    generator = torch.Generator().manual_seed(4)
+    for layer in LAYOUT.moe_layers:
+        for expert in range(LAYOUT.num_experts):
+            weights = store.block_for_loading(layer, expert)
+            for name in ("gate", "up", "down"):
+                q, scale = getattr(weights, f"{name}_q"), getattr(weights, f"{name}_scale")
+                q.copy_(torch.randint(0, 256, q.shape, dtype=torch.uint8, generator=generator))
+                exponents = torch.randint(121, 125, scale.shape, dtype=torch.uint8, generator=generator)
+                scale.copy_(exponents if scale_format == "e8m0" else scale_to_float(exponents))
+    return store
+
+
+@needs_kernel
+def test_fed_jobs_on_e8m0_scale_bytes_give_the_float32_scales_bits():
+    """A decode layer's fed job over fp4 blocks keeping e8m0 scale bytes computes what the same experts with
+    float32 scales do, through the worker's fed path (its static table of the layer's experts)."""
+    hidden, ids, weights = _routing(3, LAYOUT, torch.Generator().manual_seed(2), torch.bfloat16)
+    outs = []
+    for scales in ("e8m0", "float32"):
+        store = _fp4_store(scales)
+        tier = CpuExpertTier(LAYOUT.swiglu_limit, threads=2)
+        worker, checked, kernel = tier.fed_plan(_layer(store, 1), LAYOUT.hidden_size)
+        assert kernel.endswith("-fp4_e8m0" if scales == "e8m0" else "-fp4")
+        inbox = FedInbox.allocate(3, LAYOUT.top_k, LAYOUT.hidden_size, pin=False)
+        start = torch.zeros(1, dtype=torch.int32)
+        job = worker.submit_fed(checked, (start.data_ptr(), 1), inbox, LAYOUT.swiglu_limit, 2)
+        inbox.ids.copy_(ids)
+        inbox.weights.copy_(weights.float())
+        inbox.hidden.copy_(hidden)
+        start[0] = 1
+        assert job.wait()[0] == 0 and job.experts > 0
+        outs.append(inbox.out.clone())
+        tier.close()
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
