@@ -46,8 +46,9 @@ typedef struct job {
     xval_t *x_scratch; /* the converted copy (NULL when not needed) */
     xval_t *act;       /* [P, I] */
     /* Quantised jobs (quant not QUANT_NONE; gate_up and down NULL): per matrix (GATE, UP, DOWN), [E] -> its
-     * rows (float8 e4m3fn codes, or e2m1 nibbles packed two a byte) and their float32 grids of one scale per
-     * tile_rows x tile_cols tile of values (partial edge tiles allowed). */
+     * rows (float8 e4m3fn codes, or e2m1 nibbles packed two a byte) and their grids of one scale per
+     * tile_rows x tile_cols tile of values (partial edge tiles allowed): float32, or for QUANT_E2M1_E8M0 uint8
+     * exponent bytes behind the same pointers (row_scales reads them). */
     int quant;
     const uint8_t *const *codes[3];
     const float *const *scales[3];
@@ -56,7 +57,7 @@ typedef struct job {
      * MAX_ROWS rows of scale_stride float32 scales widened from their bytes. */
     bf16_t *row_buf;
     int64_t row_stride, scale_stride, thread_stride;
-    /* Where the job's wall time went (run_job fills it: seconds after run_job's entry, see job_marks). */
+    /* Where the job's wall time went (run_job fills it: seconds after t0, run_job's entry; see MARK_*). */
     double t0;
     double *thread_marks; /* [threads][THREAD_MARKS]: when each thread joined, ended phase 1, ended phase 2 */
     double marks[N_MARKS];
@@ -65,7 +66,6 @@ typedef struct job {
 
 /* The team the phases run on (needs job_t's tag and now_seconds). */
 #include "cpu_team.c"
-
 
 enum { GATE = 0, UP = 1, DOWN = 2 };
 
@@ -86,6 +86,16 @@ static void e8m0_widen(const uint8_t *e, int64_t n, float *dst) {
     for (int64_t i = 0; i < n; ++i) bits[i] = e[i] ? (uint32_t)e[i] << 23 : 0x00400000u;
 }
 
+/* The float32 scales of row `row` (of `cols` values) of matrix m of expert e: in the job's grid, or for e8m0
+ * scale bytes widened into `slot` of this thread's scale rows. */
+static const float *row_scales(const job_t *job, int m, int64_t e, int64_t row, int64_t cols, bf16_t *bufs, int slot) {
+    const int64_t grid_cols = (cols + job->tile_cols - 1) / job->tile_cols, at = (row / job->tile_rows) * grid_cols;
+    if (job->quant != QUANT_E2M1_E8M0) return job->scales[m][e] + at;
+    float *widened = (float *)(bufs + MAX_ROWS * job->row_stride) + slot * job->scale_stride;
+    e8m0_widen((const uint8_t *)job->scales[m][e] + at, grid_cols, widened);
+    return widened;
+}
+
 /* Whether the dot products read this expert's rows packed (rows_t.packed, dot_rows_e2m1): e2m1 rows in the
  * release's 32-value tiles, for experts of at most MOETIER_FP4_FUSED_TOKENS tokens. */
 ALWAYS_INLINE int packed_rows(const job_t *job, int64_t tokens) {
@@ -101,15 +111,9 @@ static void weight_row(const job_t *job, int m, int64_t e, int64_t row, bf16_t *
         rows->w[slot] = m == DOWN ? job->down[e] + row * I : job->gate_up[e] + (m == UP ? I + row : row) * H;
         return;
     }
-    const int64_t cols = m == DOWN ? I : H, grid_cols = (cols + job->tile_cols - 1) / job->tile_cols;
-    const int64_t grid_at = (row / job->tile_rows) * grid_cols;
-    const float *scales = job->quant == QUANT_E2M1_E8M0 ? NULL : job->scales[m][e] + grid_at;
+    const int64_t cols = m == DOWN ? I : H;
+    const float *scales = row_scales(job, m, e, row, cols, bufs, slot);
     bf16_t *dst = bufs + slot * job->row_stride;
-    if (job->quant == QUANT_E2M1_E8M0) { /* the row's scale bytes, widened into this thread's scale row */
-        float *widened = (float *)(bufs + MAX_ROWS * job->row_stride) + slot * job->scale_stride;
-        e8m0_widen((const uint8_t *)job->scales[m][e] + grid_at, grid_cols, widened);
-        scales = widened;
-    }
     rows->w[slot] = rows->buf[slot] = dst;
     if (job->quant == QUANT_E4M3) {
         e4m3_row(job->codes[m][e] + row * cols, scales, cols, job->tile_cols, dst);
@@ -309,13 +313,13 @@ static void reduce_marks(job_t *job, int threads, int which, int first) {
 
 /* One thread's part of every phase: chunks while there are any, each phase waited out before the next (the
  * caller, tid 0, returns only once the job is done; see cpu_team.c). */
-static void work(job_t *job, int tid, int nthreads) {
-    (void)nthreads;
+static void work(job_t *job, int tid) {
     mark_thread(job, tid, THREAD_ENTERED);
     if (!X_IS_BF16) run_phase(job, PHASE_CONVERT, job->out_rows * job->hidden_size, CONVERT_CHUNK, convert_values, tid);
     run_phase(job, PHASE_GATE_UP, job->n_experts * job->inter, GATE_UP_CHUNK, gate_up_units, tid);
     mark_thread(job, tid, THREAD_GATE_UP);
-    run_phase(job, PHASE_DOWN, (job->hidden_size + OUT_GRAIN - 1) / OUT_GRAIN, DOWN_CHUNK / OUT_GRAIN, down_grains, tid);
+    const int64_t grains = (job->hidden_size + OUT_GRAIN - 1) / OUT_GRAIN;
+    run_phase(job, PHASE_DOWN, grains, DOWN_CHUNK / OUT_GRAIN, down_grains, tid);
     mark_thread(job, tid, THREAD_DOWN);
 }
 
@@ -333,7 +337,7 @@ static int run_job(job_t *job, int threads) {
     }
     job->marks[MARK_ALLOCATED] = now_seconds() - job->t0;
     /* Without a team (its threads could not be started) the caller does every chunk itself: slower, same sums. */
-    if (threads == 1 || !team_run(job, work, threads)) work(job, 0, threads);
+    if (threads == 1 || !team_run(job, work, threads)) work(job, 0);
     job->marks[MARK_END] = now_seconds() - job->t0;
     reduce_marks(job, threads, THREAD_ENTERED, MARK_ENTERED_FIRST);
     reduce_marks(job, threads, THREAD_GATE_UP, MARK_GATE_UP_FIRST);

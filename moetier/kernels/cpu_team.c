@@ -47,8 +47,8 @@
 #define TEAM_CANNOT_START 0
 #endif
 
-struct job; /* cpu_experts.c's job_t */
-typedef void (*team_body_t)(struct job *job, int tid, int nthreads);
+struct job; /* cpu_job.c's job_t */
+typedef void (*team_body_t)(struct job *job, int tid);
 
 typedef struct {
     pthread_t *threads;
@@ -88,7 +88,8 @@ static int64_t team_wait(team_t *t, int64_t seen) {
          * sees the count and signals (under the lock, so not before this thread waits). */
         pthread_mutex_lock(&t->lock);
         __atomic_add_fetch(&t->sleeping, 1, __ATOMIC_SEQ_CST);
-        while (__atomic_load_n(&t->generation, __ATOMIC_SEQ_CST) == seen && !__atomic_load_n(&t->stop, __ATOMIC_ACQUIRE))
+        while (__atomic_load_n(&t->generation, __ATOMIC_SEQ_CST) == seen &&
+               !__atomic_load_n(&t->stop, __ATOMIC_ACQUIRE))
             pthread_cond_wait(&t->wake, &t->lock);
         __atomic_sub_fetch(&t->sleeping, 1, __ATOMIC_SEQ_CST);
         pthread_mutex_unlock(&t->lock);
@@ -108,7 +109,7 @@ static void *team_helper(void *arg) {
         seen = g;
         __atomic_add_fetch(&t->inside, 1, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&t->open, __ATOMIC_SEQ_CST) == g && id < t->nthreads && !TEAM_SKIPS(id))
-            t->body(t->job, id, t->nthreads);
+            t->body(t->job, id);
         __atomic_sub_fetch(&t->inside, 1, __ATOMIC_SEQ_CST);
     }
 }
@@ -179,7 +180,7 @@ static team_t *my_team(int helpers) {
     return t;
 }
 
-/* Run body(job, tid, nthreads) on the caller (tid 0) and on whichever of the team's helpers come (tids 1 ..
+/* Run body(job, tid) on the caller (tid 0) and on whichever of the team's helpers come (tids 1 ..
  * nthreads - 1). body must end only once the job's work is done, whoever did it (a helper may never come). 0
  * when the team could not be started. */
 static int team_run(struct job *job, team_body_t body, int nthreads) {
@@ -196,7 +197,7 @@ static int team_run(struct job *job, team_body_t body, int nthreads) {
         pthread_cond_broadcast(&t->wake);
         pthread_mutex_unlock(&t->lock);
     }
-    body(job, 0, nthreads);
+    body(job, 0);
     __atomic_store_n(&t->open, 0, __ATOMIC_SEQ_CST);
     while (__atomic_load_n(&t->inside, __ATOMIC_SEQ_CST) > 0) CPU_RELAX();
     return 1;

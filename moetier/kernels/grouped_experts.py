@@ -335,8 +335,8 @@ def _layout_key(weights: ExpertWeights) -> tuple:
     """What fixes where a block's matrices lie: its dtype, quantisation, and the down matrix's shape
     (hidden x intermediate, or its packed bytes) — equal keys, equal :func:`_placement`."""
     down = weights.down_q if weights.quantized else weights.down
-    scales = weights.gate_scale.dtype if weights.quantized else None
-    return (weights.block.dtype, weights.quant_kind, weights.tile, weights.pow2_scales, scales, down.shape, down.dtype)
+    return (weights.block.dtype, weights.quant_kind, weights.tile, weights.pow2_scales, weights.e8m0_scales,
+            down.shape, down.dtype)  # fmt: skip
 
 
 def _layout_fits(weights: ExpertWeights, dtype: torch.dtype) -> bool:
@@ -381,7 +381,7 @@ def _placement(weights: ExpertWeights) -> tuple:
     block = weights.block.data_ptr()
     offset = lambda view: view.data_ptr() - block  # noqa: E731 - a local shorthand
     views = (weights.gate_q, weights.up_q, weights.down_q, weights.gate_scale, weights.up_scale, weights.down_scale)
-    quant = 1 if weights.quant_kind != "fp4-block" else 3 if weights.gate_scale.dtype == torch.uint8 else 2
+    quant = 1 if weights.quant_kind != "fp4-block" else 3 if weights.e8m0_scales else 2
     return (quant, *(offset(v) for v in views), *weights.tile, weights.pow2_scales)
 
 

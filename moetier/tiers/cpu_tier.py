@@ -413,9 +413,7 @@ _dense_tensors = operator.attrgetter("gate_up", "down")
 def _kind_and_tile(weights: ExpertWeights) -> tuple[str | None, tuple[int, int] | None]:
     """The expert's quantised kind as the kernel knows it (fp4 with e8m0 scale bytes is its own) and its tile."""
     kind = weights.quant_kind
-    if kind == "fp4-block" and weights.gate_scale is not None and weights.gate_scale.dtype == torch.uint8:
-        kind = "fp4-block-e8m0"
-    return kind, weights.tile
+    return (f"{kind}-e8m0" if weights.e8m0_scales else kind), weights.tile
 
 
 _BF16 = (torch.bfloat16, torch.bfloat16)

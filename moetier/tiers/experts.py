@@ -243,6 +243,11 @@ class ExpertWeights:
             pow2_scales=quant.pow2_scales,
         )
 
+    @property
+    def e8m0_scales(self) -> bool:
+        """Whether the scale grids are e8m0 exponent bytes (``ExpertQuant.scale_format`` "e8m0"), not float32."""
+        return self.gate_scale is not None and self.gate_scale.dtype == torch.uint8
+
     def dequantized(self, dtype: torch.dtype) -> ExpertWeights:
         """Dense weights in ``dtype`` (a new block), dequantised exactly as the loader does at load time."""
         if self.tile is None:  # dense: nothing to do
