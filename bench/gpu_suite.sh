@@ -24,7 +24,8 @@
 # grouped Triton against per-expert; GPU_EXPERTS_ARGS: its extra flags).
 # LINKS=1 adds `moetier bench links` (the home copy's links alone and at once: the CPU tier's kernel, the mapped
 # route's reads over PCIe, DMA copies, the DRAM read; LINKS_ARGS: its extra flags, e.g. "--cpu-experts 6"), and
-# with ALT_TREE the same again from that tree (its receipt's git sha ends in -alt).
+# with ALT_TREE the same again from that tree (its receipt's git sha ends in -alt); LINKS_FORMATS="fp4 fp4_e8m0" runs
+# it once per expert format named.
 # DISPATCH_HOST=1 adds `moetier bench dispatch-host` (the host's us and aten calls per MoE dispatch call, per
 # dispatcher, small experts; DISPATCH_HOST_ARGS: its extra flags).
 # FP4_SCALES_AB=1 (with FP4_EXPERTS=1) adds a decode run of FP4_SCALES_AB_MODES (default cpu,copy,tiered,mapped-cpu)
@@ -108,8 +109,16 @@ fi
 if [ -n "${LINKS:-}" ]; then  # the home copy's links alone and at once, no model needed
     echo "=== bench links" >> "$LOG"
     eval "links_args=(${LINKS_ARGS:-})"
-    timeout 240 python3 -m moetier.cli bench links "${links_args[@]}" --out "$OUT" 2>&1 | tee -a "$LOG"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    for links_format in ${LINKS_FORMATS:-}; do  # once per expert format named, else once with LINKS_ARGS alone
+        echo "=== bench links --expert-format $links_format" >> "$LOG"
+        timeout 240 python3 -m moetier.cli bench links "${links_args[@]}" --expert-format "$links_format" \
+            --out "$OUT" 2>&1 | tee -a "$LOG"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    done
+    if [ -z "${LINKS_FORMATS:-}" ]; then
+        timeout 240 python3 -m moetier.cli bench links "${links_args[@]}" --out "$OUT" 2>&1 | tee -a "$LOG"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    fi
     if [ -n "${ALT_TREE:-}" ]; then  # the same from ALT_TREE (run from inside it: python -m imports from the cwd)
         echo "=== bench links from the tree $ALT_TREE" >> "$LOG"
         (cd "$ALT_TREE" && export PYTHONPATH=/tmp/site:$PWD MOETIER_GIT_SHA="${MOETIER_GIT_SHA:-unknown}-alt" \
