@@ -19,7 +19,7 @@
 # KV_LAYOUT_CHECK=1 adds two decode runs with fp8 KV, contiguous then paged (KV_LAYOUT_PROMPT: their prompt
 # length, default 64, e.g. 32768 for long-context decode; KV_LAYOUT_MODES, default resident,tiered; KV_LAYOUT_DTYPE).
 # CPU_TIER=1 adds the C kernel's tests on this host's ISAs and `moetier bench cpu-tier` (torch vs the C kernel at CPU_TIER_THREADS, default 8,14,16, for the
-# expert formats in CPU_TIER_FORMATS, default bf16,fp8,fp4).
+# expert formats in CPU_TIER_FORMATS, default bf16,fp8,fp4; CPU_TIER_ARGS: its extra flags, e.g. "--paths c --tokens 1,4").
 # GPU_EXPERTS=1 adds `moetier bench gpu-experts` (the device's routed-expert kernels alone, bf16/fp8/fp4,
 # grouped Triton against per-expert; GPU_EXPERTS_ARGS: its extra flags).
 # LINKS=1 adds `moetier bench links` (the home copy's links alone and at once: the CPU tier's kernel, the mapped
@@ -96,7 +96,7 @@ if [ -n "${CPU_TIER:-}" ]; then  # the CPU tier's kernels alone (torch and C), n
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     echo "=== bench cpu-tier" >> "$LOG"
     timeout 240 python3 -m moetier.cli bench cpu-tier --threads "${CPU_TIER_THREADS:-8,14,16}" \
-        --formats "${CPU_TIER_FORMATS:-bf16,fp8,fp4}" --out "$OUT" 2>&1 \
+        --formats "${CPU_TIER_FORMATS:-bf16,fp8,fp4}" ${CPU_TIER_ARGS:-} --out "$OUT" 2>&1 \
         | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi

@@ -826,6 +826,7 @@ def _e8m0_and_float_experts(count, hidden, inter, seed):
     e8m0 = _quant_experts(count, hidden, inter, quant, _fill_fp4_e8m0, seed)
     for e in e8m0:  # the extremes: 2^-127 (subnormal) and 2^-126 in gate's first tiles, 2^127 in down's last row
         e.gate_scale.view(-1)[:2] = torch.tensor([0, 1], dtype=torch.uint8)  # (only that output column overflows)
+        e.up_scale.view(-1)[9] = 0  # in a row's second AVX2 vector of bytes (or its first AVX-512 one, or its tail)
         e.down_scale[-1, :3] = torch.tensor([0, 1, 254], dtype=torch.uint8)
     wide = _quant_experts(count, hidden, inter, ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=True),
                           lambda q, s, g: None, seed)  # fmt: skip
@@ -837,15 +838,17 @@ def _e8m0_and_float_experts(count, hidden, inter, seed):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_fp4_with_e8m0_scale_bytes_gives_the_float32_scales_bits(variant):
+@pytest.mark.parametrize("hidden, inter", [(256, 96), (864, 544)])  # rows of 8 / 3 tiles; 27 / 17: vectors + tails
+def test_fp4_with_e8m0_scale_bytes_gives_the_float32_scales_bits(variant, hidden, inter):
     """A block keeping its scales as e8m0 bytes (a quarter of their bytes) computes what the same block with
-    float32 scales does, bit for bit, on every path (fused 1-4 tokens, the row buffer past them)."""
+    float32 scales does, bit for bit, on every path (fused 1-4 tokens, the row buffer past them), its rows' scale
+    bytes widened a vector at a time and in the scalar tail."""
     lib = _library(variant)
-    e8m0, wide = _e8m0_and_float_experts(3, 256, 96, seed=41)
+    e8m0, wide = _e8m0_and_float_experts(3, hidden, inter, seed=41)
     for e, w in zip(e8m0, wide, strict=True):
         assert e.gate_scale.dtype == torch.uint8 and e.block.numel() < w.block.numel()
         assert torch.equal(e.dequantized(torch.bfloat16).block, w.dequantized(torch.bfloat16).block)
-    _, x, dense = _job(256, 96, (1, 4, 7), seed=41)
+    _, x, dense = _job(hidden, inter, (1, 4, 7), seed=41)
     groups = [[CpuGroup(w, g.rows, g.gates) for w, g in zip(ws, dense, strict=True)] for ws in (e8m0, wide)]
     for threads in (1, 3):
         ours, reference = (_run_fp4(lib, x, g, 0.4, threads) for g in groups)

@@ -83,7 +83,24 @@ ALWAYS_INLINE int is_e2m1(const job_t *job) { return job->quant == QUANT_E2M1 ||
  * (torch.ldexp: e = 0 the subnormal 2^-127, e = 255 infinity, which is e << 23 as well). */
 static void e8m0_widen(const uint8_t *e, int64_t n, float *dst) {
     uint32_t *bits = (uint32_t *)dst;
-    for (int64_t i = 0; i < n; ++i) bits[i] = e[i] ? (uint32_t)e[i] << 23 : 0x00400000u;
+    int64_t i = 0;
+    /* A row's 64-128 bytes a byte at a time, branch and all, cost ~15% of an fp4 job (H200, 14 threads: 1.70 against
+     * 1.51 ms for float32 scales, results/h200-20261203-a33ca58): widened a vector at a time here. */
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(e + i)));
+        const __mmask16 zero = _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512());
+        _mm512_storeu_si512(bits + i, _mm512_mask_mov_epi32(_mm512_slli_epi32(b, 23), zero, _mm512_set1_epi32(0x00400000)));
+    }
+#elif defined(VLEN)
+    for (; i + 8 <= n; i += 8) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(e + i)));
+        const __m256i zero = _mm256_cmpeq_epi32(b, _mm256_setzero_si256());
+        _mm256_storeu_si256((__m256i *)(bits + i),
+                            _mm256_blendv_epi8(_mm256_slli_epi32(b, 23), _mm256_set1_epi32(0x00400000), zero));
+    }
+#endif
+    for (; i < n; ++i) bits[i] = e[i] ? (uint32_t)e[i] << 23 : 0x00400000u;
 }
 
 /* The float32 scales of row `row` (of `cols` values) of matrix m of expert e: in the job's grid, or for e8m0
