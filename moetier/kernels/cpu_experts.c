@@ -461,8 +461,14 @@ typedef struct {
     bf16_t *buf[MAX_ROWS];
     const uint8_t *q[MAX_ROWS];
     const float *s[MAX_ROWS];
+    const xval_t *xs[TOKEN_BLOCK]; /* E2M1_SHUFFLED builds: the token vectors in the shuffled order */
     int packed;
 } rows_t;
+
+/* AVX512-BF16 builds with VBMI read fp4 tiles in a shuffled order (cpu_experts_fp4.c), the token vectors too. */
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define E2M1_SHUFFLED 1
+#endif
 
 /* FP4 (e2m1) weights: row dequantisation (e2m1_row) and the fused dot products (dot_rows_e2m1). */
 #include "cpu_experts_fp4.c"

@@ -182,7 +182,66 @@ static int64_t e2m1_exact_tiles(const float *s, int64_t n) {
     return t;
 }
 
-#if defined(__AVX512BF16__)
+#if defined(E2M1_SHUFFLED)
+
+/* AVX512-BF16 with VBMI: the tile's values in a shuffled order, the token vectors in the same order.
+ *
+ * vpmultishiftqb copies any 8-bit window of a qword into each byte of that qword. With the tile's 16 bytes in
+ * each 128-bit lane (a broadcast load, no shuffle), qwords 0, 2, 4, 6 hold values 0-15 and qwords 1, 3, 5, 7
+ * values 16-31; each word's low byte takes the window whose bits 1-4 are one value's nibble. Word p = 4q + w
+ * (qword q) gets value 16 (q % 2) + 4 (q / 2) + w: pairs of words hold pairs of values (2m, 2m + 1) in their
+ * order, so dword lane d holds the value pair of lane E2M1_LANE_OF[d] of the natural layout, and the token
+ * vectors are read in that order (e2m1_shuffle_x). vpermw reads 5 bits of each index word: bits 1-4 are
+ * the code, bit 0 (the window's garbage) is set to pick the product's high word. A multishift and an or make a
+ * tile's indices, where the natural order takes a widening, two shifts and a ternary op. Each
+ * accumulator lane then sums the natural lane's products in the natural order: the accumulators are the
+ * natural layout's, their lanes moved, and move back before their sums (e2m1_unshuffle). */
+static const int32_t E2M1_LANE_OF[16] __attribute__((aligned(64))) = {0, 1, 8, 9, 2, 3, 10, 11,
+                                                                       4, 5, 12, 13, 6, 7, 14, 15};
+static const int32_t E2M1_LANE_AT[16] __attribute__((aligned(64))) = {0, 1, 4, 5, 8, 9, 12, 13,
+                                                                       2, 3, 6, 7, 10, 11, 14, 15};
+
+/* Control byte 2p of word p (low byte): the window starting one bit below its value's nibble. */
+#define E2M1_WINDOWS(q) (char)((16 * ((q) / 2) + 63) & 63), 0, (char)((16 * ((q) / 2) + 3) & 63), 0, \
+                        (char)((16 * ((q) / 2) + 7) & 63), 0, (char)((16 * ((q) / 2) + 11) & 63), 0
+static const char E2M1_CONTROL[64] __attribute__((aligned(64))) = {
+    E2M1_WINDOWS(0), E2M1_WINDOWS(1), E2M1_WINDOWS(2), E2M1_WINDOWS(3),
+    E2M1_WINDOWS(4), E2M1_WINDOWS(5), E2M1_WINDOWS(6), E2M1_WINDOWS(7)};
+#undef E2M1_WINDOWS
+
+/* n values of a token vector (whole 32-value blocks) into the shuffled order. */
+static void e2m1_shuffle_x(const xval_t *x, int64_t n, xval_t *dst) {
+    const __m512i lane_of = _mm512_load_si512(E2M1_LANE_OF);
+    for (int64_t i = 0; i + 32 <= n; i += 32)
+        _mm512_storeu_si512(dst + i, _mm512_permutexvar_epi32(lane_of, _mm512_loadu_si512(x + i)));
+}
+
+/* Where value j of a row goes in the shuffled order. */
+ALWAYS_INLINE int64_t e2m1_shuffled_at(int64_t j) {
+    const int64_t v = j % 32, r = v % 16;
+    return j - v + 8 * (r / 4) + 4 * (v / 16) + r % 4;
+}
+
+/* The accumulators' lanes back into the natural order. */
+ALWAYS_INLINE void e2m1_unshuffle(int R, int NT, vf32 acc[MAX_ROWS][TOKEN_BLOCK]) {
+    const __m512i lane_at = _mm512_load_si512(E2M1_LANE_AT);
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_permutexvar_ps(lane_at, acc[r][t]);
+}
+
+/* One tile's 32 values times every token's shuffled vector. The table is the codes' products with the scale in
+ * fp32 lanes (exact), code c's bf16 the high word of lane c: index 2c + 1. */
+ALWAYS_INLINE void e2m1_tile_fma(const uint8_t *q, const float *scale, const xval_t *const *x, int NT, int64_t i,
+                                 vf32 acc[TOKEN_BLOCK]) {
+    const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q));
+    const __m512i index = _mm512_or_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(E2M1_CONTROL), bytes),
+                                          _mm512_set1_epi16(1));
+    const __m512i table = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(E2M1_F32), _mm512_set1_ps(*scale)));
+    const wvec_t a = (__m512bh)_mm512_permutexvar_epi16(index, table);
+    for (int t = 0; t < NT; ++t) acc[t] = w_fma(acc[t], a, x_load(x[t] + i));
+}
+
+#elif defined(__AVX512BF16__)
 
 /* One tile's 32 values times every token's, as one vdpbf16ps step each. The table, the 16 code values times
  * the scale in fp32 lanes (exact), holds the bf16 of code c in word 2c + 1 (its high half); vpermw picks it
@@ -266,12 +325,20 @@ ALWAYS_INLINE void dot_rows_e2m1(const rows_t *rows, int R, const xval_t *const 
     for (int r = 0; r < R; ++r) q[r] = rows->q[r], s[r] = rows->s[r];
     int64_t tiles = k / 32;
     for (int r = 0; r < R; ++r) tiles = e2m1_exact_tiles(s[r], tiles);
+#if defined(E2M1_SHUFFLED)
+    const xval_t *const *xt = rows->xs;
+#else
+    const xval_t *const *xt = x;
+#endif
     int64_t i = 0;
     for (; i < 32 * tiles; i += 32)
         for (int r = 0; r < R; ++r) {
             prefetch(q[r] + i / 2);
-            e2m1_tile_fma(q[r] + i / 2, s[r] + i / 32, x, NT, i, acc[r]);
+            e2m1_tile_fma(q[r] + i / 2, s[r] + i / 32, xt, NT, i, acc[r]);
         }
+#if defined(E2M1_SHUFFLED)
+    if (tiles > 0) e2m1_unshuffle(R, NT, acc);
+#endif
     for (int r = 0; r < R; ++r) e2m1_row(q[r] + i / 2, s[r] + i / 32, k - i, 32, rows->buf[r] + i);
     dot_finish(rows->w, R, x, NT, dot_steps(rows->w, R, x, NT, i, k, acc), k, acc, res);
 }

@@ -57,6 +57,10 @@ typedef struct job {
      * MAX_ROWS rows of scale_stride float32 scales widened from their bytes. */
     bf16_t *row_buf;
     int64_t row_stride, scale_stride, thread_stride;
+    /* Jobs whose fp4 tiles are read shuffled (shuffled_job): the token vectors in the shuffled order, rows of
+     * hidden_size / inter rounded up to 32 (only whole 32-value blocks are read shuffled). */
+    xval_t *x_shuffled;   /* [U, H rounded up] */
+    xval_t *act_shuffled; /* [P, I rounded up] */
     /* Where the job's wall time went (run_job fills it: seconds after t0, run_job's entry; see MARK_*). */
     double t0;
     double *thread_marks; /* [threads][THREAD_MARKS]: when each thread joined, ended phase 1, ended phase 2 */
@@ -78,6 +82,18 @@ ALWAYS_INLINE bf16_t *thread_rows(const job_t *job, int tid) {
 
 /* Packed e2m1, with float32 or e8m0 scales. */
 ALWAYS_INLINE int is_e2m1(const job_t *job) { return job->quant == QUANT_E2M1 || job->quant == QUANT_E2M1_E8M0; }
+
+/* Whether this job's packed rows read their tiles shuffled (E2M1_SHUFFLED builds, the release's 32-value tiles). */
+ALWAYS_INLINE int shuffled_job(const job_t *job) {
+#if defined(E2M1_SHUFFLED)
+    return is_e2m1(job) && job->tile_cols == 32;
+#else
+    (void)job;
+    return 0;
+#endif
+}
+
+ALWAYS_INLINE int64_t whole_blocks(int64_t n) { return (n + 31) / 32 * 32; }
 
 /* n e8m0 exponent bytes as the float32 scales 2^(e - 127) they stand for, as the reference widens them
  * (torch.ldexp: e = 0 the subnormal 2^-127, e = 255 infinity, which is e << 23 as well). */
@@ -182,11 +198,19 @@ static void gate_up_rows(const job_t *job, int64_t e, int64_t j0, int64_t j1, bf
             const int nt = token_block(job, e, tb);
             const xval_t *x[TOKEN_BLOCK];
             for (int t = 0; t < nt; ++t) x[t] = job->x + job->rows[first + tb + t] * H;
+            if (job->x_shuffled != NULL)
+                for (int t = 0; t < nt; ++t) w.xs[t] = job->x_shuffled + job->rows[first + tb + t] * whole_blocks(H);
             float res[MAX_ROWS][TOKEN_BLOCK];
             dot_block(&w, 2 * units, x, nt, H, res);
             for (int t = 0; t < nt; ++t)
-                for (int u = 0; u < units; ++u)
-                    job->act[(first + tb + t) * I + j[u]] = swiglu(job, res[2 * u][t], res[2 * u + 1][t]);
+                for (int u = 0; u < units; ++u) {
+                    const int64_t p = first + tb + t;
+                    const xval_t a = swiglu(job, res[2 * u][t], res[2 * u + 1][t]);
+                    job->act[p * I + j[u]] = a;
+#if defined(E2M1_SHUFFLED)
+                    if (job->act_shuffled != NULL) job->act_shuffled[p * whole_blocks(I) + e2m1_shuffled_at(j[u])] = a;
+#endif
+                }
         }
     }
 }
@@ -219,6 +243,8 @@ static void down_rows(const job_t *job, int64_t e, int64_t h0, int64_t h1, bf16_
             const int nt = token_block(job, e, tb);
             const xval_t *x[TOKEN_BLOCK];
             for (int t = 0; t < nt; ++t) x[t] = job->act + (first + tb + t) * I;
+            if (job->act_shuffled != NULL)
+                for (int t = 0; t < nt; ++t) w.xs[t] = job->act_shuffled + (first + tb + t) * whole_blocks(I);
             float res[MAX_ROWS][TOKEN_BLOCK];
             dot_block(&w, r, x, nt, I, res);
             for (int t = 0; t < nt; ++t) {
@@ -275,6 +301,22 @@ static void release(job_t *job) {
     free(job->act);
     free(job->x_scratch);
     free(job->row_buf);
+    free(job->x_shuffled);
+    free(job->act_shuffled);
+}
+
+/* The shuffled token vectors (shuffled_job): the hidden rows' made here (a few rows of H values: the caller alone),
+ * the activations' written beside them in phase 1; 0 when out of memory. */
+static int allocate_shuffled(job_t *job) {
+    const int64_t H = whole_blocks(job->hidden_size), I = whole_blocks(job->inter);
+    const int64_t pairs = job->offsets[job->n_experts], rows = job->out_rows;
+    job->x_shuffled = aligned_alloc(64, (size_t)(rows > 0 ? rows : 1) * (size_t)H * sizeof(xval_t));
+    job->act_shuffled = aligned_alloc(64, (size_t)(pairs > 0 ? pairs : 1) * (size_t)I * sizeof(xval_t));
+    if (job->x_shuffled == NULL || job->act_shuffled == NULL) return 0;
+#if defined(E2M1_SHUFFLED)
+    for (int64_t u = 0; u < rows; ++u) e2m1_shuffle_x(job->x + u * job->hidden_size, job->hidden_size, job->x_shuffled + u * H);
+#endif
+    return 1;
 }
 
 /* The activations, (for an fp32 xval_t) the converted hidden rows and (quantised) the row buffers of `threads`
@@ -284,6 +326,7 @@ static int allocate(job_t *job, int threads) {
     job->act = malloc((size_t)(pairs > 0 ? pairs : 1) * (size_t)job->inter * sizeof(xval_t));
     job->x_scratch = NULL;
     job->row_buf = NULL;
+    job->x_shuffled = job->act_shuffled = NULL;
     job->x = (const xval_t *)job->hidden;
     job->thread_marks = malloc((size_t)threads * THREAD_MARKS * sizeof(double));
     if (job->thread_marks != NULL) /* -1: never joined (a helper may not come) */
@@ -302,6 +345,7 @@ static int allocate(job_t *job, int threads) {
         job->thread_stride = MAX_ROWS * (job->row_stride + 2 * job->scale_stride);   /* in bf16 */
         job->row_buf = aligned_alloc(64, (size_t)threads * (size_t)job->thread_stride * sizeof(bf16_t));
     }
+    if (shuffled_job(job) && !allocate_shuffled(job)) return 0;
     return job->act != NULL && job->thread_marks != NULL && (X_IS_BF16 || job->x_scratch != NULL) &&
            (!is_quantised(job) || job->row_buf != NULL);
 }
