@@ -33,12 +33,15 @@ BF16_BAR = 0.005  # kernel vs torch bf16, relative RMS
 FP64_FACTOR = 1.25  # kernel's error vs fp64 may exceed torch bf16's by this factor at most
 VARIANTS = {
     "default": (),
+    # AVX512-BF16 without VBMI: its fp4 tiles in the natural order (with VBMI, as the default build on such
+    # a CPU, they are read shuffled: cpu_experts_fp4.c)
+    "avx512_bf16": ("-mno-avx512vbmi",),
     "avx512f": ("-mno-avx512bf16",),
     "avx2": ("-mno-avx512f",),
     "portable": ("-mno-avx512f", "-mno-avx2"),
 }
 # The CPU flags (/proc/cpuinfo) under which a narrowed build must report the ISA it is named after.
-VARIANT_NEEDS = {"avx512f": {"avx512f"}, "avx2": {"avx2", "fma"}, "portable": set()}
+VARIANT_NEEDS = {"avx512_bf16": {"avx512_bf16"}, "avx512f": {"avx512f"}, "avx2": {"avx2", "fma"}, "portable": set()}
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
