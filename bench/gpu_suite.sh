@@ -29,7 +29,8 @@
 # DISPATCH_HOST=1 adds `moetier bench dispatch-host` (the host's us and aten calls per MoE dispatch call, per
 # dispatcher, small experts; DISPATCH_HOST_ARGS: its extra flags).
 # FP4_SCALES_AB=1 (with FP4_EXPERTS=1) adds a decode run of FP4_SCALES_AB_MODES (default cpu,copy,tiered,mapped-cpu)
-# with MOETIER_FP4_SCALES=e8m0 (the home copy's fp4 scales as exponent bytes), to compare with the main decode run.
+# with MOETIER_FP4_SCALES=e8m0 (the home copy's fp4 scales as exponent bytes), to compare with the main decode run;
+# FP4_SCALES_AB=aba runs float32, e8m0, then float32 again.
 # CPU_WORKER_AB=1 adds a decode run of CPU_WORKER_AB_MODES (default cpu,tiered) with MOETIER_CPU_WORKER=python (the
 # CPU tier's Python worker thread instead of its native one), to compare with the main decode run.
 # TRACE=modes (e.g. "tiered") saves those modes' profiled 1-stream decode steps as gzipped Chrome traces.
@@ -155,9 +156,15 @@ if [ -z "${SKIP_BENCH:-}" ]; then
             "${trace[@]}"
     fi
     if [ -n "${FP4_SCALES_AB:-}" ]; then  # fp4 blocks keeping e8m0 scale bytes, against the main run's float32 scales
-        echo "=== decode with MOETIER_FP4_SCALES=e8m0" >> "$LOG"
-        MOETIER_FP4_SCALES=e8m0 bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
-            --modes "${FP4_SCALES_AB_MODES:-cpu,copy,tiered,mapped-cpu}" --profile
+        # FP4_SCALES_AB=aba: float32, e8m0, float32 again (no main decode run needed: SKIP_DECODE=1), so that a
+        # drift over the call shows as the two float32 runs' difference instead of passing for the formats'.
+        formats="e8m0"
+        [ "${FP4_SCALES_AB}" = aba ] && formats="float32 e8m0 float32"
+        for scales in $formats; do
+            echo "=== decode with MOETIER_FP4_SCALES=$scales" >> "$LOG"
+            MOETIER_FP4_SCALES=$scales bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
+                --modes "${FP4_SCALES_AB_MODES:-cpu,copy,tiered,mapped-cpu}" --profile
+        done
     fi
     if [ -n "${CPU_WORKER_AB:-}" ]; then  # the CPU tier's Python worker, against the main run's native one
         MOETIER_CPU_WORKER=python bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
