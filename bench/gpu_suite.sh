@@ -31,6 +31,8 @@
 # FP4_SCALES_AB=1 (with FP4_EXPERTS=1) adds a decode run of FP4_SCALES_AB_MODES (default cpu,copy,tiered,mapped-cpu)
 # with MOETIER_FP4_SCALES=e8m0 (the home copy's fp4 scales as exponent bytes), to compare with the main decode run;
 # FP4_SCALES_AB=aba runs float32, e8m0, then float32 again.
+# CPU_PIN_AB=1 adds three decode runs of CPU_PIN_AB_MODES (default cpu,tiered,mapped-cpu) with the CPU tier's threads
+# pinned to the last cores (MOETIER_CPU_PIN=1), unpinned, pinned again: with the unpinned main run, an ABAB.
 # CPU_WORKER_AB=1 adds a decode run of CPU_WORKER_AB_MODES (default cpu,tiered) with MOETIER_CPU_WORKER=python (the
 # CPU tier's Python worker thread instead of its native one), to compare with the main decode run.
 # TRACE=modes (e.g. "tiered") saves those modes' profiled 1-stream decode steps as gzipped Chrome traces.
@@ -164,6 +166,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
             echo "=== decode with MOETIER_FP4_SCALES=$scales" >> "$LOG"
             MOETIER_FP4_SCALES=$scales bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
                 --modes "${FP4_SCALES_AB_MODES:-cpu,copy,tiered,mapped-cpu}" --profile
+        done
+    fi
+    if [ -n "${CPU_PIN_AB:-}" ]; then  # the CPU tier's threads pinned, unpinned, pinned, after the unpinned main run
+        for pin in 1 0 1; do
+            echo "=== decode with MOETIER_CPU_PIN=$pin" >> "$LOG"
+            MOETIER_CPU_PIN=$pin bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
+                --modes "${CPU_PIN_AB_MODES:-cpu,tiered,mapped-cpu}"
         done
     fi
     if [ -n "${CPU_WORKER_AB:-}" ]; then  # the CPU tier's Python worker, against the main run's native one

@@ -4,6 +4,7 @@ jobs. Tiny experts: each test takes well under a second."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -14,8 +15,9 @@ import torch
 from test_cpu_tier_overhead import HIDDEN, _checked_run, _experts, _job
 
 from moetier.bench.cpu_tier import CpuTierBenchConfig, JobMaker, make_experts
+from moetier.errors import ConfigError
 from moetier.kernels import cpu_experts, cpu_worker
-from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob, NativeFuture
+from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob, NativeFuture, pinned_cores
 from moetier.tiers.gpu_wait import FlagRelease
 
 
@@ -246,3 +248,53 @@ def test_a_job_counts_the_threads_that_joined_it():
         assert all(torch.equal(q.out, queued[0].out) for q in queued)
         outs.append(queued[0].out)
     assert all(torch.equal(out, outs[0]) for out in outs)
+
+
+def _threads_on(cores: set[int]) -> int:
+    """How many of this process's threads may run on ``cores`` only."""
+    return sum(os.sched_getaffinity(int(tid)) == cores for tid in os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="thread affinity is Linux's")
+def test_pinned_tier_threads_run_on_the_cores_given(monkeypatch):
+    """MOETIER_CPU_PIN=1 pins the native worker and its team's helpers to the process's last cores; the sums do not
+    change; a tier without it pins nothing new."""
+    allowed = sorted(os.sched_getaffinity(0))
+    first, last = allowed[0], allowed[-1]
+    experts = _experts(2, "fp4")
+    monkeypatch.setenv("MOETIER_CPU_PIN", "1")
+    assert pinned_cores(1) == [last] and pinned_cores(len(allowed) + 1) == allowed
+    before = {core: _threads_on({core}) for core in (first, last)}
+    tier = CpuExpertTier(0.4, threads=1)
+    assert tier.pinned == [last]
+    one = tier.submit(_job(experts)).result()
+    assert _threads_on({last}) == before[last] + 1  # the worker
+    tier.close()
+    # The worker on the first core, its helper on the last: a helper inherits its creator's cores, so only its own
+    # pinning moves it (on a machine of one core both are that core).
+    wide = CpuExpertTier(0.4, threads=2)
+    wide.pinned = [first, last]
+    two = wide.submit(_job(experts)).result()
+    after = {core: _threads_on({core}) for core in (first, last)}
+    if first != last:
+        assert after == {first: before[first] + 1, last: before[last] + 1}
+    else:
+        assert after[last] == before[last] + 2
+    wide.close()
+    for result in (one, two):
+        assert isinstance(result.out, torch.Tensor) and torch.equal(result.out, _checked_run(_job(experts), "fp4"))
+    monkeypatch.setenv("MOETIER_CPU_PIN", "0")
+    unpinned = CpuExpertTier(0.4, threads=1)
+    assert unpinned.pinned is None
+    unpinned.submit(_job(experts)).result()
+    assert _threads_on({last}) == before[last]
+    unpinned.close()
+
+
+def test_pin_settings_that_cannot_work_are_refused(monkeypatch):
+    monkeypatch.setenv("MOETIER_CPU_PIN", "yes")
+    with pytest.raises(ConfigError, match="MOETIER_CPU_PIN must be 0 or 1"):
+        CpuExpertTier(0.4, threads=1)
+    lib = cpu_experts.library()
+    with pytest.raises(ValueError, match="cannot pin threads to cores"):
+        lib.pin_threads([-1])

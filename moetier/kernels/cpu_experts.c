@@ -25,7 +25,9 @@
  * FP4 tiles whose power-of-two scale makes every dequantised value exact skip the buffer: their codes are
  * decoded in registers into the same values, which take the same dot-product steps (cpu_experts_fp4.c).
  */
+#define _GNU_SOURCE /* sched_setaffinity and cpu_set_t (cpu_team.c's pinned threads) */
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -170,6 +170,17 @@ class CpuExpertsLibrary:
         dequantize.argtypes, dequantize.restype = [c_int, ptr, ptr, i64, i64, i64, i64, ptr], c_int
         return fn
 
+    def pin_threads(self, cores: Sequence[int]) -> None:
+        """Pin the kernel's threads started from now on (native workers, team helpers) to ``cores``, thread ``i`` of
+        a team to ``cores[i % len(cores)]`` (empty: stop pinning); ValueError for a core the C side refuses.
+        Process-wide for this build; threads already running keep their cores."""
+        fn = getattr(self._lib, "moetier_pin_threads", None)
+        if fn is None:
+            raise RuntimeError(f"cpu_experts: {self.path.name} cannot pin its threads (a build without it)")
+        array_type = ctypes.c_int * max(len(cores), 1)
+        if fn(array_type(*cores), len(cores)) != 0:
+            raise ValueError(f"cpu_experts: cannot pin threads to cores {list(cores)}")
+
     @property
     def cdll(self) -> ctypes.CDLL:
         """The loaded build itself (its other entry points: :mod:`moetier.kernels.cpu_worker`)."""

@@ -47,6 +47,36 @@
 #define TEAM_CANNOT_START 0
 #endif
 
+/* The cores the kernel's threads run on (moetier_pin_threads; none, the default: wherever the OS puts them). With
+ * them, thread i of a team (the native worker is thread 0 of its team) pins itself to cores[i % n] as it starts.
+ * Why: idle helpers spin between decode's jobs, so 14 of 16 cores stay busy, and an unpinned spinner may land on
+ * the core of the thread that launches the device's work (H200 decode runs of one call differed by up to 70%,
+ * every host phase alike slower in the slow ones). */
+#define PIN_MAX 1024
+static int pin_cores[PIN_MAX];
+static int pin_count; /* written before the threads it pins start (moetier_pin_threads' contract) */
+
+/* Pin the calling thread as thread `index` of its team (nothing without cores, or where the OS refuses). */
+static void pin_self(int index) {
+    const int n = __atomic_load_n(&pin_count, __ATOMIC_ACQUIRE);
+    if (n <= 0) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(pin_cores[index % n], &set);
+    (void)sched_setaffinity(0, sizeof set, &set); /* 0: this thread; a refusal leaves it unpinned */
+}
+
+/* Pin the threads started from now on to cores[0..n) (n = 0: stop pinning them); threads already running keep
+ * their cores. MOETIER_BAD_ARGS for n outside [0, PIN_MAX] or a core outside [0, CPU_SETSIZE). */
+int moetier_pin_threads(const int *cores, int n) {
+    if (n < 0 || n > PIN_MAX) return MOETIER_BAD_ARGS;
+    for (int i = 0; i < n; ++i)
+        if (cores[i] < 0 || cores[i] >= CPU_SETSIZE) return MOETIER_BAD_ARGS;
+    for (int i = 0; i < n; ++i) pin_cores[i] = cores[i];
+    __atomic_store_n(&pin_count, n, __ATOMIC_RELEASE);
+    return MOETIER_OK;
+}
+
 struct job; /* cpu_job.c's job_t */
 typedef void (*team_body_t)(struct job *job, int tid);
 
@@ -102,6 +132,7 @@ static void *team_helper(void *arg) {
     team_t *t = a->team;
     const int id = a->id;
     free(a);
+    pin_self(id);
     int64_t seen = 0;
     for (;;) {
         const int64_t g = team_wait(t, seen);

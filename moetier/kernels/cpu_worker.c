@@ -148,6 +148,7 @@ static int run_fed(queued_t *q) {
 
 static void *worker_main(void *arg) {
     worker_t *w = arg;
+    pin_self(0); /* thread 0 of the team its jobs run on */
     for (;;) {
         spin_for_work(w);
         pthread_mutex_lock(&w->lock);

@@ -47,6 +47,19 @@ TORCH_KERNEL = "torch"
 log = logging.getLogger(__name__)
 
 
+def pinned_cores(threads: int) -> list[int] | None:
+    """``MOETIER_CPU_PIN``: unset or ``0``, the CPU tier's threads run where the OS puts them; ``1``, they are pinned
+    to the last ``threads`` cores this process may use (the first ones left to the thread that drives the device,
+    which is not pinned); anything else is refused."""
+    value = os.environ.get("MOETIER_CPU_PIN", "0").strip()
+    if value not in ("0", "1"):
+        raise ConfigError(f"MOETIER_CPU_PIN must be 0 or 1, got {value!r}: unset it")
+    if value == "0" or not hasattr(os, "sched_getaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    return allowed[-threads:] if threads < len(allowed) else allowed
+
+
 def default_cpu_threads() -> int:
     """All usable cores but two (left to the dispatching thread and the rest of the process)."""
     try:
@@ -127,6 +140,7 @@ class CpuExpertTier:
         self.threads = default_cpu_threads() if threads is None else threads
         if self.threads < 1:
             raise ConfigError(f"cpu tier threads must be >= 1, got {self.threads}")
+        self.pinned = pinned_cores(self.threads)  # the cores its native threads are pinned to, or None
         # Whether jobs may go to the native worker (None: unless MOETIER_CPU_WORKER=python, the A/B switch).
         self.native = native if native is not None else _native_wanted()
         self.spin_seconds = spin_seconds  # the native worker's spin for its next job (cpu_worker.NativeWorker)
@@ -196,6 +210,8 @@ class CpuExpertTier:
         if not self._native and self.native:
             try:
                 if cpu_worker.supported(lib):
+                    if hasattr(lib.cdll, "moetier_pin_threads"):  # before the worker (and its team) exists
+                        lib.pin_threads(self.pinned or [])
                     self._native.append(cpu_worker.NativeWorker(lib, self.spin_seconds))
             except RuntimeError as exc:
                 log.warning("the CPU tier's native worker is unavailable, jobs run on a Python thread: %s", exc)
