@@ -29,7 +29,8 @@
 # DISPATCH_HOST=1 adds `moetier bench dispatch-host` (the host's us and aten calls per MoE dispatch call, per
 # dispatcher, small experts; DISPATCH_HOST_ARGS: its extra flags).
 # FP4_SCALES_AB=1 (with FP4_EXPERTS=1) adds a decode run of FP4_SCALES_AB_MODES (default cpu,copy,tiered,mapped-cpu)
-# with MOETIER_FP4_SCALES=e8m0 (the home copy's fp4 scales as exponent bytes), to compare with the main decode run;
+# with MOETIER_FP4_SCALES=float32 (the home copy's fp4 scales as float32, not the default exponent bytes), to compare
+# with the main decode run;
 # FP4_SCALES_AB=aba runs float32, e8m0, then float32 again.
 # CPU_PIN_AB=1 adds three decode runs of CPU_PIN_AB_MODES (default cpu,tiered,mapped-cpu) with the CPU tier's threads
 # pinned to the last cores (MOETIER_CPU_PIN=1), unpinned, pinned again: with the unpinned main run, an ABAB.
@@ -157,10 +158,10 @@ if [ -z "${SKIP_BENCH:-}" ]; then
         bench decode 480 --streams 1,2,4 --cache-fraction 0.05 --policy lfu ${BENCH_ARGS---profile} "${hf[@]}" \
             "${trace[@]}"
     fi
-    if [ -n "${FP4_SCALES_AB:-}" ]; then  # fp4 blocks keeping e8m0 scale bytes, against the main run's float32 scales
+    if [ -n "${FP4_SCALES_AB:-}" ]; then  # fp4 blocks keeping float32 scales, against the main run's e8m0 bytes
         # FP4_SCALES_AB=aba: float32, e8m0, float32 again (no main decode run needed: SKIP_DECODE=1), so that a
         # drift over the call shows as the two float32 runs' difference instead of passing for the formats'.
-        formats="e8m0"
+        formats="float32"  # the main run's default, for the bench model's ue8m0 scales, is e8m0
         [ "${FP4_SCALES_AB}" = aba ] && formats="float32 e8m0 float32"
         for scales in $formats; do
             echo "=== decode with MOETIER_FP4_SCALES=$scales" >> "$LOG"

@@ -102,8 +102,8 @@ def test_fp4_home_copy_decodes_as_dequantising_at_load(fp4_model, prompt):
         loaded = _load(fp4_model, torch.float32, fmt)
         assert (loaded.store.layout.quant is None) == (fmt == "dense")
         runs[fmt] = moetier_run(loaded, prompt, STEPS)
-        if fmt == "fp4":  # the home copy: half a byte a value plus a float32 scale per 32, against fp32's 4
-            assert loaded.store.total_bytes() == LAYERS * EXPERTS * 3 * INTER * HIDDEN * (0.5 + 4 / BLOCK)
+        if fmt == "fp4":  # the home copy: half a byte a value plus an e8m0 scale byte per 32, against fp32's 4
+            assert loaded.store.total_bytes() == LAYERS * EXPERTS * 3 * INTER * HIDDEN * (0.5 + 1 / BLOCK)
     (ref_prefill, ref_steps, ref_tokens), (prefill, steps, tokens) = runs["dense"], runs["fp4"]
     assert torch.isfinite(ref_prefill).all() and ref_prefill.std(dim=0).mean() > 0.05  # a live, finite model
     assert torch.equal(prefill, ref_prefill) and tokens == ref_tokens
@@ -142,7 +142,7 @@ def test_bf16_misses_run_the_c_kernels_fp4_path_bit_for_bit(fp4_model, prompt):
         kernels[fmt] = loaded.model.dispatcher.cpu_tier.last_kernel
         loaded.model.dispatcher.close()
     isa = cpu_experts.kernel_isa()
-    assert kernels == {"dense": f"c-{isa}", "fp4": f"c-{isa}-fp4"}
+    assert kernels == {"dense": f"c-{isa}", "fp4": f"c-{isa}-fp4_e8m0"}  # ue8m0: the scales kept as bytes
     (ref_prefill, ref_steps, ref_tokens), (prefill, steps, tokens) = runs["dense"], runs["fp4"]
     assert torch.equal(prefill, ref_prefill) and tokens == ref_tokens
     assert all(torch.equal(a, b) for a, b in zip(steps, ref_steps, strict=True))
@@ -155,7 +155,7 @@ def test_decode_bench_runs_on_the_fp4_home_copy(fp4_model):
     )  # fmt: skip
     receipt = run_decode_bench(cfg)
     assert receipt["config"]["expert_format"] == "fp4"
-    assert receipt["plan"]["expert_block_bytes"] == 3 * INTER * HIDDEN * (0.5 + 4 / BLOCK)  # well under fp32's
+    assert receipt["plan"]["expert_block_bytes"] == 3 * INTER * HIDDEN * (0.5 + 1 / BLOCK)  # well under fp32's
     assert receipt["greedy_tokens_agree"]["tiered@1"] == 1.0
 
 

@@ -28,8 +28,9 @@ from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights, swiglu_expert
 from moetier.tiers.host_store import HostExpertArena
 from moetier.tiers.plan import PlanBudget, make_plan
+from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.loader import load_model
-from moetier.weights.quant_experts import all_powers_of_two, copy_quant_expert
+from moetier.weights.quant_experts import all_powers_of_two, checkpoint_expert_layout, copy_quant_expert
 
 PROMPT_LEN, STEPS = 20, 8
 HIDDEN, INTER = 64, 32
@@ -180,7 +181,7 @@ def test_tiered_bf16_fp4_experts_run_the_c_kernel_bit_for_bit(checkpoints, promp
         assert dispatcher.metrics.snapshot()["totals"]["cpu_pairs"] > 0
         dispatcher.close()
     isa = cpu_experts.kernel_isa()
-    assert kernels == {"dense": f"c-{isa}", "fp4": f"c-{isa}-fp4"}
+    assert kernels == {"dense": f"c-{isa}", "fp4": f"c-{isa}-fp4_e8m0"}  # ue8m0: the scales kept as bytes
     (ref_prefill, ref_steps, ref_tokens), (prefill, steps, tokens) = runs["dense"], runs["fp4"]
     assert torch.equal(prefill, ref_prefill) and tokens == ref_tokens
     assert all(torch.equal(a, b) for a, b in zip(steps, ref_steps, strict=True))
@@ -190,8 +191,10 @@ def test_tiered_bf16_fp4_experts_run_the_c_kernel_bit_for_bit(checkpoints, promp
 def test_resident_fp4_experts_equal_dequantised_at_load(checkpoints, prompt, dtype):
     dense = _load(checkpoints[1], dtype, "dense")
     fp4 = _load(checkpoints[1], dtype, "fp4")
-    # The release's config declares ue8m0 scales: the layout promises powers of two (the loader checked them).
-    assert fp4.store.layout.quant == replace(FP4, pow2_scales=True) and fp4.store.block_dtype == torch.uint8
+    # The release's config declares ue8m0 scales: the layout promises powers of two (the loader checked them) and
+    # keeps them as exponent bytes (MOETIER_FP4_SCALES unset).
+    assert fp4.store.layout.quant == replace(FP4, pow2_scales=True, scale_format="e8m0")
+    assert fp4.store.block_dtype == torch.uint8
     for expert in (0, 1, 2):  # ue8m0, uint8 and float32 scales
         kept = fp4.store.expert(2, expert)
         assert kept.quantized and kept.gate_q.dtype == torch.uint8
@@ -227,8 +230,8 @@ def test_home_copy_bytes_and_the_plan(checkpoints, capsys):
     dense = _load(checkpoints[1], torch.bfloat16, "dense").store
     fp4 = _load(checkpoints[1], torch.bfloat16, "fp4").store
     assert dense.total_bytes() == 5 * NUM_EXPERTS * 3 * INTER * HIDDEN * 2
-    # half a byte a value plus a float32 scale per 32 values, against bf16's two bytes: 0.3125x
-    assert fp4.total_bytes() / dense.total_bytes() == pytest.approx(0.3125, abs=0.01)
+    # half a byte a value plus an e8m0 scale byte per 32 values (ue8m0), against bf16's two bytes: 0.266x
+    assert fp4.total_bytes() / dense.total_bytes() == pytest.approx(0.2656, abs=0.01)
     plan = make_plan(checkpoints[1], PlanBudget("1GiB", context=128, expert_format="fp4"), torch.bfloat16)
     assert plan.expert_block_bytes == fp4.layout.block_numel and plan.host_expert_bytes == fp4.total_bytes()
     assert "home copy (fp4 + scales)" in plan.table()
@@ -305,9 +308,22 @@ def test_e8m0_scale_bytes_in_the_home_copy_decode_as_float32_scales_do(checkpoin
     assert all(torch.equal(a, b) for a, b in zip(steps, ref_steps, strict=True))
 
 
+def test_ue8m0_checkpoints_keep_e8m0_scale_bytes_by_default(checkpoints, tmp_path, monkeypatch):
+    """Unset (or auto), MOETIER_FP4_SCALES gives e8m0 bytes where the config declares ue8m0 scales, float32 scales
+    where it does not; float32 opts out."""
+    monkeypatch.delenv("MOETIER_FP4_SCALES", raising=False)
+    assert checkpoint_expert_layout(Checkpoint(checkpoints[1]), "fp4").quant.scale_format == "e8m0"
+    no_ue8m0 = tmp_path / "no-ue8m0"
+    _write(checkpoints[0], no_ue8m0, config_update={**FP4_CONFIG, "quantization_config": {}})
+    assert checkpoint_expert_layout(Checkpoint(no_ue8m0), "fp4").quant.scale_format == "float32"
+    for value, expected in (("auto", "e8m0"), ("float32", "float32"), (" E8M0 ", "e8m0")):
+        monkeypatch.setenv("MOETIER_FP4_SCALES", value)
+        assert checkpoint_expert_layout(Checkpoint(checkpoints[1]), "fp4").quant.scale_format == expected
+
+
 def test_e8m0_scale_bytes_are_refused_where_they_cannot_hold_the_scales(checkpoints, tmp_path, monkeypatch):
     monkeypatch.setenv("MOETIER_FP4_SCALES", "e8m1")
-    with pytest.raises(ConfigError, match="MOETIER_FP4_SCALES must be one of float32, e8m0"):
+    with pytest.raises(ConfigError, match="MOETIER_FP4_SCALES must be one of auto, float32, e8m0"):
         _load(checkpoints[1], torch.bfloat16, "fp4")
     monkeypatch.setenv("MOETIER_FP4_SCALES", "e8m0")
     no_ue8m0 = tmp_path / "no-ue8m0"

@@ -66,7 +66,9 @@ def fp4_expert_quant_of(hf_config: dict[str, Any], where: str) -> ExpertQuant:
     quant = hf_config.get("quantization_config")
     ue8m0 = isinstance(quant, dict) and quant.get("scale_fmt") == "ue8m0"  # powers of two, checked at load
     scales = fp4_scale_format()
-    if scales == "e8m0" and not ue8m0:
+    if scales == "auto":  # the exponent bytes where the checkpoint promises powers of two
+        scales = "e8m0" if ue8m0 else "float32"
+    elif scales == "e8m0" and not ue8m0:
         raise ConfigError(
             f"{where}: MOETIER_FP4_SCALES=e8m0 keeps scales as exponent bytes, which needs ue8m0 scales "
             "(quantization_config.scale_fmt 'ue8m0'), and this checkpoint does not say so; unset MOETIER_FP4_SCALES"
@@ -75,11 +77,14 @@ def fp4_expert_quant_of(hf_config: dict[str, Any], where: str) -> ExpertQuant:
 
 
 def fp4_scale_format() -> str:
-    """``MOETIER_FP4_SCALES``: how fp4 expert blocks keep their scales, ``float32`` (the default) or ``e8m0``
-    (one exponent byte each: 15% fewer bytes a block to read on a miss); anything else is refused."""
-    value = os.environ.get("MOETIER_FP4_SCALES", "float32").strip().lower()
-    if value not in SCALE_FORMATS:
-        raise ConfigError(f"MOETIER_FP4_SCALES must be one of {', '.join(SCALE_FORMATS)}, got {value!r}: unset it")
+    """``MOETIER_FP4_SCALES``: how fp4 expert blocks keep their scales: ``auto`` (the default: ``e8m0`` where the
+    checkpoint declares ue8m0 scales, else ``float32``), ``float32`` or ``e8m0`` (one exponent byte each: 15% fewer
+    bytes a block to read on a miss); anything else is refused."""
+    value = os.environ.get("MOETIER_FP4_SCALES", "auto").strip().lower()
+    if value not in ("auto", *SCALE_FORMATS):
+        raise ConfigError(
+            f"MOETIER_FP4_SCALES must be one of auto, {', '.join(SCALE_FORMATS)}, got {value!r}: unset it"
+        )
     return value
 
 
@@ -148,7 +153,7 @@ def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
     if not bool(((bits >= 0) & (mantissa == 0) & (exponent >= 1) & (exponent <= 254)).all()):
         raise ValueError(
             "has scales that are zero, negative or not normal powers of two, which e8m0 scale bytes cannot hold; "
-            "unset MOETIER_FP4_SCALES (float32 scales)"
+            "set MOETIER_FP4_SCALES=float32"
         )
     return exponent.to(torch.uint8)
 
