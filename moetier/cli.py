@@ -62,7 +62,7 @@ def add_expert_format_argument(parser: argparse.ArgumentParser) -> None:
         choices=["dense", "fp8", "fp4"],  # moetier.config.EXPERT_FORMATS (not imported: torch stays lazy)
         help="routed experts' home copy: dense (dequantised to --dtype at load, default), fp8 (an fp8-block "
         "checkpoint such as DeepSeek-V3/R1 keeps its float8 weights and scales: half the host RAM and miss bytes) "
-        "or fp4 (DeepSeek-V4's FP4 experts stay packed with their scales: about 0.31x of bf16)",
+        "or fp4 (DeepSeek-V4's FP4 experts stay packed with their scales: about 0.27x of bf16)",
     )
 
 

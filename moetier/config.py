@@ -34,7 +34,7 @@ def parse_dtype(value: str | torch.dtype | None, default: torch.dtype = torch.bf
 
 # How routed experts are kept in the home copy: "dense" dequantises them to the compute dtype at load;
 # "fp8" keeps an fp8-block checkpoint's float8 bytes and scales (half the host RAM and PCIe bytes);
-# "fp4" keeps DeepSeek-V4's packed FP4 experts and their scales (about 0.31x of bf16).
+# "fp4" keeps DeepSeek-V4's packed FP4 experts and their scales (about 0.27x of bf16 with ue8m0 scales).
 EXPERT_FORMATS = ("dense", "fp8", "fp4")
 
 

@@ -49,9 +49,9 @@
 
 /* The cores the kernel's threads run on (moetier_pin_threads; none, the default: wherever the OS puts them). With
  * them, thread i of a team (the native worker is thread 0 of its team) pins itself to cores[i % n] as it starts.
- * Why: idle helpers spin between decode's jobs, so 14 of 16 cores stay busy, and an unpinned spinner may land on
- * the core of the thread that launches the device's work (H200 decode runs of one call differed by up to 70%,
- * every host phase alike slower in the slow ones). */
+ * Tried because idle helpers spin between decode's jobs, so 14 of 16 cores stay busy, and an unpinned spinner may
+ * land on the core of the thread that launches the device's work; on the H200 pinned decode runs fell within the
+ * unpinned ones' spread (results/h200-20261203-2fc484a-pin-ab), so the tier pins only with MOETIER_CPU_PIN=1. */
 #define PIN_MAX 1024
 static int pin_cores[PIN_MAX];
 static int pin_count; /* written before the threads it pins start (moetier_pin_threads' contract) */

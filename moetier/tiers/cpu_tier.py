@@ -57,7 +57,7 @@ def pinned_cores(threads: int) -> list[int] | None:
     if value == "0" or not hasattr(os, "sched_getaffinity"):
         return None
     allowed = sorted(os.sched_getaffinity(0))
-    return allowed[-threads:] if threads < len(allowed) else allowed
+    return allowed[-threads:]  # all of them when threads >= their count
 
 
 def default_cpu_threads() -> int:
@@ -210,8 +210,7 @@ class CpuExpertTier:
         if not self._native and self.native:
             try:
                 if cpu_worker.supported(lib):
-                    if hasattr(lib.cdll, "moetier_pin_threads"):  # before the worker (and its team) exists
-                        lib.pin_threads(self.pinned or [])
+                    lib.pin_threads(self.pinned or [])  # before the worker (and its team) exists
                     self._native.append(cpu_worker.NativeWorker(lib, self.spin_seconds))
             except RuntimeError as exc:
                 log.warning("the CPU tier's native worker is unavailable, jobs run on a Python thread: %s", exc)

@@ -6,8 +6,8 @@ tiers, and the CPU tier can compute straight from it. Models never touch this st
 an :class:`~moetier.tiers.dispatcher.ExpertDispatcher`.
 
 With :class:`ExpertQuant` (``expert_format="fp8"`` or ``"fp4"``) a block keeps the checkpoint's float8
-weights (or packed e2m1 nibbles) and their per-tile float32 scales as raw bytes instead (about half,
-or about 0.31x, of bf16): every reader dequantises with the loader's own function, so the math is
+weights (or packed e2m1 nibbles) and their per-tile scales (float32, or fp4's e8m0 bytes) as raw bytes instead
+(about half, or 0.27-0.31x, of bf16): every reader dequantises with the loader's own function, so the math is
 unchanged.
 """
 

@@ -7,8 +7,9 @@ bytes and scales into quantised expert blocks (:class:`~moetier.tiers.experts.Ex
 reader dequantises on use with the same function, so the math is unchanged.
 
 ``expert_format="fp4"`` does the same for DeepSeek-V4's FP4 routed experts (``expert_dtype "fp4"``:
-packed e2m1 bytes plus one power-of-two scale per 32 inputs, :mod:`moetier.weights.fp4`): about 0.31x
-of bf16 (half a byte a value plus a float32 scale per 32 values; scales are converted once at load).
+packed e2m1 bytes plus one power-of-two scale per 32 inputs, :mod:`moetier.weights.fp4`): about 0.27x
+of bf16 for ue8m0 checkpoints (half a byte a value plus an e8m0 scale byte per 32 values), 0.31x with float32
+scales (``MOETIER_FP4_SCALES=float32``, or a checkpoint without ue8m0 scales); scales are converted once at load.
 """
 
 from __future__ import annotations
