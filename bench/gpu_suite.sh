@@ -35,6 +35,9 @@
 # FP4_SCALES_AB=aba runs float32, e8m0, then float32 again.
 # CPU_PIN_AB=1 adds three decode runs of CPU_PIN_AB_MODES (default cpu,tiered,mapped-cpu) with the CPU tier's threads
 # pinned to the last cores (MOETIER_CPU_PIN=1), unpinned, pinned again: with the unpinned main run, an ABAB.
+# FED_SPLIT_AB=1 adds three decode runs of FED_SPLIT_AB_MODES (default tiered,mapped-cpu) with the fed CPU tier's
+# static split (MOETIER_FED_SPLIT=static: a fixed share of each layer's expert ids), the default balanced split (a
+# share of each call's uncached experts), static again: with the main run, balanced / static / balanced / static.
 # CPU_WORKER_AB=1 adds a decode run of CPU_WORKER_AB_MODES (default cpu,tiered) with MOETIER_CPU_WORKER=python (the
 # CPU tier's Python worker thread instead of its native one), to compare with the main decode run.
 # TRACE=modes (e.g. "tiered") saves those modes' profiled 1-stream decode steps as gzipped Chrome traces.
@@ -175,6 +178,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
             echo "=== decode with MOETIER_CPU_PIN=$pin" >> "$LOG"
             MOETIER_CPU_PIN=$pin bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
                 --modes "${CPU_PIN_AB_MODES:-cpu,tiered,mapped-cpu}"
+        done
+    fi
+    if [ -n "${FED_SPLIT_AB:-}" ]; then  # the static split of the fed CPU tier against the balanced default
+        for split in static balanced static; do
+            echo "=== decode with MOETIER_FED_SPLIT=$split" >> "$LOG"
+            MOETIER_FED_SPLIT=$split bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
+                --modes "${FED_SPLIT_AB_MODES:-tiered,mapped-cpu}" --profile
         done
     fi
     if [ -n "${CPU_WORKER_AB:-}" ]; then  # the CPU tier's Python worker, against the main run's native one

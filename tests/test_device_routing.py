@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from moetier.kernels.device_routing import device_tables
+from moetier.kernels.device_routing import device_tables, left_to_cpu
+from moetier.kernels.routing_table import CallSplit, split_priorities, split_skip
 
 
 def test_the_table_gives_every_pair_its_own_group_and_sums_each_token_by_expert_id():
@@ -63,6 +64,98 @@ def test_the_table_kernel_writes_the_torch_tables_and_the_cpu_inbox_under_the_in
     assert len(results) == 4
     for r in results:
         assert r["plain"] and r["picked"] and r["fed"] and r["tokens"] and all(r["inbox"]), r
+
+
+def _split(priority: list[int], share: float) -> CallSplit:
+    return CallSplit(torch.tensor(priority, dtype=torch.int32), torch.tensor([share], dtype=torch.float32))
+
+
+def test_a_call_split_gives_the_cpu_its_share_of_the_calls_uncached_experts_cheapest_first():
+    ids = torch.tensor([[5, 2, 7], [1, 5, 3]])
+    pick = torch.tensor([0, 0, 1, 1, 0, 1, 0, 1], dtype=torch.uint8)  # 1 is cached: never the CPU's
+    priority = [0, 7, 6, 2, 5, 1, 4, 0]  # among one-token experts: 7, then 3, then 2
+    # 4 eligible experts (5 twice): a share of 0.5 is 2 of them, the one-token ones by priority, never 5 first.
+    assert split_skip(ids, pick, _split(priority, 0.5)).tolist() == [[False, False, True], [False, False, True]]
+    assert split_skip(ids, pick, _split(priority, 0.62)).sum() == 2  # floor(0.62 * 4 + 0.5) = 2
+    assert split_skip(ids, pick, _split(priority, 0.63)).tolist() == [[False, True, True], [False, False, True]]
+    assert split_skip(ids, pick, _split(priority, 1.0)).tolist() == [[True, True, True], [False, True, True]]
+    assert not split_skip(ids, pick, _split(priority, 0.0)).any()
+    assert not split_skip(ids, torch.zeros(8, dtype=torch.uint8), _split(priority, 1.0)).any()  # all cached
+    counts = torch.zeros(8, dtype=torch.int64)
+    skip = left_to_cpu(ids, pick, _split(priority, 1.0), counts)
+    assert counts.tolist() == [0, 0, 1, 1, 0, 2, 0, 1] and skip.sum() == 5  # each pair the CPU takes, once
+    static = torch.zeros(8, dtype=torch.int64)
+    assert torch.equal(left_to_cpu(ids, pick, None, static), pick[ids].bool()) and static.sum() == 5
+
+
+def test_a_call_split_is_even_on_every_call_where_fixed_picks_are_even_only_on_average():
+    g = torch.Generator().manual_seed(5)
+    experts, share = 64, 0.5
+    priority = split_priorities(experts, 3)
+    assert sorted(priority) == list(range(experts)) and priority != split_priorities(experts, 4)
+    fixed = torch.zeros(experts, dtype=torch.uint8)
+    fixed[[e for e in range(experts) if priority[e] < experts // 2]] = 1  # the static split of the same order
+    worst_split, worst_fixed = 0.0, 0.0
+    for _ in range(200):
+        ids = torch.randperm(experts, generator=g)[:6].view(1, 6)
+        pick = (torch.rand(experts, generator=g) < 0.7).to(torch.uint8)
+        n = int(pick[ids].sum())
+        ours = int(split_skip(ids, pick, _split(priority, share)).sum())
+        assert ours == int(share * n + 0.5)
+        worst_split = max(worst_split, abs(ours - share * n))
+        worst_fixed = max(worst_fixed, abs(int((pick * fixed)[ids].sum()) - share * n))
+    assert worst_split <= 0.5 < worst_fixed  # fixed picks give one side of some calls most of its misses
+
+
+_SPLIT_KERNEL = """
+import json, torch
+from moetier.kernels.device_routing import device_tables
+from moetier.kernels.routing_table import CallSplit, FeedTarget, build_table, split_priorities, split_skip
+g = torch.Generator().manual_seed(1)
+results = []
+for tokens, top_k, experts, share in ((1, 6, 64, 0.5), (3, 6, 16, 0.4), (4, 3, 8, 0.75), (16, 4, 32, 0.3),
+                                      (2, 8, 32, 1.0), (1, 1, 4, 0.5)):
+    offsets = torch.randint(0, 1 << 30, (experts,), generator=g) * 16
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    pick = (torch.rand(experts, generator=g) < 0.8).to(torch.uint8)
+    priority = torch.tensor(split_priorities(experts, tokens), dtype=torch.int32)
+    gates, hidden = torch.rand(tokens, top_k, generator=g).bfloat16(), torch.randn(tokens, 40, generator=g).bfloat16()
+    offsets, ids, pick, priority, gates, hidden = (t.to(DEVICE) for t in (offsets, ids, pick, priority, gates, hidden))
+    split = CallSplit(priority, torch.tensor([share], dtype=torch.float32, device=DEVICE))
+    skip = split_skip(ids, pick, split)
+    base = torch.zeros(16, dtype=torch.uint8, device=DEVICE)
+    inbox = (torch.full((tokens, top_k), 99, device=DEVICE), torch.zeros(tokens, top_k, device=DEVICE),
+             torch.zeros(tokens, 40, dtype=torch.bfloat16, device=DEVICE))
+    feed = FeedTarget(base, *(t.data_ptr() - base.data_ptr() for t in inbox))
+    counts = torch.full((experts,), 3, dtype=torch.int64, device=DEVICE)
+    fed, pair_tokens = build_table(offsets, ids, pick, feed, gates, hidden, split, counts)
+    want_counts = torch.full((experts,), 3, dtype=torch.int64, device=DEVICE)
+    want_counts.index_add_(0, ids[skip], torch.ones(int(skip.sum()), dtype=torch.int64, device=DEVICE))
+    unsplit = device_tables(offsets, ids, 16, pick[ids].bool())[0]
+    results.append({
+        "some": bool(skip.any()) or share * int(pick[ids.unique()].sum()) < 0.5,
+        "fed": torch.equal(fed, device_tables(offsets, ids, 16, skip)[0]),
+        "inbox": torch.equal(inbox[0], torch.where(skip, ids, -1)),
+        "counts": torch.equal(counts, want_counts),
+        "unsplit": torch.equal(build_table(offsets, ids, pick)[0], unsplit),
+    })
+print(json.dumps(results))
+"""
+
+
+def test_the_table_kernel_splits_each_call_as_split_skip_does_under_the_interpreter():
+    results = _run("cpu", _SPLIT_KERNEL)
+    assert len(results) == 6
+    for r in results:
+        assert all(r.values()), r
+
+
+@pytest.mark.gpu
+def test_the_table_kernel_splits_each_call_as_split_skip_does_on_cuda():
+    results = _run("cuda", _SPLIT_KERNEL)
+    assert len(results) == 6
+    for r in results:
+        assert all(r.values()), r
 
 
 def test_skipped_pairs_get_no_tokens_no_down_row_and_no_place_in_their_tokens_sum():

@@ -101,8 +101,10 @@ def test_cpu_picks_take_the_share_of_every_layer_spread_over_the_ids():
 
 
 @needs_kernel
+@pytest.mark.parametrize("split", ["static", "balanced"])
 @pytest.mark.parametrize("tokens", [(1, 1, 2, 1, 4, 1, 3, 1, 1, 2)])
-def test_mapped_with_a_fed_cpu_share_matches_resident_in_bf16(tokens):
+def test_mapped_with_a_fed_cpu_share_matches_resident_in_bf16(tokens, split, monkeypatch):
+    monkeypatch.setenv("MOETIER_FED_SPLIT", split)
     store = _random_store(LAYOUT, torch.bfloat16)
     resident = ResidentDispatcher(store)
     tiered = TieredDispatcher(
@@ -150,17 +152,29 @@ def test_the_fed_share_is_off_where_the_kernel_cannot_run_it_and_validated():
             TieredDispatcher(_random_store(LAYOUT, torch.bfloat16), cache_slots=1, mapped_cpu_share=bad)
 
 
+def test_the_fed_split_mode_is_balanced_by_default_and_a_bad_one_is_refused(monkeypatch):
+    monkeypatch.delenv("MOETIER_FED_SPLIT", raising=False)
+    assert mapped_cpu.fed_split_mode() == "balanced"
+    monkeypatch.setenv("MOETIER_FED_SPLIT", " Static ")
+    assert mapped_cpu.fed_split_mode() == "static"
+    monkeypatch.setenv("MOETIER_FED_SPLIT", "even")
+    with pytest.raises(ConfigError, match="MOETIER_FED_SPLIT must be one of balanced, static, got 'even'"):
+        mapped_cpu.fed_split_mode()
+
+
 # --- CUDA: the device stores the start words and waits for the done words -----------------------------------
 
 
 @pytest.mark.gpu
 @needs_kernel
+@pytest.mark.parametrize("split", ["static", "balanced"])
 @pytest.mark.parametrize("queued", [False, True])
-def test_fed_steps_enqueued_ahead_of_the_host_match_resident_on_cuda(queued):
+def test_fed_steps_enqueued_ahead_of_the_host_match_resident_on_cuda(queued, split, monkeypatch):
     """Steps launched back to back with no host read in between: the worker holds several fed jobs queued before
     their inputs exist, each starts when the device stores its word, and the stream waits for each one's sums.
     ``queued``: each step inside the dispatcher's ``decode_step``, every layer's job queued before its calls (as
     for calls replayed from CUDA graphs), batch sizes alternating."""
+    monkeypatch.setenv("MOETIER_FED_SPLIT", split)
     layout = ExpertLayout((0, 1, 2), num_experts=32, hidden_size=1024, intermediate_size=512, top_k=4, swiglu_limit=7.0)
     home, device_store = _pinned_and_device_stores(layout, torch.bfloat16)
     resident = ResidentDispatcher(device_store)
@@ -183,6 +197,7 @@ def test_fed_steps_enqueued_ahead_of_the_host_match_resident_on_cuda(queued):
     assert tiered.mapped.cpu is not None and tiered.mapped.cpu._start is not None  # the device stored the words
     assert worst < 5e-3
     assert totals["cpu_pairs"] > 0 and totals["mapped_pairs"] > 0 and totals["uses_hit"] > 0
+    assert totals["uses_miss"] == totals["cpu_pairs"] + totals["mapped_pairs"]  # the device counted the CPU's
     assert totals["cpu_seconds"] > 0
 
 
@@ -220,9 +235,12 @@ def test_the_fixed_part_of_a_cpu_job_is_fitted_from_jobs_of_different_sizes():
 
 
 @needs_kernel
-def test_an_adaptive_share_rebalances_from_sampled_calls_and_the_picks_follow(monkeypatch):
+@pytest.mark.parametrize("split", ["static", "balanced"])
+def test_an_adaptive_share_rebalances_from_sampled_calls_and_the_picks_follow(monkeypatch, split):
     """Sampled calls' CPU and device times move the share; the device's pick vector then marks the new share's
-    experts wherever the table points home, and results stay the resident's."""
+    experts wherever the table points home (static split) or the device's share follows it (balanced: every
+    uncached expert stays eligible), and results stay the resident's."""
+    monkeypatch.setenv("MOETIER_FED_SPLIT", split)
     moves = []
 
     def toward_fewer(share: float, cpu_seconds: float, device_seconds: float, cpu_fixed: float = 0.0) -> float:
@@ -248,11 +266,16 @@ def test_an_adaptive_share_rebalances_from_sampled_calls_and_the_picks_follow(mo
         if mapped._share_version == fed.picks_version:  # followed at the next step's start
             assert mapped.pick.tolist() == want
     tiered.close()
-    assert fed.adaptive and len(moves) >= 2 and fed.picks_version >= 2
+    assert fed.adaptive and len(moves) >= 2 and fed.balanced == (split == "balanced")
     # Each rebalance is in the history with the fixed part of a job fitted over the finished ones.
     assert len(fed.history) == 1 + len(moves) and fed._jobs_done and all(n >= 0 for n, _ in fed._jobs_done)
     assert all(fixed >= 0.0 for _, _, fixed in fed.history)
-    assert sum(fed.picks) == round(fed.share * LAYOUT.num_experts) * len(LAYOUT.moe_layers)
+    if split == "static":
+        assert fed.picks_version >= 2 and fed.call_split(0) is None
+        assert sum(fed.picks) == round(fed.share * LAYOUT.num_experts) * len(LAYOUT.moe_layers)
+    else:
+        assert fed.picks_version == 0 and all(fed.picks)
+        assert fed.call_split(1).share.item() == pytest.approx(fed.share)  # the calls read the moved share
     _check_bf16_noise(errors)
 
 

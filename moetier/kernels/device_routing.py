@@ -20,7 +20,14 @@ import torch
 from moetier.kernels import grouped_experts
 from moetier.kernels.grouped_experts import MAX_GROUP_TOKENS, Fp4Blocks, LaunchLayout, launch_grouped
 from moetier.kernels.rmsnorm import triton_usable
-from moetier.kernels.routing_table import FeedTarget, build_table, row_width, table_kernel_usable
+from moetier.kernels.routing_table import (
+    CallSplit,
+    FeedTarget,
+    build_table,
+    row_width,
+    split_skip,
+    table_kernel_usable,
+)
 from moetier.tiers.experts import ExpertWeights
 
 # Calls of at most this many (token, expert) pairs take the device table: a few streams of decode.
@@ -116,19 +123,34 @@ def routed_table(
     feed: FeedTarget | None = None,
     gates: torch.Tensor | None = None,
     hidden: torch.Tensor | None = None,
+    split: CallSplit | None = None,
+    cpu_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LaunchLayout, torch.Tensor]:
     """The call's launch table, its layout and each pair's token: one kernel where it runs
     (:func:`~moetier.kernels.routing_table.build_table`, also writing the CPU tier's inbox for ``feed``), else
-    :func:`device_tables`' torch ops. ``pick`` (uint8 ``[E]``) marks the experts whose pairs are left out;
+    :func:`device_tables`' torch ops. ``pick`` (uint8 ``[E]``) marks the experts whose pairs are left out (with
+    ``split``: those the CPU may take, split per call), each left-out pair counted into ``cpu_counts``;
     ``feed`` needs the kernel (:func:`~moetier.kernels.routing_table.table_kernel_usable`)."""
     tokens, top_k = topk_ids.shape
     if not table_kernel_usable(topk_ids):
         if feed is not None:
             raise ValueError("device_routing: feeding the CPU tier's inbox needs the table kernel")
-        skip = None if pick is None else pick[topk_ids].bool()
+        skip = None if pick is None else left_to_cpu(topk_ids, pick, split, cpu_counts)
         return device_tables(blocks.offsets, topk_ids, blocks.align, skip)
-    table, pair_tokens = build_table(blocks.offsets, topk_ids, pick, feed, gates, hidden)
+    table, pair_tokens = build_table(blocks.offsets, topk_ids, pick, feed, gates, hidden, split, cpu_counts)
     return table, routed_layout(tokens, top_k, blocks.align), pair_tokens
+
+
+def left_to_cpu(
+    topk_ids: torch.Tensor, pick: torch.Tensor, split: CallSplit | None, cpu_counts: torch.Tensor | None
+) -> torch.Tensor:
+    """The pairs (bool ``[T, K]``) the table kernel would leave out for ``pick`` and ``split``, counted into
+    ``cpu_counts`` as it counts them (torch ops: where the kernel does not run)."""
+    skip = pick[topk_ids].bool() if split is None else split_skip(topk_ids, pick, split)
+    if cpu_counts is not None:
+        taken = topk_ids.reshape(-1)[skip.reshape(-1)]
+        cpu_counts.index_add_(0, taken, torch.ones_like(taken, dtype=cpu_counts.dtype))
+    return skip
 
 
 def routed_layout(tokens: int, top_k: int, align: int) -> LaunchLayout:

@@ -24,10 +24,11 @@ on the copy stream), and the table follows the cache. Ordering on CUDA:
 Off CUDA the same table is read on the host, block by block, and the call runs the per-expert path: the
 CPU tests check the table's bookkeeping against the resident results.
 
-With a :class:`~moetier.tiers.mapped_cpu.FedCpuShare`, a fixed share of each layer's experts is the CPU tier's
-whenever it is not cached (:attr:`MappedExperts.pick`, a device tensor the table's writes keep up to date): the
+With a :class:`~moetier.tiers.mapped_cpu.FedCpuShare`, a share of each call's uncached experts is the CPU tier's
+(:attr:`MappedExperts.pick`, a device tensor the table's writes keep up to date, marks the uncached ones): the
 device copies those pairs to the CPU tier's worker and skips them itself, so both links run in the step and it
-still never waits on the host (:mod:`moetier.tiers.mapped_cpu`).
+still never waits on the host (:mod:`moetier.tiers.mapped_cpu`). The device counts the pairs it left to the CPU
+beside every expert's uses, so the metrics know each side's share exactly.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from moetier.kernels.device_routing import (
     LayerBlocks,
     device_routing_fits,
     launch_routed,
+    left_to_cpu,
     routed_table,
 )
 from moetier.tiers.dispatcher import run_host_sorted
@@ -96,12 +98,12 @@ class MappedExperts:
         self._picks = list(cpu.picks) if cpu is not None else [False] * len(self._home)
         self.pick = torch.tensor(self._picks, dtype=torch.uint8, device=self.device)
         self._base = self.anchor.block.view(torch.uint8)  # the table kernel's pointer origin for the CPU's inbox
-        self._fed = 0  # calls that fed the CPU tier since the counts last came back
         self._share_version = 0  # the fed share's picks_version the pick tensor follows
-        self._fed_window = False  # whether the counts harvested last cover calls that fed it
-        self.counts = torch.zeros(len(self._home), dtype=torch.int64, device=self.device)
+        # Per entry: the pairs that used it (row 0) and those of them the CPU tier computed (row 1).
+        self.counts = torch.zeros((2, len(self._home)), dtype=torch.int64, device=self.device)
         self._ones = torch.ones(DEVICE_ROUTING_MAX_PAIRS, dtype=torch.int64, device=self.device)
-        self._count_rows = {layer: self.counts[self._span(layer)] for layer in self.layers}
+        self._count_rows = {layer: self.counts[0, self._span(layer)] for layer in self.layers}
+        self._cpu_count_rows = {layer: self.counts[1, self._span(layer)] for layer in self.layers}
         self._pick_rows = {layer: self.pick[self._span(layer)] for layer in self.layers}
         self._aligned = all(offset % 16 == 0 for offset in self._home) and self.base % 16 == 0
         # The GPU reads pinned memory only (mapped into its address space): a pageable home copy (pinning failed
@@ -111,7 +113,7 @@ class MappedExperts:
         self._pointed: dict[Key, Slot] = {}  # entries that point at a cache slot now
         self._version = -1  # the cache version the pointed entries were last compared with
         self._landing: set[Key] = set()  # resident keys whose copy had not landed at the last comparison
-        self._seen = torch.zeros(len(self._home), dtype=torch.int64)  # the counts harvested so far (host)
+        self._seen = torch.zeros((2, len(self._home)), dtype=torch.int64)  # the counts harvested so far (host)
         self._readback: tuple[torch.Tensor, Any, int] | None = None  # (host counts, event, steps covered)
         self._steps = 0  # steps begun since the last readback started
         self._step = 0
@@ -159,12 +161,11 @@ class MappedExperts:
             return
         call, skip = None, None
         if fed:  # the host plays the device: it fills the inbox, stores the start word, runs the device's share
-            skip = pick[topk_ids].bool()
+            skip = left_to_cpu(topk_ids, pick, self.cpu.call_split(layer), self._cpu_count_rows[layer])
             inbox = self.cpu.inbox(hidden.shape[0])
             self.cpu.fill(inbox, hidden, topk_ids, topk_weights, skip)
             call = self.cpu.start(layer, inbox, stream)
             skip = skip if call is not None else None
-            self._fed += call is not None
         try:
             if call is not None:
                 self.cpu.mark_start(call, stream)
@@ -197,12 +198,12 @@ class MappedExperts:
             return
         inbox = self.cpu.inbox(hidden.shape[0])
         target = self.cpu.target(hidden.shape[0], self._base)
-        routed = routed_table(blocks, topk_ids, pick, target, topk_weights, hidden.contiguous())
+        split, counted = self.cpu.call_split(layer), self._cpu_count_rows[layer]
+        routed = routed_table(blocks, topk_ids, pick, target, topk_weights, hidden.contiguous(), split, counted)
         call = self.cpu.start(layer, inbox, stream)
         if call is None:  # the table leaves the CPU's pairs out: build it again with every pair
             launch_routed(out, hidden, topk_weights, blocks, limit, routed_table(blocks, topk_ids), _HOST_READS)
             return
-        self._fed += 1
         try:
             self.cpu.mark_start(call, stream)
             launch_routed(out, hidden, topk_weights, blocks, limit, routed, _HOST_READS)
@@ -261,7 +262,6 @@ class MappedExperts:
             return None
         if fed:
             self.cpu.queue_step(hidden.shape[0])
-            self._fed += len(self.layers)
         return "mapped", fed
 
     def end_step(self, failed: bool = False) -> None:
@@ -322,18 +322,20 @@ class MappedExperts:
         host, _, steps, ahead = self._readback
         self._readback = None
         self._record_ahead(ahead)
-        self._fed_window, self._fed = self._fed > 0, 0
         # Only the entries that moved (a step's pairs), found by torch: a real model has ~11k entries.
-        changed = torch.nonzero(host != self._seen).flatten()
-        counts = (host[changed] - self._seen[changed]).tolist()
+        moved = host - self._seen
+        changed = torch.nonzero(moved[0]).flatten()
+        counts, cpu_counts = moved[:, changed].tolist()
         used: dict[Key, int] = {}
-        for i, count in zip(changed.tolist(), counts, strict=True):
-            used[(self.layers[i // self.experts], i % self.experts)] = count
+        by_cpu: dict[Key, int] = {}
+        for i, count, cpu in zip(changed.tolist(), counts, cpu_counts, strict=True):
+            key = (self.layers[i // self.experts], i % self.experts)
+            used[key], by_cpu[key] = count, cpu
         self._seen = host
-        self._record(used, steps)
+        self._record(used, steps, by_cpu)
         return used, steps
 
-    def _record(self, used: dict[Key, int], steps: int) -> None:
+    def _record(self, used: dict[Key, int], steps: int, by_cpu: dict[Key, int]) -> None:
         by_layer: dict[int, list[tuple[int, int]]] = {}
         for (layer, expert), count in used.items():
             by_layer.setdefault(layer, []).append((expert, count))
@@ -355,11 +357,10 @@ class MappedExperts:
                 counters.uses_miss += 0 if hit else count
                 if hit:
                     continue
-                if self._fed_window and self._picks[self._index((layer, expert))]:
-                    counters.cpu_pairs += count  # computed by the fed CPU tier from the home copy
-                else:  # every missed pair's kernels read its expert's block over PCIe
-                    counters.mapped_pairs += count
-                    counters.mapped_bytes += count * block
+                cpu = by_cpu.get((layer, expert), 0)  # computed by the fed CPU tier from the home copy
+                counters.cpu_pairs += cpu
+                counters.mapped_pairs += count - cpu  # the others' kernels read their expert's block over PCIe
+                counters.mapped_bytes += (count - cpu) * block
 
     def _record_ahead(self, stats: torch.Tensor | None) -> None:
         """The reads ahead since the last readback: ``prefetch_used`` / ``prefetch_wasted`` / ``prefetch_bytes``."""

@@ -2,10 +2,12 @@
 
 The mapped route (:mod:`moetier.tiers.mapped`) has the device's kernels read every miss over PCIe, and a step
 never waits for the host. The split route adds the CPU tier, whose cores read the home copy at DRAM speed,
-but there the host decides per layer, so it first waits for the router's ids. Here the device decides: a fixed
-share of each layer's experts (:func:`cpu_picks`) is the CPU's whenever it is not cached, and a device tensor
-(:attr:`MappedExperts.pick`, kept with the table) says so per (layer, expert). Per MoE layer, on the compute
-stream:
+but there the host decides per layer, so it first waits for the router's ids. Here the device decides: every
+uncached expert may be the CPU's (:attr:`MappedExperts.pick`, a device tensor kept with the table, says so per
+(layer, expert)), and the table kernel gives the CPU ``share`` of each call's uncached experts, the cheapest for
+it first (:class:`~moetier.kernels.routing_table.CallSplit`). ``MOETIER_FED_SPLIT=static`` keeps the split this
+replaced: a fixed ``share`` of each layer's expert ids (:func:`cpu_picks`) is the CPU's whenever not cached, which
+gives both sides their share only on average over calls. Per MoE layer, on the compute stream:
 
 1. the kernel that builds the call's launch table (:mod:`moetier.kernels.routing_table`) also writes the pairs'
    ids (-1 where the device keeps the pair), their gates and the hidden rows into a pinned inbox (the GPU
@@ -32,6 +34,7 @@ the table kernel's inbox writes are tested under Triton's interpreter.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -40,9 +43,10 @@ from typing import Any
 
 import torch
 
+from moetier.errors import ConfigError
 from moetier.kernels.cpu_experts import CheckedExperts
 from moetier.kernels.cpu_worker import ABANDONED, FedInbox, NativeJob, NativeWorker
-from moetier.kernels.routing_table import FeedTarget
+from moetier.kernels.routing_table import CallSplit, FeedTarget, mix32, split_priorities
 from moetier.tiers.cpu_tier import CpuExpertTier
 from moetier.tiers.experts import ExpertStore
 from moetier.tiers.gpu_wait import HostFlag
@@ -141,24 +145,28 @@ def cpu_fixed_seconds(jobs: Sequence[tuple[int, float]]) -> float:
     return ceiling if slope <= 0.0 else min(max(mean_t - slope * mean_n, 0.0), ceiling)
 
 
+FED_SPLITS = ("balanced", "static")
+
+
+def fed_split_mode() -> str:
+    """``MOETIER_FED_SPLIT``: how the fed CPU tier's experts are chosen: ``balanced`` (the default: ``share`` of each
+    call's uncached experts) or ``static`` (a fixed ``share`` of each layer's expert ids, :func:`cpu_picks`)."""
+    value = os.environ.get("MOETIER_FED_SPLIT", "balanced").strip().lower()
+    if value not in FED_SPLITS:
+        raise ConfigError(f"MOETIER_FED_SPLIT must be one of {', '.join(FED_SPLITS)}, got {value!r}: unset it")
+    return value
+
+
 def cpu_picks(layers: int, experts: int, share: float) -> list[bool]:
     """Per (layer, expert), row by row, whether the CPU computes it when it is not cached: ``share`` of each
     layer's experts, spread by a fixed hash (not the low ids: routers favour no id range, but skewed test routing
     may)."""
     picks = []
     for layer in range(layers):
-        scores = [_mix(layer * experts + e) for e in range(experts)]
+        scores = [mix32(layer * experts + e) for e in range(experts)]
         chosen = set(sorted(range(experts), key=scores.__getitem__)[: round(share * experts)])
         picks += [e in chosen for e in range(experts)]
     return picks
-
-
-def _mix(x: int) -> int:
-    """A 32-bit integer hash (murmur3's finaliser): a fixed, well spread order of a layer's experts."""
-    x = (x * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
-    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
-    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
-    return x ^ (x >> 16)
 
 
 @dataclass
@@ -177,8 +185,10 @@ class FedCpuShare:
     Contract: :meth:`usable` for a call; its :meth:`inbox` written (by the table kernel at :meth:`target`, or by
     :meth:`fill`), then :meth:`start` (before the device's kernels) and :meth:`collect` (after them), all on one
     stream; :meth:`harvest` between steps takes the finished jobs' times into the metrics (and, ``adaptive``,
-    rebalances the share: :func:`balanced_share`; ``picks_version`` counts the changes; :meth:`settle` after a
-    change of route). ``share`` is the fraction of each layer's experts the CPU takes when not cached.
+    rebalances the share: :func:`balanced_share`; ``picks_version`` counts the changes of ``picks``; :meth:`settle`
+    after a change of route). ``share`` is the fraction of each call's uncached experts the CPU takes
+    (:meth:`call_split`; ``picks``, every expert, says which it may take), or with ``balanced`` False the fraction
+    of each layer's experts it takes whenever they are not cached (``picks``; :meth:`call_split` is None).
     A queued step: :meth:`queue_step` before it (every layer's job), :meth:`end_step` after it, or
     :meth:`abort_step` if it failed; :meth:`timed_step` says whether a mapped step must stay eager to be timed.
     """
@@ -197,9 +207,16 @@ class FedCpuShare:
         self.adaptive, self.picks_version = adaptive, 0
         self.store, self.tier, self.metrics, self.share = store, tier, metrics, share
         self.layers, self.top_k, self.hidden_size = layers, layout.top_k, layout.hidden_size
-        self.picks = cpu_picks(len(layers), layout.num_experts, share)
+        self.balanced = fed_split_mode() == "balanced"
+        experts = layout.num_experts
+        self.picks = [True] * (len(layers) * experts) if self.balanced else cpu_picks(len(layers), experts, share)
         self.cuda = device.type == "cuda"
         self._row = {layer: i for i, layer in enumerate(layers)}
+        # The balanced split's device inputs: the share (moved between steps) and each layer's priorities.
+        self._share = torch.tensor([share], dtype=torch.float32, device=device)
+        ranks = [split_priorities(experts, row) for row in range(len(layers))]
+        priorities = torch.tensor(ranks, dtype=torch.int32, device=device)
+        self._splits = {layer: CallSplit(priorities[row], self._share) for layer, row in self._row.items()}
         self.worker: NativeWorker | None = None
         self._checked: dict[int, CheckedExperts] = {}
         self.kernel: str | None = None
@@ -240,6 +257,10 @@ class FedCpuShare:
                 return False
             self._words = (self._start.tensor, self._done.tensor)
         return True
+
+    def call_split(self, layer: int) -> CallSplit | None:
+        """How the layer's calls split their uncached experts (None: by ``picks`` alone, the static split)."""
+        return self._splits[layer] if self.balanced else None
 
     def usable(self, hidden: torch.Tensor) -> bool:
         """Whether a call over ``hidden`` can have the CPU's share (bf16 activations, the C kernel's)."""
@@ -414,8 +435,8 @@ class FedCpuShare:
         self._samples.append((cpu_seconds, device_seconds, experts))
 
     def _rebalance(self) -> None:
-        """A new share from the samples' totals (the fixed part of the CPU's jobs fitted over the recent ones); new
-        picks where it moved by a step of the picks (1/E)."""
+        """A new share from the samples' totals (the fixed part of the CPU's jobs fitted over the recent ones): the
+        device's share value (balanced split), or new picks where it moved by a step of the picks (1/E, static)."""
         cpu_total = sum(cpu for cpu, _, _ in self._samples)
         device_total = sum(device for _, device, _ in self._samples)
         worked = sum(1 for _, _, experts in self._samples if experts > 0)
@@ -425,6 +446,9 @@ class FedCpuShare:
         self.share, experts = share, self.store.layout.num_experts
         self._moving = abs(share - before) >= SETTLED_MOVE
         self.history.append((self._mapped_steps, round(share, 4), round(1e3 * self.cpu_fixed, 3)))
+        if self.balanced:  # the calls read it on the device: enqueued here, between steps, after the last one's calls
+            self._share.fill_(share)
+            return
         if round(share * experts) == round(before * experts):
             return  # less than one expert a layer: kept (the share itself moves on)
         log.info("mapped route: the CPU tier's share %.2f -> %.2f (CPU %.2f ms, device %.2f ms over the samples)",
