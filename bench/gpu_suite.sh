@@ -38,6 +38,9 @@
 # FED_SPLIT_AB=1 adds three decode runs of FED_SPLIT_AB_MODES (default tiered,mapped-cpu) with the fed CPU tier's
 # static split (MOETIER_FED_SPLIT=static: a fixed share of each layer's expert ids), the default balanced split (a
 # share of each call's uncached experts), static again: with the main run, balanced / static / balanced / static.
+# CPU_THREADS_AB="10 12" adds a decode run of CPU_THREADS_AB_MODES (default tiered,mapped-cpu) per CPU-tier thread
+# count named (--cpu-threads), then one at the default count again.
+# HOST_CONTENTION=1 adds bench/host_contention.py (the launching thread's costs while the CPU tier's jobs run).
 # CPU_WORKER_AB=1 adds a decode run of CPU_WORKER_AB_MODES (default cpu,tiered) with MOETIER_CPU_WORKER=python (the
 # CPU tier's Python worker thread instead of its native one), to compare with the main decode run.
 # TRACE=modes (e.g. "tiered") saves those modes' profiled 1-stream decode steps as gzipped Chrome traces.
@@ -106,6 +109,11 @@ if [ -n "${CPU_TIER:-}" ]; then  # the CPU tier's kernels alone (torch and C), n
     timeout 240 python3 -m moetier.cli bench cpu-tier --threads "${CPU_TIER_THREADS:-8,14,16}" \
         --formats "${CPU_TIER_FORMATS:-bf16,fp8,fp4}" ${CPU_TIER_ARGS:-} --out "$OUT" 2>&1 \
         | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ -n "${HOST_CONTENTION:-}" ]; then  # the launching thread beside the CPU tier's jobs, no model needed
+    echo "=== host contention" >> "$LOG"
+    timeout 300 python3 bench/host_contention.py --out "$OUT/host-contention.json" 2>&1 | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [ -n "${GPU_EXPERTS:-}" ]; then  # the device's expert kernels alone, per format, no model needed
@@ -185,6 +193,15 @@ if [ -z "${SKIP_BENCH:-}" ]; then
             echo "=== decode with MOETIER_FED_SPLIT=$split" >> "$LOG"
             MOETIER_FED_SPLIT=$split bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
                 --modes "${FED_SPLIT_AB_MODES:-tiered,mapped-cpu}" --profile
+        done
+    fi
+    if [ -n "${CPU_THREADS_AB:-}" ]; then  # CPU-tier thread counts: fewer cores busy, the launching thread faster?
+        for threads in $CPU_THREADS_AB default; do
+            echo "=== decode with --cpu-threads $threads" >> "$LOG"
+            extra=()
+            [ "$threads" != default ] && extra=(--cpu-threads "$threads")
+            bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
+                --modes "${CPU_THREADS_AB_MODES:-tiered,mapped-cpu}" --profile "${extra[@]}"
         done
     fi
     if [ -n "${CPU_WORKER_AB:-}" ]; then  # the CPU tier's Python worker, against the main run's native one
