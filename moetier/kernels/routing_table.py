@@ -17,7 +17,9 @@ eligible experts go to the CPU, the cheapest for it first (fewest tokens in the 
 priority), so both sides get their share of *this* call's misses. A fixed split of the expert ids (``pick``
 alone) gives them that share only on average: at one stream a layer misses ~4 experts, and which side gets how
 many of them is a coin toss per expert, so the slower side of each call waits for ~2.75 experts' time where an
-even split needs 2 (the H200 traces showed the device waiting 0.26-0.50 ms a layer for the CPU's job). Each
+even split needs 2 (an H200 trace had the device waiting 0.07-0.50 ms a layer for the CPU's job). Measured on the
+H200 against the fixed split, runs interleaved: +7-12% at 2 streams, no sign beyond the spread at 1 and 4, where
+the step is bound by other things (results/h200-20261203-90b676f-fed-split). Each
 program decides for the whole call (a call has at most ``DEVICE_ROUTING_MAX_PAIRS`` pairs), so all agree.
 :func:`split_skip` is the same decision in torch (off CUDA, and the kernel's reference in the tests).
 """
@@ -98,7 +100,9 @@ def mix32(x: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _call_skip(ids, k_ok, ids_ptr, pick_ptr, prio_ptr, share_ptr, PAIRS: tl.constexpr, CALL: tl.constexpr):
+    def _call_skip(
+        ids, k_ok, ids_ptr, pick_ptr, prio_ptr, share_ptr, PAIRS: tl.constexpr, CALL: tl.constexpr, STRIDE: tl.constexpr
+    ):
         """Which of a token's pairs (``ids``) the CPU takes under a :class:`CallSplit`: every program decides for
         the whole call (``CALL``: ``PAIRS`` padded to a power of two), so they all agree."""
         q = tl.arange(0, CALL)
@@ -110,7 +114,7 @@ if triton is not None:
         earlier = tl.sum((same & (q[None, :] < q[:, None])).to(tl.int32), axis=1)
         first = eligible & (earlier == 0)  # each eligible expert once, at its first pair
         n = tl.sum(first.to(tl.int32), axis=0)
-        key = uses * 65536 + tl.load(prio_ptr + q_ids, mask=q_ok, other=0)
+        key = uses * STRIDE + tl.load(prio_ptr + q_ids, mask=q_ok, other=0)
         rank = tl.sum((first[None, :] & (key[None, :] < key[:, None])).to(tl.int32), axis=1)
         n_cpu = tl.floor(tl.load(share_ptr) * n.to(tl.float32) + 0.5).to(tl.int32)
         chosen = first & (rank < n_cpu)
@@ -142,6 +146,7 @@ if triton is not None:
         SPLIT: tl.constexpr,
         COUNT: tl.constexpr,
         CALL: tl.constexpr,
+        KEY_STRIDE: tl.constexpr,
         FEED: tl.constexpr,
     ):
         t = tl.program_id(0)
@@ -152,7 +157,7 @@ if triton is not None:
         block = tl.load(offsets_ptr + ids, mask=k_ok, other=0)
         skip = tl.zeros((WIDTH,), dtype=tl.int1)
         if SPLIT:
-            skip = _call_skip(ids, k_ok, ids_ptr, pick_ptr, prio_ptr, share_ptr, PAIRS, CALL)
+            skip = _call_skip(ids, k_ok, ids_ptr, pick_ptr, prio_ptr, share_ptr, PAIRS, CALL, KEY_STRIDE)
         elif PICK:
             skip = (tl.load(pick_ptr + ids, mask=k_ok, other=0) != 0) & k_ok
         if COUNT:
@@ -229,6 +234,7 @@ def build_table(
         feed.ids if fed else 0, feed.gates if fed else 0, feed.hidden if fed else 0,
         hidden.stride(0) if fed else 0,
         TOP_K=top_k, WIDTH=width, PAIRS=pairs, HIDDEN=hidden_size, BLOCK_H=1024, PICK=pick is not None,
-        SPLIT=split is not None, COUNT=counts is not None, CALL=max(1 << (pairs - 1).bit_length(), 16), FEED=fed,
+        SPLIT=split is not None, COUNT=counts is not None, CALL=max(1 << (pairs - 1).bit_length(), 16),
+        KEY_STRIDE=_KEY_STRIDE, FEED=fed,
     )  # fmt: skip
     return table[:size], table[size:]

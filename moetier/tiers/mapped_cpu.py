@@ -46,7 +46,7 @@ import torch
 from moetier.errors import ConfigError
 from moetier.kernels.cpu_experts import CheckedExperts
 from moetier.kernels.cpu_worker import ABANDONED, FedInbox, NativeJob, NativeWorker
-from moetier.kernels.routing_table import CallSplit, FeedTarget, mix32, split_priorities
+from moetier.kernels.routing_table import CallSplit, FeedTarget, split_priorities
 from moetier.tiers.cpu_tier import CpuExpertTier
 from moetier.tiers.experts import ExpertStore
 from moetier.tiers.gpu_wait import HostFlag
@@ -161,12 +161,8 @@ def cpu_picks(layers: int, experts: int, share: float) -> list[bool]:
     """Per (layer, expert), row by row, whether the CPU computes it when it is not cached: ``share`` of each
     layer's experts, spread by a fixed hash (not the low ids: routers favour no id range, but skewed test routing
     may)."""
-    picks = []
-    for layer in range(layers):
-        scores = [mix32(layer * experts + e) for e in range(experts)]
-        chosen = set(sorted(range(experts), key=scores.__getitem__)[: round(share * experts)])
-        picks += [e in chosen for e in range(experts)]
-    return picks
+    taken = round(share * experts)  # the first of each layer's fixed order, the balanced split's priorities
+    return [rank < taken for layer in range(layers) for rank in split_priorities(experts, layer)]
 
 
 @dataclass
