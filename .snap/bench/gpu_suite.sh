@@ -40,6 +40,8 @@
 # share of each call's uncached experts), static again: with the main run, balanced / static / balanced / static.
 # CPU_THREADS_AB="10 12" adds a decode run of CPU_THREADS_AB_MODES (default tiered,mapped-cpu) per CPU-tier thread
 # count named (--cpu-threads), then one at the default count again.
+# TIERED_AB="mapped_bookkeeping_every=1 mapped_bookkeeping_every=4" adds a decode run of TIERED_AB_MODES (default
+# tiered,mapped-cpu) per TieredConfig setting named (--tiered KEY=JSON), in order (name a setting twice for an ABA).
 # HOST_CONTENTION=1 adds bench/host_contention.py (the launching thread's costs while the CPU tier's jobs run).
 # CPU_WORKER_AB=1 adds a decode run of CPU_WORKER_AB_MODES (default cpu,tiered) with MOETIER_CPU_WORKER=python (the
 # CPU tier's Python worker thread instead of its native one), to compare with the main decode run.
@@ -202,6 +204,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
             [ "$threads" != default ] && extra=(--cpu-threads "$threads")
             bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
                 --modes "${CPU_THREADS_AB_MODES:-tiered,mapped-cpu}" --profile "${extra[@]}"
+        done
+    fi
+    if [ -n "${TIERED_AB:-}" ]; then  # one TieredConfig field, run by run
+        for setting in $TIERED_AB; do
+            echo "=== decode with --tiered $setting" >> "$LOG"
+            bench decode 300 --streams "${TIERED_AB_STREAMS:-1,2,4}" --cache-fraction 0.05 --policy lfu \
+                --modes "${TIERED_AB_MODES:-tiered,mapped-cpu}" --profile --tiered "$setting"
         done
     fi
     if [ -n "${CPU_WORKER_AB:-}" ]; then  # the CPU tier's Python worker, against the main run's native one

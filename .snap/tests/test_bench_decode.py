@@ -3,7 +3,10 @@
 import json
 
 import pytest
+import torch
+from test_tiers_policies import random_store
 
+from moetier.bench import decode as decode_bench
 from moetier.bench.decode import (
     DEFAULT_MODES,
     MODES,
@@ -121,6 +124,19 @@ def test_config_rejects_bad_values(bench_model):
         DecodeBenchConfig(model=bench_model, cache_fraction=1.5)
     with pytest.raises(ConfigError, match="host-steps"):
         DecodeBenchConfig(model=bench_model, host_steps=0)
+    with pytest.raises(ConfigError, match="not TieredConfig fields"):
+        DecodeBenchConfig(model=bench_model, tiered_options={"mapped_books": 1})
+
+
+def test_tiered_options_reach_every_tiered_mode_but_naive(bench_model):
+    """``--tiered KEY=JSON``: one TieredConfig field for the measured modes, the naive baseline left as it is."""
+    cfg = DecodeBenchConfig(model=bench_model, tiered_options={"mapped_bookkeeping_every": 7, "decode_prefetch": 1})
+    store = random_store()
+    for mode, every in (("mapped-cpu", 7), ("tiered", 7), ("naive", 4)):
+        dispatcher = decode_bench._dispatcher(mode, store, cfg, torch.device("cpu"), 2)
+        assert dispatcher.mapped.bookkeeping_every == every, mode
+        assert dispatcher.config.decode_prefetch == (0 if mode == "naive" else 1)
+        dispatcher.close()
 
 
 def test_paged_fp8_kv_caches_run_and_bad_layouts_are_refused(bench_model):

@@ -44,10 +44,12 @@ def _check_table_follows_cache(dispatcher: TieredDispatcher) -> int:
     return at_slots
 
 
-def test_mapped_decode_matches_resident_through_admissions_and_resizes():
+@pytest.mark.parametrize("every", [1, 3])
+def test_mapped_decode_matches_resident_through_admissions_and_resizes(every):
     store = _random_store(LAYOUT, torch.float32)
     resident = ResidentDispatcher(store)
-    tiered = TieredDispatcher(store, cache_slots=5, miss_route="mapped", mapped_admissions=1, policy="lfu")
+    options = {"mapped_admissions": 1, "mapped_bookkeeping_every": every}
+    tiered = TieredDispatcher(store, cache_slots=5, miss_route="mapped", policy="lfu", **options)
     generator = torch.Generator().manual_seed(2)
     pointed = []
     for step, tokens in enumerate((1, 1, 2, 1, 4, 1, 1, 3, 1, 1, 1, 2)):
@@ -74,7 +76,8 @@ def test_admissions_follow_the_counts_of_earlier_steps_and_the_cap():
     admitted two steps on and read from their slots once copied; free slots take every miss, evicting
     admissions stop at ``mapped_admissions`` a step."""
     store = random_store()  # 6 experts per layer, top-2
-    tiered = TieredDispatcher(store, cache_slots=2, miss_route="mapped", mapped_admissions=1, policy="lru")
+    options = {"mapped_admissions": 1, "mapped_bookkeeping_every": 1}
+    tiered = TieredDispatcher(store, cache_slots=2, miss_route="mapped", policy="lru", **options)
     hidden, weights = torch.randn(1, store.layout.hidden_size), torch.full((1, 2), 0.5)
 
     def step(*experts: int) -> None:
@@ -91,6 +94,27 @@ def test_admissions_follow_the_counts_of_earlier_steps_and_the_cap():
     assert len(resident & {(0, 0), (0, 1)}) == 1 and len(resident & {(0, 3), (0, 5)}) == 1
     tiered.close()
     assert tiered.metrics.total().evictions == 1
+
+
+def test_the_host_keeps_the_books_every_few_steps_and_points_at_landed_slots_between():
+    """With ``mapped_bookkeeping_every=3`` the counts are taken in and experts admitted at steps 1, 4, 7...; an
+    admission's slot is pointed at from the first step after its copy landed, bookkeeping or not."""
+    store = random_store()  # 6 experts per layer, top-2
+    options = {"mapped_admissions": 1, "mapped_bookkeeping_every": 3}
+    tiered = TieredDispatcher(store, cache_slots=2, miss_route="mapped", policy="lru", **options)
+    hidden, weights = torch.randn(1, store.layout.hidden_size), torch.full((1, 2), 0.5)
+    resident, pointed = [], []
+    for _ in range(6):
+        tiered.dispatch(0, hidden, torch.tensor([[3, 5]]), weights)
+        resident.append(set(tiered.cache.resident()))
+        pointed.append(_check_table_follows_cache(tiered))
+    tiered.flush_metrics()
+    tiered.close()
+    # Step 3 copies the counts back, step 4 takes them in and admits both, step 5 points at their landed slots.
+    assert resident[:3] == [set()] * 3 and resident[3:] == [{(0, 3), (0, 5)}] * 3
+    assert pointed == [0, 0, 0, 0, 2, 2]
+    layer = tiered.metrics.layer(0)
+    assert layer.calls == 6 and layer.uses_miss == 4 * 2 and layer.uses_hit == 2 * 2
 
 
 def test_the_chooser_takes_the_mapped_route_once_it_measures_faster(monkeypatch):
@@ -132,6 +156,8 @@ def test_mapped_options_are_validated():
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="mapped_admissions"):
             TieredDispatcher(random_store(), cache_slots=1, mapped_admissions=bad)
+        with pytest.raises(ConfigError, match="mapped_bookkeeping_every"):
+            TieredDispatcher(random_store(), cache_slots=1, mapped_bookkeeping_every=bad)
     with pytest.raises(ConfigError, match="mapped"):
         TieredDispatcher(random_store(), cache_slots=1, miss_route="zero-copy")
 

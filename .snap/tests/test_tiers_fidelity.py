@@ -238,7 +238,7 @@ def test_dispatch_with_many_misses_per_call_matches_resident(route):
     layout = ExpertLayout((0, 1), num_experts=8, hidden_size=32, intermediate_size=16, top_k=3, swiglu_limit=2.0)
     store = _random_store(layout, torch.float32)
     resident = ResidentDispatcher(store)
-    tiered = TieredDispatcher(store, cache_slots=4, miss_route=route, staging_slots=1)
+    tiered = TieredDispatcher(store, cache_slots=4, miss_route=route, staging_slots=1, mapped_bookkeeping_every=1)
     generator = torch.Generator().manual_seed(1)
     for tokens in (1, 7, 40, 1, 2, 1, 1):
         for layer in layout.moe_layers:

@@ -75,6 +75,17 @@ def expert_shape_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def key_json_value(text: str) -> tuple[str, Any]:
+    """An argparse type for ``KEY=JSON`` options (a value that is not JSON is taken as a bare string)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=JSON, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def parse_int_list(text: str, flag: str) -> list[int]:
     """``"1,2,4"`` or ``"8k,32k"`` (k = 1024) -> ints; one-line ConfigError otherwise."""
     out = []

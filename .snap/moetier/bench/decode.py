@@ -46,7 +46,7 @@ import pstats
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ from moetier.bench.bandwidth import measure_bounds
 from moetier.bench.common import (
     add_placement_arguments,
     fmt,
+    key_json_value,
     load_checkpoint,
     parse_int_list,
     placement_options,
@@ -73,6 +74,7 @@ from moetier.profiling import clocking
 from moetier.tiers.dispatcher import ExpertDispatcher, ResidentDispatcher
 from moetier.tiers.experts import ExpertStore
 from moetier.tiers.host_store import HostExpertArena
+from moetier.tiers.tiered_config import TieredConfig
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
 from moetier.weights.loader import LoadedModel
 
@@ -120,6 +122,8 @@ class DecodeBenchConfig:
     expert_format: str = "dense"  # "fp8" / "fp4": the experts' home copy as the checkpoint stores them
     kv_layout: str = "contiguous"  # "paged": the streams' caches take blocks from a shared pool (models.paged_kv)
     kv_dtype: str | None = None  # None: the model dtype; "fp8" / "bf16" as the engine's kv_dtype
+    # TieredConfig fields every tiered mode but naive runs with (an A/B of one knob in one process).
+    tiered_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -131,6 +135,9 @@ class DecodeBenchConfig:
             raise ConfigError(f"--streams must be positive integers, got {self.streams}")
         if not 0.0 <= self.cache_fraction <= 1.0:
             raise ConfigError(f"--cache-fraction must be in [0, 1], got {self.cache_fraction}")
+        unknown_options = sorted(set(self.tiered_options) - {f.name for f in fields(TieredConfig)})
+        if unknown_options:
+            raise ConfigError(f"--tiered: {unknown_options} are not TieredConfig fields")
         if self.kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.kv_dtype not in (None, "bf16", "fp8"):
@@ -319,6 +326,7 @@ def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: t
             options["mapped_prefetch"] = 0
         if "-ahead" in mode:  # a fixed number read ahead at every batch size
             options |= {"mapped_prefetch": int(mode.rsplit("ahead", 1)[1]), "mapped_prefetch_min_tokens": 1}
+        options |= cfg.tiered_options
     dispatcher = TieredDispatcher(store, **options)
     dispatcher.prepare(device)
     return dispatcher
@@ -600,6 +608,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-layout", default="contiguous", choices=KV_LAYOUTS, help="the streams' KV caches")
     parser.add_argument("--kv-dtype", default=None, choices=["bf16", "fp8"], help="KV storage (default: model dtype)")
+    parser.add_argument(
+        "--tiered",
+        type=key_json_value,
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="a TieredConfig field for every tiered mode but naive, e.g. --tiered mapped_bookkeeping_every=1",
+    )
     hf_baseline.add_decode_arguments(parser)
     parser.set_defaults(handler=run)
 
@@ -619,6 +635,7 @@ def run(args: argparse.Namespace) -> int:
         trace_dir=args.out,
         kv_layout=args.kv_layout,
         kv_dtype=args.kv_dtype,
+        tiered_options=dict(args.tiered),
         **hf_baseline.decode_options(args),
     )
     receipt = run_decode_bench(cfg)

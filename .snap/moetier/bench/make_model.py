@@ -42,6 +42,7 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from moetier.bench.common import key_json_value
 from moetier.bench.fp4_model import (
     PACKED_DTYPE,
     SCALE_DTYPE,
@@ -386,16 +387,6 @@ def _receipt(cfg: dict[str, Any], options: WriteOptions, summary: WriteSummary) 
 # Command line
 
 
-def _key_value(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=JSON, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value  # a bare string
-
-
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add ``make-bench-model``'s options to ``parser``."""
     parser.add_argument("--shape", required=True, choices=sorted(SHAPES), help="published model to copy the shape of")
@@ -416,7 +407,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe-intermediate-size", type=int, help="override the expert width (tests only)")
     parser.add_argument(
         "--set",
-        type=_key_value,
+        type=key_json_value,
         action="append",
         default=[],
         metavar="KEY=JSON",

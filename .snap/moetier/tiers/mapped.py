@@ -81,10 +81,12 @@ class MappedExperts:
         admissions: int = DEFAULT_MAPPED_ADMISSIONS,
         cpu: FedCpuShare | None = None,
         ahead_slots: int = 0,
+        bookkeeping_every: int = 1,
     ) -> None:
         layout = store.layout
         self.store, self.cache, self.policy, self.metrics = store, cache, policy, metrics
-        self.admissions, self.cpu = admissions, cpu
+        self.admissions, self.cpu, self.bookkeeping_every = admissions, cpu, bookkeeping_every
+        self._since_bookkeeping = bookkeeping_every  # so the first step keeps the books
         self.device, self.cuda = cache.device, cache.device.type == "cuda"
         self.layers = sorted(layout.moe_layers)
         self._row = {layer: i for i, layer in enumerate(self.layers)}
@@ -99,11 +101,15 @@ class MappedExperts:
         self.pick = torch.tensor(self._picks, dtype=torch.uint8, device=self.device)
         self._base = self.anchor.block.view(torch.uint8)  # the table kernel's pointer origin for the CPU's inbox
         self._share_version = 0  # the fed share's picks_version the pick tensor follows
-        # Per entry: the pairs that used it (row 0) and those of them the CPU tier computed (row 1).
-        self.counts = torch.zeros((2, len(self._home)), dtype=torch.int64, device=self.device)
+        # Per entry: the pairs that used it (row 0), those of them the CPU tier computed (row 1) and those that read
+        # it from a cache slot (row 2: counted by the device when used, so a hit is a hit whenever the host looks).
+        self.counts = torch.zeros((3, len(self._home)), dtype=torch.int64, device=self.device)
+        self._in_slot = torch.zeros(len(self._home), dtype=torch.int64, device=self.device)  # 1: points at a slot
         self._ones = torch.ones(DEVICE_ROUTING_MAX_PAIRS, dtype=torch.int64, device=self.device)
         self._count_rows = {layer: self.counts[0, self._span(layer)] for layer in self.layers}
         self._cpu_count_rows = {layer: self.counts[1, self._span(layer)] for layer in self.layers}
+        self._hit_count_rows = {layer: self.counts[2, self._span(layer)] for layer in self.layers}
+        self._in_slot_rows = {layer: self._in_slot[self._span(layer)] for layer in self.layers}
         self._pick_rows = {layer: self.pick[self._span(layer)] for layer in self.layers}
         self._aligned = all(offset % 16 == 0 for offset in self._home) and self.base % 16 == 0
         # The GPU reads pinned memory only (mapped into its address space): a pageable home copy (pinning failed
@@ -113,7 +119,7 @@ class MappedExperts:
         self._pointed: dict[Key, Slot] = {}  # entries that point at a cache slot now
         self._version = -1  # the cache version the pointed entries were last compared with
         self._landing: set[Key] = set()  # resident keys whose copy had not landed at the last comparison
-        self._seen = torch.zeros((2, len(self._home)), dtype=torch.int64)  # the counts harvested so far (host)
+        self._seen = torch.zeros((3, len(self._home)), dtype=torch.int64)  # the counts harvested so far (host)
         self._readback: tuple[torch.Tensor, Any, int] | None = None  # (host counts, event, steps covered)
         self._steps = 0  # steps begun since the last readback started
         self._step = 0
@@ -151,6 +157,7 @@ class MappedExperts:
         flat = topk_ids.reshape(-1)
         ones = self._ones[: flat.numel()] if flat.numel() <= self._ones.numel() else torch.ones_like(flat)
         self._count_rows[layer].index_add_(0, flat, ones)
+        self._hit_count_rows[layer].index_add_(0, flat, self._in_slot_rows[layer].index_select(0, flat))
         fed = self.cpu is not None and self.cpu.usable(hidden)
         if self.cpu is not None and not fed:
             self.cpu.abort_step()  # a queued step whose call cannot be fed: no job may wait for a start never stored
@@ -232,10 +239,23 @@ class MappedExperts:
     # --- between steps --------------------------------------------------------------------------
 
     def begin_step(self, step: int, stream: Any, fresh: bool = False) -> None:
-        """Before a mapped step: take in the counts that came back, admit, bring the table up to date, and
-        start copying the counts back again (the host waits only for counts ``LAG_STEPS`` steps old). ``fresh``:
-        the step before took another route (the fed share's first calls after it are not timed)."""
+        """Before a mapped step: every ``bookkeeping_every``-th step (and after another route's), take in the counts
+        that came back, admit, bring the table up to date, and start copying the counts back again (the host waits
+        only for counts ``LAG_STEPS`` steps old); the steps between only point entries at slots whose copies have
+        landed. ``fresh``: the step before took another route (the fed share's first calls after it are not timed)."""
         self._step = step
+        self._since_bookkeeping += 1
+        every = self.bookkeeping_every
+        if not fresh and self._since_bookkeeping < every:
+            # Why not every step: at 1 stream the round costs the host-bound step a quarter of its time, while
+            # admitting a few steps later costs the hit rate next to nothing (a layer's hot experts drift slowly).
+            if self._landing and all(self._has_landed(key) for key in self._landing):
+                self._follow_cache(stream, [])
+            self._steps += 1
+            if self._since_bookkeeping == every - 1:  # the counts so far, back by the next step's round
+                self._start_readback(stream)
+            return
+        self._since_bookkeeping = 0
         if self.cpu is not None:
             if fresh:
                 self.cpu.settle()
@@ -250,7 +270,8 @@ class MappedExperts:
                 self.metrics.layer(key[0]).admit_bytes += self.cache.block_bytes
             self._landing.update(key for _, key in admitted)  # pointed at from the step their copies landed by
         self._steps += 1
-        self._start_readback(stream)
+        if every == 1:  # else the step before the next round starts it
+            self._start_readback(stream)
 
     def graph_step(self, hidden: torch.Tensor) -> tuple[str, bool] | None:
         """After :meth:`begin_step`, for a step whose calls the model may run inside CUDA graphs (``hidden``: one
@@ -325,17 +346,19 @@ class MappedExperts:
         # Only the entries that moved (a step's pairs), found by torch: a real model has ~11k entries.
         moved = host - self._seen
         changed = torch.nonzero(moved[0]).flatten()
-        counts, cpu_counts = moved[:, changed].tolist()
+        counts, cpu_counts, hit_counts = moved[:, changed].tolist()
         used: dict[Key, int] = {}
-        by_cpu: dict[Key, int] = {}
-        for i, count, cpu in zip(changed.tolist(), counts, cpu_counts, strict=True):
+        split: dict[Key, tuple[int, int]] = {}  # (by the CPU tier, from a slot)
+        for i, count, cpu, hits in zip(changed.tolist(), counts, cpu_counts, hit_counts, strict=True):
             key = (self.layers[i // self.experts], i % self.experts)
-            used[key], by_cpu[key] = count, cpu
+            used[key], split[key] = count, (cpu, hits)
         self._seen = host
-        self._record(used, steps, by_cpu)
+        self._record(used, steps, split)
         return used, steps
 
-    def _record(self, used: dict[Key, int], steps: int, by_cpu: dict[Key, int]) -> None:
+    def _record(self, used: dict[Key, int], steps: int, split: dict[Key, tuple[int, int]]) -> None:
+        """The harvested uses into the policy and the metrics: an expert used from a slot and from home within
+        the counts' window (admitted in it) counts as hit and missed both, each use as what it was."""
         by_layer: dict[int, list[tuple[int, int]]] = {}
         for (layer, expert), count in used.items():
             by_layer.setdefault(layer, []).append((expert, count))
@@ -350,17 +373,14 @@ class MappedExperts:
             self.policy.record(layer, experts, counts, self._step)
             self.metrics.record_routing(layer, experts, counts)
             for expert, count in pairs:
-                hit = (layer, expert) in self._pointed
-                counters.experts_hit += hit
-                counters.experts_miss += not hit
-                counters.uses_hit += count if hit else 0
-                counters.uses_miss += 0 if hit else count
-                if hit:
-                    continue
-                cpu = by_cpu.get((layer, expert), 0)  # computed by the fed CPU tier from the home copy
-                counters.cpu_pairs += cpu
-                counters.mapped_pairs += count - cpu  # the others' kernels read their expert's block over PCIe
-                counters.mapped_bytes += (count - cpu) * block
+                cpu, hits = split[(layer, expert)]
+                counters.experts_hit += hits > 0
+                counters.experts_miss += hits < count
+                counters.uses_hit += hits
+                counters.uses_miss += count - hits
+                counters.cpu_pairs += cpu  # computed by the fed CPU tier from the home copy
+                counters.mapped_pairs += count - hits - cpu  # the others' kernels read their block over PCIe
+                counters.mapped_bytes += (count - hits - cpu) * block
 
     def _record_ahead(self, stats: torch.Tensor | None) -> None:
         """The reads ahead since the last readback: ``prefetch_used`` / ``prefetch_wasted`` / ``prefetch_bytes``."""
@@ -426,6 +446,11 @@ class MappedExperts:
         if refilled:
             self.release(stream, refilled)
 
+    def _has_landed(self, key: Key) -> bool:
+        """Whether the copy admitting ``key`` has landed (an evicted key's has nothing left to wait for)."""
+        slot = self.cache.get(key)
+        return slot is None or self.cache.landed(slot)
+
     def _write(self, changes: dict[int, int]) -> None:
         """Enqueue the table's changed entries, and the CPU picks that follow them (an entry pointed at a slot is
         the device's), on the current stream: after the kernels enqueued before."""
@@ -433,11 +458,13 @@ class MappedExperts:
         picks = [int(static[i] and offset == self._home[i]) for i, offset in changes.items()]
         for i, pick in zip(changes, picks, strict=True):
             self._picks[i] = bool(pick)
-        update = torch.tensor([list(changes), list(changes.values()), picks], dtype=torch.int64)
+        in_slot = [int(offset != self._home[i]) for i, offset in changes.items()]
+        update = torch.tensor([list(changes), list(changes.values()), picks, in_slot], dtype=torch.int64)
         if self.cuda:
             update = update.pin_memory().to(self.device, non_blocking=True)
         self.table.index_copy_(0, update[0], update[1])
         self.pick.index_copy_(0, update[0], update[2].to(torch.uint8))
+        self._in_slot.index_copy_(0, update[0], update[3])
 
     def _start_readback(self, stream: Any) -> None:
         """Copy the counts back to the host (non-blocking; harvested once its event has passed)."""

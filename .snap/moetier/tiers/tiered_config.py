@@ -21,6 +21,9 @@ DEFAULT_LEND_SLOTS = 128
 # Experts a mapped decode step reads ahead per MoE layer: two fp4 V4-Flash experts (~26 MB) cross PCIe in about
 # the time one layer's attention takes at a few streams.
 DEFAULT_MAPPED_PREFETCH = 2
+# Mapped decode steps per round of the host's bookkeeping (counts taken in, admissions, the table brought up to date):
+# at 1 stream on the H200 that round took ~0.8 ms of a ~3.2 ms host-bound step (results/h200-20261203-9014c9a-host).
+DEFAULT_MAPPED_BOOKKEEPING_EVERY = 4
 # ... for calls of at least this many tokens. Measured on the H200 (fp4 V4-Flash widths, two experts ahead against
 # none, tok/s at 1 / 2 / 4 streams): 196 / 273 / 331 vs 233 / 290 / 289 (results/h200-20261202-1ebb01d-reads-ahead),
 # 183 / 264 / 330 vs 234 / 324 / 340 (results/h200-20261202-289e636). Timed on the device, the call never waits for
@@ -64,9 +67,10 @@ class TieredConfig:
     With ``choose_split`` (``None``: whenever costs adapt), each decode batch size runs the cost model's split,
     copies-only and (with ``mapped``, ``None``: on CUDA where the device kernels take the call) the mapped route
     in turn and keeps the one of shorter measured steps, the two best run again in long visits when close
-    (:class:`SplitChooser`'s playoff). A mapped step admits up to
-    ``mapped_admissions`` of the experts it missed (:mod:`moetier.tiers.mapped`), and ``mapped_cpu_share`` of each
-    layer's experts, while not cached, are computed by the CPU tier fed by the device (:mod:`moetier.tiers.mapped_cpu`;
+    (:class:`SplitChooser`'s playoff). The mapped route admits up to ``mapped_admissions`` of the experts it missed
+    a step (:mod:`moetier.tiers.mapped`; the host takes the counts in, admits and brings the table up to date once
+    every ``mapped_bookkeeping_every`` mapped steps), and ``mapped_cpu_share`` of each layer's experts, while not
+    cached, are computed by the CPU tier fed by the device (:mod:`moetier.tiers.mapped_cpu`;
     ``None``: the share that balances the measured CPU and PCIe rates; 0: the kernels read every miss). With
     ``mapped_graphs``, a model's segmented decode runs a mapped step's calls inside its CUDA graphs (no host code
     per call; :meth:`TieredDispatcher.decode_step`), and in steps of at least ``mapped_prefetch_min_tokens`` tokens
@@ -97,6 +101,7 @@ class TieredConfig:
     choose_split: bool | None = None
     mapped: bool | None = None
     mapped_admissions: int = 2
+    mapped_bookkeeping_every: int = DEFAULT_MAPPED_BOOKKEEPING_EVERY
     mapped_cpu_share: float | None = None
     mapped_graphs: bool = True
     mapped_prefetch: int = DEFAULT_MAPPED_PREFETCH
@@ -114,6 +119,9 @@ class TieredConfig:
         admissions = self.mapped_admissions
         if isinstance(admissions, bool) or not isinstance(admissions, int) or admissions < 0:
             raise ConfigError(f"mapped_admissions must be an integer >= 0, got {self.mapped_admissions!r}")
+        every = self.mapped_bookkeeping_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"mapped_bookkeeping_every must be an integer >= 1, got {every!r}")
         for name in ("cpu_share", "mapped_cpu_share"):
             share = getattr(self, name)
             if share is not None and not 0.0 <= share <= 1.0:

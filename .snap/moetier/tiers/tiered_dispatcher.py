@@ -147,8 +147,9 @@ class TieredDispatcher(ExpertDispatcher):
             self.costs = calibrate_routes(self.store, self.cache, self.cpu_tier, device, self._first_layer)
         fed = self._fed_cpu_share(device)
         self.mapped = MappedExperts(
-            self.store, self.cache, self.policy, self.metrics, cfg.mapped_admissions, fed, cfg.mapped_prefetch
-        )
+            self.store, self.cache, self.policy, self.metrics, cfg.mapped_admissions, fed, cfg.mapped_prefetch,
+            cfg.mapped_bookkeeping_every,
+        )  # fmt: skip
         log.info(
             "tiered experts: %d cache slots, %d staging slots, policy %s, route costs %s",
             n_slots,
