@@ -115,6 +115,7 @@ def test_the_host_keeps_the_books_every_few_steps_and_points_at_landed_slots_bet
     assert pointed == [0, 0, 0, 0, 2, 2]
     layer = tiered.metrics.layer(0)
     assert layer.calls == 6 and layer.uses_miss == 4 * 2 and layer.uses_hit == 2 * 2
+    assert layer.experts_miss == 4 * 2 and layer.experts_hit == 2 * 2  # per call, as the other routes count them
 
 
 def test_the_chooser_takes_the_mapped_route_once_it_measures_faster(monkeypatch):

@@ -101,14 +101,19 @@ class MappedExperts:
         self.pick = torch.tensor(self._picks, dtype=torch.uint8, device=self.device)
         self._base = self.anchor.block.view(torch.uint8)  # the table kernel's pointer origin for the CPU's inbox
         self._share_version = 0  # the fed share's picks_version the pick tensor follows
-        # Per entry: the pairs that used it (row 0), those of them the CPU tier computed (row 1) and those that read
-        # it from a cache slot (row 2: counted by the device when used, so a hit is a hit whenever the host looks).
-        self.counts = torch.zeros((3, len(self._home)), dtype=torch.int64, device=self.device)
+        # Per entry: the pairs that used it (row 0), those of them the CPU tier computed (row 1), those that read it
+        # from a cache slot (row 2), the calls that used it (row 3) and those of them that read it from a slot (row
+        # 4). Counted by the device when used, so a hit is a hit whenever the host looks, and a call's distinct
+        # experts are the other routes' per-call hits and misses whatever the window the counts come back over.
+        self.counts = torch.zeros((5, len(self._home)), dtype=torch.int64, device=self.device)
         self._in_slot = torch.zeros(len(self._home), dtype=torch.int64, device=self.device)  # 1: points at a slot
         self._ones = torch.ones(DEVICE_ROUTING_MAX_PAIRS, dtype=torch.int64, device=self.device)
         self._count_rows = {layer: self.counts[0, self._span(layer)] for layer in self.layers}
         self._cpu_count_rows = {layer: self.counts[1, self._span(layer)] for layer in self.layers}
         self._hit_count_rows = {layer: self.counts[2, self._span(layer)] for layer in self.layers}
+        self._call_rows = {layer: self.counts[3, self._span(layer)] for layer in self.layers}
+        self._hit_call_rows = {layer: self.counts[4, self._span(layer)] for layer in self.layers}
+        self._used = {layer: torch.zeros(self.experts, dtype=torch.int64, device=self.device) for layer in self.layers}
         self._in_slot_rows = {layer: self._in_slot[self._span(layer)] for layer in self.layers}
         self._pick_rows = {layer: self.pick[self._span(layer)] for layer in self.layers}
         self._aligned = all(offset % 16 == 0 for offset in self._home) and self.base % 16 == 0
@@ -119,7 +124,7 @@ class MappedExperts:
         self._pointed: dict[Key, Slot] = {}  # entries that point at a cache slot now
         self._version = -1  # the cache version the pointed entries were last compared with
         self._landing: set[Key] = set()  # resident keys whose copy had not landed at the last comparison
-        self._seen = torch.zeros((3, len(self._home)), dtype=torch.int64)  # the counts harvested so far (host)
+        self._seen = torch.zeros((5, len(self._home)), dtype=torch.int64)  # the counts harvested so far (host)
         self._readback: tuple[torch.Tensor, Any, int] | None = None  # (host counts, event, steps covered)
         self._steps = 0  # steps begun since the last readback started
         self._step = 0
@@ -158,6 +163,9 @@ class MappedExperts:
         ones = self._ones[: flat.numel()] if flat.numel() <= self._ones.numel() else torch.ones_like(flat)
         self._count_rows[layer].index_add_(0, flat, ones)
         self._hit_count_rows[layer].index_add_(0, flat, self._in_slot_rows[layer].index_select(0, flat))
+        used = self._used[layer].zero_().index_fill_(0, flat, 1)  # the call's distinct experts
+        self._call_rows[layer].add_(used)
+        self._hit_call_rows[layer].add_(used.mul_(self._in_slot_rows[layer]))
         fed = self.cpu is not None and self.cpu.usable(hidden)
         if self.cpu is not None and not fed:
             self.cpu.abort_step()  # a queued step whose call cannot be fed: no job may wait for a start never stored
@@ -346,17 +354,16 @@ class MappedExperts:
         # Only the entries that moved (a step's pairs), found by torch: a real model has ~11k entries.
         moved = host - self._seen
         changed = torch.nonzero(moved[0]).flatten()
-        counts, cpu_counts, hit_counts = moved[:, changed].tolist()
         used: dict[Key, int] = {}
-        split: dict[Key, tuple[int, int]] = {}  # (by the CPU tier, from a slot)
-        for i, count, cpu, hits in zip(changed.tolist(), counts, cpu_counts, hit_counts, strict=True):
+        split: dict[Key, tuple[int, int, int, int]] = {}  # (by the CPU tier, from a slot, calls, calls from a slot)
+        for i, (count, *rest) in zip(changed.tolist(), zip(*moved[:, changed].tolist(), strict=True), strict=True):
             key = (self.layers[i // self.experts], i % self.experts)
-            used[key], split[key] = count, (cpu, hits)
+            used[key], split[key] = count, tuple(rest)
         self._seen = host
         self._record(used, steps, split)
         return used, steps
 
-    def _record(self, used: dict[Key, int], steps: int, split: dict[Key, tuple[int, int]]) -> None:
+    def _record(self, used: dict[Key, int], steps: int, split: dict[Key, tuple[int, int, int, int]]) -> None:
         """The harvested uses into the policy and the metrics: an expert used from a slot and from home within
         the counts' window (admitted in it) counts as hit and missed both, each use as what it was."""
         by_layer: dict[int, list[tuple[int, int]]] = {}
@@ -373,9 +380,9 @@ class MappedExperts:
             self.policy.record(layer, experts, counts, self._step)
             self.metrics.record_routing(layer, experts, counts)
             for expert, count in pairs:
-                cpu, hits = split[(layer, expert)]
-                counters.experts_hit += hits > 0
-                counters.experts_miss += hits < count
+                cpu, hits, calls, hit_calls = split[(layer, expert)]
+                counters.experts_hit += hit_calls
+                counters.experts_miss += calls - hit_calls
                 counters.uses_hit += hits
                 counters.uses_miss += count - hits
                 counters.cpu_pairs += cpu  # computed by the fed CPU tier from the home copy
