@@ -390,7 +390,9 @@ def test_cuda_streams_never_read_a_slot_early(route):
         store.block_for_loading(*key).block.copy_(weights.block)
         device_store.block_for_loading(*key).block.copy_(weights.block)
     resident = ResidentDispatcher(device_store)
-    tiered = TieredDispatcher(store, cache_slots=8, miss_route=route, staging_slots=1, cpu_share=0.5)
+    # Books kept every mapped step: admissions between every two steps, the most slot copies for a read to overtake.
+    options = {"staging_slots": 1, "cpu_share": 0.5, "mapped_bookkeeping_every": 1}
+    tiered = TieredDispatcher(store, cache_slots=8, miss_route=route, **options)
     generator = torch.Generator().manual_seed(4)
     worst = 0.0
     # Prefill-sized calls churn the cache; the decode calls after them hit experts whose copies were

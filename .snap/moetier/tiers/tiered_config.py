@@ -22,7 +22,9 @@ DEFAULT_LEND_SLOTS = 128
 # the time one layer's attention takes at a few streams.
 DEFAULT_MAPPED_PREFETCH = 2
 # Mapped decode steps per round of the host's bookkeeping (counts taken in, admissions, the table brought up to date):
-# at 1 stream on the H200 that round took ~0.8 ms of a ~3.2 ms host-bound step (results/h200-20261203-9014c9a-host).
+# at 1 stream on the H200 that round took ~0.8 ms of a ~3.2 ms host-bound step (results/h200-20261203-9014c9a-host);
+# every 4th step it took 0.44-0.46 ms a step against 0.77-1.08, while tok/s moved no more than the lent host's spread
+# (results/h200-20261203-e8f8b43-bookkeeping): host time handed back to the server, admissions at most 3 steps later.
 DEFAULT_MAPPED_BOOKKEEPING_EVERY = 4
 # ... for calls of at least this many tokens. Measured on the H200 (fp4 V4-Flash widths, two experts ahead against
 # none, tok/s at 1 / 2 / 4 streams): 196 / 273 / 331 vs 233 / 290 / 289 (results/h200-20261202-1ebb01d-reads-ahead),

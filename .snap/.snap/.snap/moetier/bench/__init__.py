@@ -1,0 +1,1 @@
+"""Benchmark tooling: random checkpoints with real model shapes (``moetier make-bench-model``)."""

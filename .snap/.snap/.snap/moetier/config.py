@@ -1,0 +1,71 @@
+"""Engine-wide settings shared by the offline API, the CLI and the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moetier.errors import ConfigError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(value: str | torch.dtype | None, default: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """Turn a user-facing dtype name ('bf16', 'float32', ...) into a torch dtype."""
+    if value is None or value == "auto":
+        return default
+    if isinstance(value, torch.dtype):
+        if value not in DTYPES.values():
+            raise ConfigError(f"unsupported dtype {value}; use one of bf16, fp16, fp32")
+        return value
+    try:
+        return DTYPES[value.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {value!r}; use one of bf16, fp16, fp32") from None
+
+
+# How routed experts are kept in the home copy: "dense" dequantises them to the compute dtype at load;
+# "fp8" keeps an fp8-block checkpoint's float8 bytes and scales (half the host RAM and PCIe bytes);
+# "fp4" keeps DeepSeek-V4's packed FP4 experts and their scales (about 0.27x of bf16 with ue8m0 scales).
+EXPERT_FORMATS = ("dense", "fp8", "fp4")
+
+
+def check_expert_format(value: str) -> str:
+    """``value`` if it names an expert format, else a one-line :class:`ConfigError`."""
+    if value not in EXPERT_FORMATS:
+        raise ConfigError(f"expert_format must be one of {', '.join(EXPERT_FORMATS)}, got {value!r}")
+    return value
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class ModelLoadConfig:
+    """How to load a checkpoint: compute dtype, device and the longest sequence the caches must hold.
+
+    ``expert_format``: ``"dense"`` (routed experts dequantised to ``dtype`` at load), ``"fp8"`` (an
+    fp8-block checkpoint's experts stay float8 + scales in the home copy) or ``"fp4"`` (DeepSeek-V4's
+    FP4 experts stay packed + scales); see :data:`EXPERT_FORMATS`.
+    """
+
+    dtype: torch.dtype = torch.bfloat16
+    device: torch.device | str = "cpu"
+    max_model_len: int | None = None
+    expert_format: str = "dense"
+
+    def __post_init__(self) -> None:
+        check_expert_format(self.expert_format)
+        self.dtype = parse_dtype(self.dtype)
+        self.device = torch.device(self.device)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -1,0 +1,228 @@
+"""Piecewise CUDA graphs: capture the fixed-shape segments of a decode step once, replay them every step.
+
+A decode step of a few tokens is bound by kernel launches and per-op host overhead, not by arithmetic.
+A model cuts its step into *segments*, functions of tensors whose shapes depend only on the batch size
+(norms, projections, routers: no per-sequence cache work, no host decisions), and runs each through
+:meth:`SegmentGraphs.run`:
+
+- off CUDA, when disabled (``MOETIER_CUDA_GRAPHS=0`` or ``enabled=False``), with autograd on, or inside
+  someone else's capture, ``run(key, fn, *tensors)`` is ``fn(*tensors)`` and nothing more;
+- on CUDA, per key (the caller's key plus the inputs' shapes, dtypes and devices), the first ``warmup``
+  calls run ``fn`` eagerly on a side stream (as torch's CUDA-graph docs ask; it also compiles Triton
+  kernels and builds lazily cached tensors), the next call captures ``fn`` into a CUDA graph over static
+  input buffers and replays it, and later calls copy their inputs into those buffers and replay.
+
+Contract for callers:
+
+- ``fn`` must be capturable: no host syncs (``.item()``, ``.cpu()``, ``.tolist()``), no host-to-device
+  copies (tensors built from Python lists), no data-dependent shapes, no Python decision that differs
+  between calls of one key (the graph replays what the capture saw), and no parameter reallocated after
+  the capture (the graph reads fixed addresses).
+- Outputs are static tensors: the key's next replay overwrites them, and so may the replay of a key
+  captured before it (all graphs of a variant share one memory pool). Finish with a step's outputs before the next
+  step runs its segments, and run a step's keys in the same order every step (the order they were
+  captured in). :meth:`fresh` copies an output that must live longer.
+- An input that *is* (the same tensor object) another key's output is read in place, without a copy:
+  chained segments hand their outputs straight on. Passing a different tensor there later copies it
+  into that output's buffer.
+- ``fn`` may update its inputs in place; on a replay that updates the static copy, not the caller's tensor.
+- A capture that fails logs one warning naming the key and the reason; that key runs eagerly from then
+  on (a decode never fails because a segment cannot be captured).
+- A choice that changes what segment functions compute without changing their keys (e.g. whether they
+  predict the next layer's experts) is declared with :meth:`SegmentGraphs.use_variant` before the step. Each
+  variant keeps its own graphs in its own memory pool, so steps may switch between variants (a tiered
+  dispatcher's route changes from step to step) without capturing again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from moetier.profiling import phase
+
+log = logging.getLogger(__name__)
+
+MaybeTensor = torch.Tensor | None
+Tensors = tuple[MaybeTensor, ...]
+SegmentFn = Callable[..., Any]  # returns a tensor, None, or a tuple of them
+
+
+def graphs_enabled() -> bool:
+    """``MOETIER_CUDA_GRAPHS``: ``0`` turns CUDA graphs off; unset or anything else, on (every family's
+    graphed decode has passed its GPU tests on the H200)."""
+    return os.environ.get("MOETIER_CUDA_GRAPHS") != "0"
+
+
+class Replayable(Protocol):
+    """A captured graph: :meth:`replay` reruns its work on the current stream."""
+
+    def replay(self) -> None: ...
+
+
+@dataclass
+class _Entry:
+    """One key's state: its eager warm-up calls so far, then its graph and static buffers (or a failed capture)."""
+
+    warm_calls: int = 0
+    graph: Replayable | None = None
+    inputs: Tensors = ()
+    outputs: Tensors = ()
+    failed: bool = False
+
+
+class SegmentGraphs:
+    """CUDA graphs of a model's decode segments, one per key (see the module doc for the contract).
+
+    ``captures``, ``replays`` and ``failures`` (caller key -> reason) count what happened, for tests
+    and diagnostics.
+    """
+
+    def __init__(self, enabled: bool | None = None, warmup: int = 1) -> None:
+        self.enabled = graphs_enabled() if enabled is None else enabled
+        self.warmup = warmup
+        self.captures = 0
+        self.replays = 0
+        self.failures: dict[Hashable, str] = {}
+        self._entries: dict[Hashable, _Entry] = {}
+        # Every captured output by id (the entries keep them alive, so ids stay unique): inputs found
+        # here are read in place.
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._pools: dict[Hashable, Any] = {}  # per variant: its graphs never share memory with another's
+        self._capture_stream: Any = None
+        self._side_stream: Any = None
+        self._variant: Hashable = None
+
+    def run(self, key: Hashable, fn: SegmentFn, *tensors: MaybeTensor) -> Tensors:
+        """``fn(*tensors)`` as a tuple, from the key's CUDA graph where one applies (module doc)."""
+        with phase("segments"):
+            return self._run(key, fn, tensors)
+
+    def _run(self, key: Hashable, fn: SegmentFn, tensors: Tensors) -> Tensors:
+        if not self._active(tensors):
+            return _as_tuple(fn(*tensors))
+        signature = (self._variant, key, torch.is_inference_mode_enabled(), *map(_signature, tensors))
+        entry = self._entries.setdefault(signature, _Entry())
+        if entry.graph is not None:
+            return self._replay(entry, tensors)
+        if entry.failed:
+            return _as_tuple(fn(*tensors))
+        if entry.warm_calls < self.warmup:
+            entry.warm_calls += 1
+            return _as_tuple(self._warm_up(fn, tensors))
+        return self._capture_entry(key, entry, fn, tensors)
+
+    def fresh(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, or a copy of it when it is a captured output (which a later replay overwrites)."""
+        return tensor.clone() if self._outputs.get(id(tensor)) is tensor else tensor
+
+    def reset(self) -> None:
+        """Drop every graph (e.g. after the weights moved): keys warm up and capture again."""
+        self._entries.clear()
+        self._outputs.clear()
+        self._pools.clear()
+
+    def use_variant(self, variant: Hashable) -> None:
+        """Declare what shapes the coming step's segment functions beyond their keys: the step's keys are that
+        variant's. Graphs of a variant live in that variant's own pool, so the pool's rule (keys replay in the
+        order they were captured) holds within each variant, whatever the order of steps across variants."""
+        self._variant = variant
+
+    # --- the CUDA steps (tests substitute these to exercise the bookkeeping on the CPU) ---
+
+    def _active(self, tensors: Tensors) -> bool:
+        """Whether these inputs go through graphs: enabled, no autograd, on the current CUDA device, not
+        already inside a capture."""
+        if not self.enabled or torch.is_grad_enabled():
+            return False
+        first = next((t for t in tensors if t is not None), None)
+        if first is None or not first.is_cuda:
+            return False
+        return first.device.index == torch.cuda.current_device() and not torch.cuda.is_current_stream_capturing()
+
+    def _warm_up(self, fn: SegmentFn, tensors: Tensors) -> Any:
+        """One eager call on a side stream, ordered after the work before it and before the work after it."""
+        current = torch.cuda.current_stream()
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream()
+        self._side_stream.wait_stream(current)
+        with torch.cuda.stream(self._side_stream):
+            out = fn(*tensors)
+        # The inputs and outputs cross streams safely: the side stream only ever starts after waiting
+        # for the current one, so neither reuses the other's freed blocks early.
+        current.wait_stream(self._side_stream)
+        return out
+
+    def _capture(self, fn: SegmentFn, inputs: Tensors) -> tuple[Replayable, Any]:
+        """Capture ``fn(*inputs)`` into a CUDA graph in the variant's pool; return the graph and ``fn``'s outputs."""
+        pool = self._pools.get(self._variant)
+        if pool is None:
+            pool = self._pools[self._variant] = torch.cuda.graph_pool_handle()
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()  # the static inputs are written and no earlier work is in flight
+        # Other threads (the CPU expert tier's workers) may call CUDA meanwhile: only this thread's
+        # calls are checked against the capture.
+        with torch.cuda.stream(self._capture_stream):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                outputs = fn(*inputs)
+            except BaseException:
+                _end_capture_quietly(graph)
+                raise
+            graph.capture_end()
+        return graph, outputs
+
+    # --- bookkeeping ---
+
+    def _capture_entry(self, key: Hashable, entry: _Entry, fn: SegmentFn, tensors: Tensors) -> Tensors:
+        try:
+            inputs = tuple(self._static_input(t) for t in tensors)
+            graph, outputs = self._capture(fn, inputs)
+        except Exception as exc:  # noqa: BLE001 - a segment that cannot be captured still has to run
+            entry.failed = True
+            self.failures[key] = f"{type(exc).__name__}: {exc}"
+            # A failed capture may leave its pool and stream mid-capture: later captures start afresh.
+            self._pools.pop(self._variant, None)
+            self._capture_stream = None
+            log.warning("CUDA graph capture of segment %s failed (%s); it runs eagerly from now on", key, exc)
+            return _as_tuple(fn(*tensors))
+        entry.graph, entry.inputs, entry.outputs = graph, inputs, _as_tuple(outputs)
+        self._outputs.update((id(t), t) for t in entry.outputs if t is not None)
+        self.captures += 1
+        return self._replay(entry, tensors)
+
+    def _static_input(self, tensor: MaybeTensor) -> MaybeTensor:
+        """The buffer the graph reads for ``tensor``: another key's output in place, else a copy of it."""
+        if tensor is None or self._outputs.get(id(tensor)) is tensor:
+            return tensor
+        return tensor.clone()
+
+    def _replay(self, entry: _Entry, tensors: Tensors) -> Tensors:
+        for static, tensor in zip(entry.inputs, tensors, strict=True):
+            if tensor is not None and tensor is not static:
+                static.copy_(tensor)
+        entry.graph.replay()
+        self.replays += 1
+        return entry.outputs
+
+
+def _signature(tensor: MaybeTensor) -> Hashable:
+    return None if tensor is None else (tensor.shape, tensor.dtype, tensor.device)
+
+
+def _as_tuple(out: Any) -> Tensors:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _end_capture_quietly(graph: Any) -> None:
+    """End a capture whose function raised; its own error is the one worth reporting."""
+    with contextlib.suppress(Exception):  # the capture is abandoned either way
+        graph.capture_end()

@@ -1,0 +1,335 @@
+"""The CPU tier beside the mapped route, fed by the device (moetier.tiers.mapped_cpu, cpu_worker.c's fed jobs).
+
+Off CUDA the host plays the device (it fills the inbox and stores the start word), so these run the worker's C
+code, the device table's CPU picks and the combination of both shares against the resident results."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from reference import relative_error
+from test_mapped import _pinned_and_device_stores
+from test_tiers_fidelity import _random_store, _routing
+
+from moetier.errors import ConfigError
+from moetier.kernels import cpu_experts
+from moetier.kernels.cpu_worker import FedInbox, NativeWorker
+from moetier.tiers import mapped_cpu
+from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
+from moetier.tiers.dispatcher import ResidentDispatcher
+from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertStore, device_allocator
+from moetier.tiers.mapped_cpu import balanced_share, cpu_fixed_seconds, cpu_picks, default_share
+from moetier.tiers.route_costs import RouteCosts
+from moetier.tiers.tiered_dispatcher import TieredDispatcher
+from moetier.weights.fp4 import scale_to_float
+
+LAYOUT = ExpertLayout((0, 1), num_experts=12, hidden_size=64, intermediate_size=32, top_k=3, swiglu_limit=2.0)
+needs_kernel = pytest.mark.skipif(not cpu_experts.available(), reason="no C compiler for the CPU tier's kernel")
+
+
+def _check_bf16_noise(errors: list[float]) -> None:
+    """The C kernel's bf16 roundings against torch's: the CPU tier's tolerance (relative RMS < 0.005) typically;
+    a single 1-token call of these tiny experts reaches ~0.007 (measured: median 0.0016 at half the misses on the
+    CPU, 0.0032 with all of them; the same worst call either way). The device's pairs counted again by the CPU: 0.8."""
+    assert sorted(errors)[len(errors) // 2] < 5e-3 and max(errors) < 1e-2
+
+
+def _layer(store, layer: int) -> list:
+    return [store.expert(layer, e) for e in range(store.layout.num_experts)]
+
+
+@needs_kernel
+def test_a_fed_job_waits_for_its_start_word_and_computes_only_the_pairs_left_to_it():
+    store = _random_store(LAYOUT, torch.bfloat16)
+    tier = CpuExpertTier(LAYOUT.swiglu_limit, threads=2)
+    worker, checked, _ = tier.fed_plan(_layer(store, 0), LAYOUT.hidden_size)
+    hidden, ids, weights = _routing(3, LAYOUT, torch.Generator().manual_seed(1), torch.bfloat16)
+    inbox = FedInbox.allocate(3, LAYOUT.top_k, LAYOUT.hidden_size, pin=False)
+    start, done = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    job = worker.submit_fed(checked, (start.data_ptr(), 7), inbox, LAYOUT.swiglu_limit, 2, (done.data_ptr(), 7))
+    time.sleep(0.02)
+    assert not job.done() and done.item() == 0  # its inputs are not there yet
+    mine = torch.tensor([[True, False, True], [False, False, False], [False, True, True]])
+    inbox.ids.copy_(torch.where(mine, ids, -1))
+    inbox.weights.copy_(weights.float())
+    inbox.hidden.copy_(hidden)
+    start[0] = 7
+    assert job.wait()[0] == 0 and done.item() == 7 and start.item() == 0  # the worker stores 0 back
+    # The same pairs as an ordinary job of the same kernel: the same bits (rows the CPU has no pair of are zeros).
+    groups = {}
+    for t, k in mine.nonzero().tolist():
+        groups.setdefault(int(ids[t, k]), ([], []))
+        groups[int(ids[t, k])][0].append(t)
+        groups[int(ids[t, k])][1].append(float(weights[t, k]))
+    job_groups = [CpuGroup(store.expert(0, e), rows, gates) for e, (rows, gates) in sorted(groups.items())]
+    expected = tier.run(CpuJob(hidden, job_groups)).out
+    assert torch.equal(inbox.out, expected) and inbox.out[1].abs().max() == 0
+    assert job.experts == len(groups)  # the distinct experts it computed, as the share's fit reads them
+    tier.close()
+
+
+@needs_kernel
+def test_a_fed_job_whose_start_never_comes_is_abandoned_at_close_and_still_releases_its_stream():
+    store = _random_store(LAYOUT, torch.bfloat16)
+    tier = CpuExpertTier(LAYOUT.swiglu_limit, threads=1)
+    _, checked, _ = tier.fed_plan(_layer(store, 1), LAYOUT.hidden_size)
+    worker = NativeWorker(cpu_experts.usable_library())
+    inbox = FedInbox.allocate(1, LAYOUT.top_k, LAYOUT.hidden_size, pin=False)
+    start, done = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    job = worker.submit_fed(checked, (start.data_ptr(), 1), inbox, None, 1, (done.data_ptr(), 3))
+    worker.close()
+    assert job.wait()[0] == -3 and done.item() == 3
+    with pytest.raises(ValueError, match="fed job's hidden"):
+        bad = FedInbox(inbox.ids, inbox.weights, inbox.hidden.float(), inbox.out)
+        NativeWorker(cpu_experts.usable_library()).submit_fed(checked, (start.data_ptr(), 1), bad, None, 1)
+    tier.close()
+
+
+def test_cpu_picks_take_the_share_of_every_layer_spread_over_the_ids():
+    picks = cpu_picks(3, 256, 0.4)
+    rows = [picks[i * 256 : (i + 1) * 256] for i in range(3)]
+    assert all(sum(row) == round(0.4 * 256) for row in rows)
+    assert rows[0] != rows[1]  # each layer its own experts
+    assert 0.25 < sum(rows[0][:128]) / sum(rows[0]) < 0.75  # not the low ids
+    assert cpu_picks(1, 8, 0.0) == [False] * 8 and cpu_picks(1, 8, 1.0) == [True] * 8
+    # Balanced by rate: a CPU tier as fast per expert as the kernels' PCIe reads takes half.
+    assert default_share(RouteCosts(cpu_fixed=1.0, copy_fixed=0.75), quantised=True) == pytest.approx(0.5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("split", ["static", "balanced"])
+@pytest.mark.parametrize("tokens", [(1, 1, 2, 1, 4, 1, 3, 1, 1, 2)])
+def test_mapped_with_a_fed_cpu_share_matches_resident_in_bf16(tokens, split, monkeypatch):
+    monkeypatch.setenv("MOETIER_FED_SPLIT", split)
+    store = _random_store(LAYOUT, torch.bfloat16)
+    resident = ResidentDispatcher(store)
+    tiered = TieredDispatcher(
+        store, cache_slots=4, miss_route="mapped", mapped_cpu_share=0.5, mapped_admissions=1, policy="lfu"
+    )
+    alone = TieredDispatcher(store, cache_slots=4, miss_route="mapped", mapped_cpu_share=0.0, policy="lfu")
+    generator = torch.Generator().manual_seed(3)
+    errors, moved = [], 0
+    for step, n in enumerate(tokens):
+        for layer in LAYOUT.moe_layers:
+            hidden, ids, weights = _routing(n, LAYOUT, generator, torch.bfloat16, skew=1.0)
+            ours = tiered.dispatch(layer, hidden, ids, weights)
+            errors.append(relative_error(ours, resident.dispatch(layer, hidden, ids, weights)))
+            moved += not torch.equal(ours, alone.dispatch(layer, hidden, ids, weights))
+        if step == 5:
+            tiered.resize_cache(2)  # entries pointed home again become the CPU's where picked
+    tiered.flush_metrics()
+    totals = tiered.metrics.snapshot()["totals"]
+    tiered.close()
+    alone.close()
+    _check_bf16_noise(errors)
+    assert moved > 0  # the CPU's sums are not the device path's bits: the CPU really computed its pairs
+    assert totals["cpu_pairs"] > 0 and totals["mapped_pairs"] > 0 and totals["cpu_seconds"] > 0
+    assert totals["uses_miss"] == totals["cpu_pairs"] + totals["mapped_pairs"]
+    # The fed jobs' marks: the ones that ran the kernel (some layers leave the CPU nothing) joined 1..threads
+    assert 0 < totals["cpu_jobs_marked"] <= len(tokens) * len(LAYOUT.moe_layers)
+    threads = tiered.mapped.cpu.tier.threads
+    assert totals["cpu_jobs_marked"] <= totals["cpu_threads_joined"] <= threads * totals["cpu_jobs_marked"]
+    assert totals["cpu_team_start_seconds"] <= totals["cpu_seconds"]
+    assert tiered.mapped.cpu is not None and alone.mapped.cpu is None
+
+
+def test_the_fed_share_is_off_where_the_kernel_cannot_run_it_and_validated():
+    fp32 = TieredDispatcher(_random_store(LAYOUT, torch.float32), cache_slots=2, miss_route="mapped")
+    hidden, ids, weights = _routing(1, LAYOUT, torch.Generator().manual_seed(0), torch.float32)
+    fp32.dispatch(0, hidden, ids, weights)
+    assert fp32.mapped.cpu is None  # float32 experts: no C kernel, the kernels read every miss
+    fp32.close()
+    copy = TieredDispatcher(_random_store(LAYOUT, torch.bfloat16), cache_slots=2, miss_route="copy")
+    copy.dispatch(0, hidden.bfloat16(), ids, weights.bfloat16())
+    assert copy.mapped.cpu is None  # no step will be mapped: nothing checked, nothing started
+    copy.close()
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match="mapped_cpu_share"):
+            TieredDispatcher(_random_store(LAYOUT, torch.bfloat16), cache_slots=1, mapped_cpu_share=bad)
+
+
+def test_the_fed_split_mode_is_balanced_by_default_and_a_bad_one_is_refused(monkeypatch):
+    monkeypatch.delenv("MOETIER_FED_SPLIT", raising=False)
+    assert mapped_cpu.fed_split_mode() == "balanced"
+    monkeypatch.setenv("MOETIER_FED_SPLIT", " Static ")
+    assert mapped_cpu.fed_split_mode() == "static"
+    monkeypatch.setenv("MOETIER_FED_SPLIT", "even")
+    with pytest.raises(ConfigError, match="MOETIER_FED_SPLIT must be one of balanced, static, got 'even'"):
+        mapped_cpu.fed_split_mode()
+
+
+# --- CUDA: the device stores the start words and waits for the done words -----------------------------------
+
+
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize("split", ["static", "balanced"])
+@pytest.mark.parametrize("queued", [False, True])
+def test_fed_steps_enqueued_ahead_of_the_host_match_resident_on_cuda(queued, split, monkeypatch):
+    """Steps launched back to back with no host read in between: the worker holds several fed jobs queued before
+    their inputs exist, each starts when the device stores its word, and the stream waits for each one's sums.
+    ``queued``: each step inside the dispatcher's ``decode_step``, every layer's job queued before its calls (as
+    for calls replayed from CUDA graphs), batch sizes alternating."""
+    monkeypatch.setenv("MOETIER_FED_SPLIT", split)
+    layout = ExpertLayout((0, 1, 2), num_experts=32, hidden_size=1024, intermediate_size=512, top_k=4, swiglu_limit=7.0)
+    home, device_store = _pinned_and_device_stores(layout, torch.bfloat16)
+    resident = ResidentDispatcher(device_store)
+    tiered = TieredDispatcher(home, cache_slots=6, miss_route="mapped", mapped_cpu_share=0.5, policy="lfu")
+    tiered.prepare("cuda")
+    generator = torch.Generator().manual_seed(9)
+    calls = []
+    for step in range(24):
+        tokens = (1, 2, 4, 1)[step % 4]
+        with tiered.decode_step(tokens, torch.bfloat16) if queued else contextlib.nullcontext(None) as variant:
+            assert (variant and variant[:2]) == (("mapped", True) if queued else None)
+            for layer in layout.moe_layers:
+                hidden, ids, weights = (t.cuda() for t in _routing(tokens, layout, generator, torch.bfloat16, skew=2.0))
+                calls.append((layer, hidden, ids, weights, tiered.dispatch(layer, hidden, ids, weights)))
+    torch.cuda.synchronize()
+    worst = max(relative_error(ours, resident.dispatch(layer, h, i, w)) for layer, h, i, w, ours in calls)
+    tiered.flush_metrics()
+    totals = tiered.metrics.snapshot()["totals"]
+    tiered.close()
+    assert tiered.mapped.cpu is not None and tiered.mapped.cpu._start is not None  # the device stored the words
+    assert worst < 5e-3
+    assert totals["cpu_pairs"] > 0 and totals["mapped_pairs"] > 0 and totals["uses_hit"] > 0
+    assert totals["uses_miss"] == totals["cpu_pairs"] + totals["mapped_pairs"]  # the device counted the CPU's
+    assert totals["cpu_seconds"] > 0
+
+
+def test_the_balance_moves_half_way_to_the_share_that_evens_both_sides():
+    # At share 0.5 the CPU took 2 s and the device 1 s: the CPU is half as fast, so a third evens them.
+    assert balanced_share(0.5, 2.0, 1.0) == pytest.approx((0.5 + 1 / 3) / 2)
+    assert balanced_share(0.5, 1.0, 1.0) == pytest.approx(0.5)
+    assert balanced_share(0.5, 100.0, 0.001) == pytest.approx(0.4)  # at most 0.1 a move
+    assert balanced_share(0.08, 100.0, 0.001) == 0.05 and balanced_share(0.92, 0.001, 100.0) == 0.95
+
+
+def test_a_fixed_cost_of_the_cpu_jobs_keeps_the_share_from_shrinking_away():
+    # At share 0.3 the CPU took 2 s and the device 1 s, but 1.5 s of the CPU's would be there at any share: the
+    # variable 0.5 s for 0.3 and the device's 1 s for 0.7 even out above 0.3, where without the fixed part it falls.
+    assert balanced_share(0.3, 2.0, 1.0) < 0.3
+    fixed = balanced_share(0.3, 2.0, 1.0, cpu_fixed=1.5)
+    per_share_cpu, per_share_device = 0.5 / 0.3, 1.0 / 0.7
+    target = (per_share_device - 1.5) / (per_share_cpu + per_share_device)
+    assert fixed == pytest.approx(0.3 + max(min(0.5 * (target - 0.3), 0.1), -0.1))
+    assert balanced_share(0.5, 1.0, 1.0, cpu_fixed=0.0) == pytest.approx(0.5)  # no fixed part: as before
+    # The fixed part is never more than 0.9 of the CPU's time (some of it always follows the share).
+    assert balanced_share(0.5, 1.0, 1.0, cpu_fixed=5.0) == balanced_share(0.5, 1.0, 1.0, cpu_fixed=0.9)
+
+
+def test_the_fixed_part_of_a_cpu_job_is_fitted_from_jobs_of_different_sizes():
+    jobs = [(n, 0.4e-3 + n * 0.3e-3) for n in (1, 2, 3, 1, 2, 4, 1, 3, 2)]
+    assert cpu_fixed_seconds(jobs) == pytest.approx(0.4e-3)
+    assert cpu_fixed_seconds(jobs + [(0, 0.0)] * 20) == pytest.approx(0.4e-3)  # empty jobs cost nothing: left out
+    assert cpu_fixed_seconds(jobs[:5]) == 0.0  # too few jobs to fit
+    assert cpu_fixed_seconds([(2, 1e-3)] * 10) == 0.0  # one size: no slope to tell fixed from per-expert time
+    falling = [(n, 2e-3 - n * 1e-4) for n in (1, 2, 3, 4) * 3]  # time not following the experts: mostly fixed
+    mean = sum(t for _, t in falling) / len(falling)
+    assert cpu_fixed_seconds(falling) == pytest.approx(0.9 * mean)
+    assert cpu_fixed_seconds([(n, n * 1e-3) for n in (1, 2, 3) * 3]) == pytest.approx(0.0, abs=1e-12)
+
+
+@needs_kernel
+@pytest.mark.parametrize("split", ["static", "balanced"])
+def test_an_adaptive_share_rebalances_from_sampled_calls_and_the_picks_follow(monkeypatch, split):
+    """Sampled calls' CPU and device times move the share; the device's pick vector then marks the new share's
+    experts wherever the table points home (static split) or the device's share follows it (balanced: every
+    uncached expert stays eligible), and results stay the resident's."""
+    monkeypatch.setenv("MOETIER_FED_SPLIT", split)
+    moves = []
+
+    def toward_fewer(share: float, cpu_seconds: float, device_seconds: float, cpu_fixed: float = 0.0) -> float:
+        assert cpu_seconds > 0 and device_seconds > 0  # both sides were timed
+        moves.append(share)
+        return max(share - 0.25, 0.05)
+
+    monkeypatch.setattr(mapped_cpu, "balanced_share", toward_fewer)
+    store = _random_store(LAYOUT, torch.bfloat16)
+    resident = ResidentDispatcher(store)
+    tiered = TieredDispatcher(store, cache_slots=3, miss_route="mapped", policy="lfu")  # share None: adaptive
+    fed = tiered.mapped.cpu if tiered.prepare("cpu") is None else None
+    generator = torch.Generator().manual_seed(4)
+    errors = []
+    for _ in range(60):  # 120 calls, 30 sampled: two rebalances
+        for layer in LAYOUT.moe_layers:
+            hidden, ids, weights = _routing(1, LAYOUT, generator, torch.bfloat16, skew=1.0)
+            ours = tiered.dispatch(layer, hidden, ids, weights)
+            errors.append(relative_error(ours, resident.dispatch(layer, hidden, ids, weights)))
+        mapped = tiered.mapped
+        pointed = {mapped._index(key) for key in mapped._pointed}
+        want = [int(p and i not in pointed) for i, p in enumerate(fed.picks)]
+        if mapped._share_version == fed.picks_version:  # followed at the next step's start
+            assert mapped.pick.tolist() == want
+    tiered.close()
+    assert fed.adaptive and len(moves) >= 2 and fed.balanced == (split == "balanced")
+    # Each rebalance is in the history with the fixed part of a job fitted over the finished ones.
+    assert len(fed.history) == 1 + len(moves) and fed._jobs_done and all(n >= 0 for n, _ in fed._jobs_done)
+    assert all(fixed >= 0.0 for _, _, fixed in fed.history)
+    if split == "static":
+        assert fed.picks_version >= 2 and fed.call_split(0) is None
+        assert sum(fed.picks) == round(fed.share * LAYOUT.num_experts) * len(LAYOUT.moe_layers)
+    else:
+        assert fed.picks_version == 0 and all(fed.picks)
+        assert fed.call_split(1).share.item() == pytest.approx(fed.share)  # the calls read the moved share
+    _check_bf16_noise(errors)
+
+
+@needs_kernel
+def test_calls_right_after_another_route_are_not_timed():
+    tiered = TieredDispatcher(_random_store(LAYOUT, torch.bfloat16), cache_slots=2, miss_route="mapped")
+    tiered.prepare("cpu")
+    fed = tiered.mapped.cpu
+    fed.settle()
+    calls = [mapped_cpu.FedCall(0, None, None) for _ in range(4 * mapped_cpu.SETTLE_STEPS * 2)]
+    for call in calls:
+        fed.mark_start(call, None)
+    settling = mapped_cpu.SETTLE_STEPS * len(LAYOUT.moe_layers)
+    assert all(call.timing is None for call in calls[:settling])
+    timed = [call.timing is not None for call in calls[settling:]]
+    assert sum(timed) == len(timed) // mapped_cpu.SAMPLE_EVERY  # then every SAMPLE_EVERY-th call
+    tiered.close()
+
+
+def _fp4_store(scale_format: str) -> ExpertStore:
+    """LAYOUT's experts as fp4 blocks, their power-of-two scales kept as ``scale_format`` (the same values)."""
+    quant = ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=True, scale_format=scale_format)
+    store = ExpertStore(replace(LAYOUT, quant=quant), torch.bfloat16, device_allocator("cpu"))
+    generator = torch.Generator().manual_seed(4)
+    for layer in LAYOUT.moe_layers:
+        for expert in range(LAYOUT.num_experts):
+            weights = store.block_for_loading(layer, expert)
+            for name in ("gate", "up", "down"):
+                q, scale = getattr(weights, f"{name}_q"), getattr(weights, f"{name}_scale")
+                q.copy_(torch.randint(0, 256, q.shape, dtype=torch.uint8, generator=generator))
+                exponents = torch.randint(121, 125, scale.shape, dtype=torch.uint8, generator=generator)
+                scale.copy_(exponents if scale_format == "e8m0" else scale_to_float(exponents))
+    return store
+
+
+@needs_kernel
+def test_fed_jobs_on_e8m0_scale_bytes_give_the_float32_scales_bits():
+    """A decode layer's fed job over fp4 blocks keeping e8m0 scale bytes computes what the same experts with
+    float32 scales do, through the worker's fed path (its static table of the layer's experts)."""
+    hidden, ids, weights = _routing(3, LAYOUT, torch.Generator().manual_seed(2), torch.bfloat16)
+    outs = []
+    for scales in ("e8m0", "float32"):
+        store = _fp4_store(scales)
+        tier = CpuExpertTier(LAYOUT.swiglu_limit, threads=2)
+        worker, checked, kernel = tier.fed_plan(_layer(store, 1), LAYOUT.hidden_size)
+        assert kernel.endswith("-fp4_e8m0" if scales == "e8m0" else "-fp4")
+        inbox = FedInbox.allocate(3, LAYOUT.top_k, LAYOUT.hidden_size, pin=False)
+        start = torch.zeros(1, dtype=torch.int32)
+        job = worker.submit_fed(checked, (start.data_ptr(), 1), inbox, LAYOUT.swiglu_limit, 2)
+        inbox.ids.copy_(ids)
+        inbox.weights.copy_(weights.float())
+        inbox.hidden.copy_(hidden)
+        start[0] = 1
+        assert job.wait()[0] == 0 and job.experts > 0
+        outs.append(inbox.out.clone())
+        tier.close()
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
