@@ -1,1 +1,0 @@
-"""Benchmark tooling: random checkpoints with real model shapes (``moetier make-bench-model``)."""
