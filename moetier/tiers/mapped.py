@@ -247,23 +247,26 @@ class MappedExperts:
     # --- between steps --------------------------------------------------------------------------
 
     def begin_step(self, step: int, stream: Any, fresh: bool = False) -> None:
-        """Before a mapped step: every ``bookkeeping_every``-th step (and after another route's), take in the counts
-        that came back, admit, bring the table up to date, and start copying the counts back again (the host waits
-        only for counts ``LAG_STEPS`` steps old); the steps between only point entries at slots whose copies have
-        landed. ``fresh``: the step before took another route (the fed share's first calls after it are not timed)."""
+        """Before a mapped step: every ``bookkeeping_every``-th step (and after another route's) a round of
+        :meth:`_keep_books`; the steps between only point entries at slots whose copies have landed. The step before
+        a round starts copying the counts back, so the round finds them (the host waits only for counts
+        ``LAG_STEPS`` steps old). ``fresh``: the step before took another route (the fed share's first calls after
+        it are not timed)."""
         self._step = step
         self._since_bookkeeping += 1
-        every = self.bookkeeping_every
-        if not fresh and self._since_bookkeeping < every:
-            # Why not every step: at 1 stream the round costs the host-bound step a quarter of its time, while
-            # admitting a few steps later costs the hit rate next to nothing (a layer's hot experts drift slowly).
-            if self._landing and all(self._has_landed(key) for key in self._landing):
-                self._follow_cache(stream, [])
-            self._steps += 1
-            if self._since_bookkeeping == every - 1:  # the counts so far, back by the next step's round
-                self._start_readback(stream)
-            return
-        self._since_bookkeeping = 0
+        # Why not every step: at 1 stream the round costs the host-bound step a quarter of its time, while admitting
+        # a few steps later costs the hit rate next to nothing (a layer's hot experts drift slowly).
+        if fresh or self._since_bookkeeping >= self.bookkeeping_every:
+            self._since_bookkeeping = 0
+            self._keep_books(stream, fresh)
+        elif self._landing and all(self._has_landed(key) for key in self._landing):
+            self._follow_cache(stream, [])
+        self._steps += 1
+        if self._since_bookkeeping == self.bookkeeping_every - 1:  # the next step keeps the books
+            self._start_readback(stream)
+
+    def _keep_books(self, stream: Any, fresh: bool) -> None:
+        """Take in the counts that came back, admit, bring the table up to date."""
         if self.cpu is not None:
             if fresh:
                 self.cpu.settle()
@@ -277,9 +280,6 @@ class MappedExperts:
             for _, key in admitted:
                 self.metrics.layer(key[0]).admit_bytes += self.cache.block_bytes
             self._landing.update(key for _, key in admitted)  # pointed at from the step their copies landed by
-        self._steps += 1
-        if every == 1:  # else the step before the next round starts it
-            self._start_readback(stream)
 
     def graph_step(self, hidden: torch.Tensor) -> tuple[str, bool] | None:
         """After :meth:`begin_step`, for a step whose calls the model may run inside CUDA graphs (``hidden``: one
@@ -356,7 +356,7 @@ class MappedExperts:
         changed = torch.nonzero(moved[0]).flatten()
         used: dict[Key, int] = {}
         split: dict[Key, tuple[int, int, int, int]] = {}  # (by the CPU tier, from a slot, calls, calls from a slot)
-        for i, (count, *rest) in zip(changed.tolist(), zip(*moved[:, changed].tolist(), strict=True), strict=True):
+        for i, (count, *rest) in zip(changed.tolist(), moved[:, changed].t().tolist(), strict=True):
             key = (self.layers[i // self.experts], i % self.experts)
             used[key], split[key] = count, tuple(rest)
         self._seen = host
