@@ -126,6 +126,8 @@ def test_config_rejects_bad_values(bench_model):
         DecodeBenchConfig(model=bench_model, host_steps=0)
     with pytest.raises(ConfigError, match="not TieredConfig fields"):
         DecodeBenchConfig(model=bench_model, tiered_options={"mapped_books": 1})
+    with pytest.raises(ConfigError, match="mapped_bookkeeping_every must be an integer >= 1"):
+        DecodeBenchConfig(model=bench_model, tiered_options={"mapped_bookkeeping_every": 0})
 
 
 def test_tiered_options_reach_every_tiered_mode_but_naive(bench_model):

@@ -138,6 +138,7 @@ class DecodeBenchConfig:
         unknown_options = sorted(set(self.tiered_options) - {f.name for f in fields(TieredConfig)})
         if unknown_options:
             raise ConfigError(f"--tiered: {unknown_options} are not TieredConfig fields")
+        TieredConfig(**{"cache_slots": 0, **self.tiered_options})  # the values' checks, before the model loads
         if self.kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.kv_dtype not in (None, "bf16", "fp8"):
