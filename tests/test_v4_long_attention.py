@@ -12,6 +12,7 @@ from reference import relative_error
 from test_deepseek_v4 import VOCAB, save_tiny_v4
 
 import moetier.models.deepseek_v4_attention as v4_attention
+import moetier.models.deepseek_v4_static_decode as static_decode
 from moetier.bench.prefill import attention_bytes
 from moetier.bench.shapes import build_config
 from moetier.config import ModelLoadConfig
@@ -37,9 +38,9 @@ def _run(model, prompt: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor],
         for layer in model.layers
         if layer.attn.indexer is not None
     ]
-    indexers = [layer.attn.indexer for layer in model.layers if layer.attn.indexer is not None]
-    for indexer in indexers:  # decode calls the indexer's decode directly, not through the module's hooks
-        indexer.decode = _recorded(indexer.decode, chosen)
+    # Decode picks in the fixed-shape step (deepseek_v4_static_decode.select), not through the module's hooks.
+    real_select = static_decode.select
+    static_decode.select = _recorded(real_select, chosen)
     try:
         cache = model.new_cache(PROMPT + STEPS + 1)
         hidden = torch.cat([model(prompt[i : i + CHUNK], cache) for i in range(0, PROMPT, CHUNK)])
@@ -52,13 +53,12 @@ def _run(model, prompt: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor],
     finally:
         for hook in hooks:
             hook.remove()
-        for indexer in indexers:
-            del indexer.decode
+        static_decode.select = real_select
     return prefill, steps, tokens, chosen
 
 
 def _recorded(decode, chosen: list[torch.Tensor]):
-    """``decode`` (an indexer's bound method) appending the ids it selects to ``chosen``."""
+    """``decode`` (a function selecting entry ids) appending the ids it selects to ``chosen``."""
 
     def run(*args, **kwargs):
         ids = decode(*args, **kwargs)

@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetier.models import deepseek_v4_attention as v4_attention
+from moetier.models.paged_kv import PagedKVSpace, paged_kv
 
 sys.path.insert(0, str(Path(__file__).parent))  # the tiny-config helpers, also when run as a script
 
@@ -93,7 +94,9 @@ def decode_attend_samples(
     """Prefill ``streams`` prompts (``prompt_len + 3 * i`` tokens), then record ``steps`` decode steps."""
     generator = torch.Generator().manual_seed(3)
     vocab = model.embed.num_embeddings
-    caches = [model.new_cache(prompt_len + 3 * streams + steps + 8) for _ in range(streams)]
+    # Paged caches: the eager attention core (contiguous ones take the fixed-shape step, replayed in graphs).
+    with paged_kv(PagedKVSpace("cpu", block_tokens=16)):
+        caches = [model.new_cache(prompt_len + 3 * streams + steps + 8) for _ in range(streams)]
     for i, cache in enumerate(caches):
         model(torch.randint(0, vocab, (prompt_len + 3 * i,), generator=generator), cache)
     tokens = [torch.randint(0, vocab, (streams,), generator=generator) for _ in range(steps)]

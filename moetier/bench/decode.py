@@ -78,7 +78,7 @@ from moetier.tiers.tiered_config import TieredConfig
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
 from moetier.weights.loader import LoadedModel
 
-_PROFILED_STEPS = 3  # steps the torch profiler records per mode (after one warm-up step)
+_PROFILED_STEPS = 3  # steps the torch profiler records per mode (after the settling steps)
 MODES = (
     *("resident", "naive", "cpu", "copy", "tiered"),
     *("tiered-host", "tiered-nohint", "resident-host", "mapped", "mapped-cpu", "mapped-cpu-noahead"),
@@ -191,6 +191,19 @@ class _DecodeRun:
 _TRIAL_STEPS_CAP = 160
 
 
+# Decode steps before a fresh run's measured pass: a layer's decode graph reads its sequences' own state, so a
+# sequence's first step warms it up and its second captures it (deepseek_v4_step).
+_SETTLE_STEPS = 2
+
+
+def _settled(run: _DecodeRun) -> torch.Tensor:
+    """Prefill ``run``, then :data:`_SETTLE_STEPS` decode steps -> the next tokens."""
+    tokens = run.prefill()
+    for _ in range(_SETTLE_STEPS):
+        tokens = run.step(tokens)
+    return tokens
+
+
 def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[float], list[int], int]:
     """Seconds per repeat of ``steps`` decode steps (after warm-up), the first stream's tokens from the same
     position in every mode, and the warm-up steps that waited for the dispatcher's split chooser to decide (the
@@ -226,8 +239,7 @@ def _clock_steps(run: _DecodeRun, steps: int) -> dict[str, Any]:
     """Host wall ms per decode step in each named phase (:func:`moetier.profiling.clocking`), over ``steps``
     steps after the timed ones (no profiler: its per-op cost would skew the shares). ``step`` is the whole
     step; ``tiers.wait`` the host's waits for the device's routing, ``tiers.cpu_wait`` for a CPU job."""
-    tokens = run.prefill()
-    tokens = run.step(tokens)
+    tokens = _settled(run)
     sync_device(run.model.device)
     with clocking() as clock:
         start = time.perf_counter()
@@ -241,8 +253,7 @@ def _clock_steps(run: _DecodeRun, steps: int) -> dict[str, Any]:
 
 def _python_profile(run: _DecodeRun, steps: int, rows: int = 30) -> str:
     """The host's Python functions by own time over ``steps`` decode steps (cProfile: where to cut host time)."""
-    tokens = run.prefill()
-    tokens = run.step(tokens)
+    tokens = _settled(run)
     sync_device(run.model.device)
     profiler = cProfile.Profile()
     profiler.enable()
@@ -268,8 +279,7 @@ def _profile_steps(run: _DecodeRun, steps: int = _PROFILED_STEPS, trace_path: Pa
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.model.device.type == "cuda" else [])
-    tokens = run.prefill()
-    tokens = run.step(tokens)
+    tokens = _settled(run)
     with profile(activities=activities, experimental_config=_trace_config(trace_path)) as prof:
         for _ in range(steps):
             tokens = run.step(tokens)

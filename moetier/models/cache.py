@@ -93,6 +93,23 @@ class KVRows:
             self.data[..., start:end, offset : offset + part.shape[-1]] = values
             self.scales[..., start:end, g : g + 1] = scale
 
+    def write_where(self, index: torch.Tensor, rows: torch.Tensor, when: torch.Tensor) -> None:
+        """Store ``rows`` (``[n, width]``, no lead dims) at token rows ``index`` (int64 ``[n]``, on the device) where
+        ``when`` (bool ``[n]``) holds; elsewhere the stored bytes are written back unchanged. No host value
+        decides anything: a CUDA graph can replay it (a static decode step's entry, written when it closes)."""
+        keep = when[:, None]
+        if self.scales is None:
+            current = self.data.index_select(0, index)
+            self.data.index_copy_(0, index, torch.where(keep, rows.to(self.data.dtype), current))
+            return
+        raw = self.data.view(torch.uint8)  # index kernels lack float8 on some devices: the same bits as uint8
+        for g, (offset, part) in enumerate(self._split(rows)):
+            values, scale = quantize_fp8(part)
+            columns = raw[:, offset : offset + part.shape[-1]]
+            columns.index_copy_(0, index, torch.where(keep, values.view(torch.uint8), columns.index_select(0, index)))
+            group = self.scales[:, g : g + 1]
+            group.index_copy_(0, index, torch.where(keep, scale, group.index_select(0, index)))
+
     def read(self, end: int) -> torch.Tensor:
         """Rows ``[0, end)`` in the compute dtype (``[*lead, end, width]``); a view when stored in it."""
         data = self.data[..., :end, :]

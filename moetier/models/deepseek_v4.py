@@ -520,10 +520,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         return x[:, None, :].expand(x.shape[0], self.config.hc_mult, -1).contiguous()
 
     def decode_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A decode step's first segment: ``input_ids`` (passed through, so later segments share one buffer),
-        the residual streams and the rotations' tensors (:func:`rotation_tensors`)."""
+        """A decode step's first segment: ``input_ids`` and ``positions`` (passed through, so later segments share
+        one buffer of each), the residual streams and the rotations' tensors (:func:`rotation_tensors`)."""
         x = self.embed(input_ids)
-        return input_ids, self.input_streams(x), *rotation_tensors(self.rotations(positions, x.dtype))
+        return input_ids, positions, self.input_streams(x), *rotation_tensors(self.rotations(positions, x.dtype))
 
     def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
         """The final hidden states ``[T, H]`` of the last layer's streams (the hyper-head's collapse, then the norm)."""

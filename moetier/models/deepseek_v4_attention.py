@@ -22,6 +22,7 @@ from moetier.models import deepseek_v4_attention_decode as attention_decode
 from moetier.models.deepseek_v4_cache import CompressorState, LayerCache, RowWrites
 from moetier.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from moetier.models.deepseek_v4_decode import (
+    SCORE_DTYPES,
     CompressedKeys,
     KeySet,
     padded_keys,
@@ -204,47 +205,34 @@ class Compressor(nn.Module):
     def _pair_with_previous(
         self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[n, rate, 2*dim]`` windows -> ``[n, 2*rate, dim]``: previous window's first half, then own second half."""
+        """``[n, rate, 2*dim]`` windows -> ``[n, 2*rate, dim]``: previous window's first half, then own second half.
+        The very first window's predecessor is the state's initial zeros with a -inf gate (weight 0)."""
         d = self.dim
-        if state.prev_kv is None:  # the very first window has no predecessor: weight 0 via a -inf gate
-            prev_kv = kv.new_zeros(1, self.rate, d)
-            prev_gate = gate.new_full((1, self.rate, d), float("-inf"))
-        else:
-            prev_kv, prev_gate = state.prev_kv, state.prev_gate
-        state.prev_kv, state.prev_gate = kv[-1:, :, :d].clone(), gate[-1:, :, :d].clone()
+        prev_kv, prev_gate = state.prev_kv, state.prev_gate
         if kv.shape[0] > 1:
             prev_kv = torch.cat([prev_kv, kv[:-1, :, :d]])
             prev_gate = torch.cat([prev_gate, gate[:-1, :, :d]])
-        return torch.cat([prev_kv, kv[..., d:]], dim=1), torch.cat([prev_gate, gate[..., d:]], dim=1)
+        paired = torch.cat([prev_kv, kv[..., d:]], dim=1), torch.cat([prev_gate, gate[..., d:]], dim=1)
+        state.prev_kv.copy_(kv[-1:, :, :d])  # in place, after the reads above: the state's tensors never move
+        state.prev_gate.copy_(gate[-1:, :, :d])
+        return paired
 
     def _pair_each_with_previous(
         self, kv: torch.Tensor, gate: torch.Tensor, states: list[CompressorState]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode: window ``i`` of ``[n, rate, 2*dim]`` is ``states[i]``'s -> ``[n, 2*rate, dim]``, each paired
-        with its own state's previous window as :meth:`_pair_with_previous` pairs one state's windows.
-        ``kv`` and ``gate`` are fresh tensors (not the open buffers): the states keep views of their first
-        halves as the next windows' predecessors, no copies."""
-        d, count = self.dim, len(states)
-        prev_kv, prev_gate = [], []
-        for state in states:
-            if state.prev_kv is None:  # a state's very first window: weight 0 via a -inf gate
-                prev_kv.append(kv.new_zeros(1, self.rate, d))
-                prev_gate.append(gate.new_full((1, self.rate, d), float("-inf")))
-            else:
-                prev_kv.append(state.prev_kv)
-                prev_gate.append(state.prev_gate)
-        own_kv, own_gate = kv[:, :, :d], gate[:, :, :d]
-        if count == 1:
-            states[0].prev_kv, states[0].prev_gate = own_kv, own_gate
-        for i, state in enumerate(states if count > 1 else ()):
-            state.prev_kv, state.prev_gate = own_kv[i : i + 1], own_gate[i : i + 1]
-        prev_kv = prev_kv[0] if count == 1 else torch.cat(prev_kv)
-        prev_gate = prev_gate[0] if count == 1 else torch.cat(prev_gate)
-        return torch.cat([prev_kv, kv[..., d:]], dim=1), torch.cat([prev_gate, gate[..., d:]], dim=1)
-
-
-# Key dtypes the indexer scores in directly; anything else (fp32, fp8 storage) is scored in fp32.
-SCORE_DTYPES = (torch.bfloat16, torch.float16)
+        with its own state's previous window as :meth:`_pair_with_previous` pairs one state's windows."""
+        d = self.dim
+        if len(states) == 1:
+            prev_kv, prev_gate = states[0].prev_kv, states[0].prev_gate
+        else:
+            prev_kv = torch.cat([state.prev_kv for state in states])
+            prev_gate = torch.cat([state.prev_gate for state in states])
+        paired = torch.cat([prev_kv, kv[..., d:]], dim=1), torch.cat([prev_gate, gate[..., d:]], dim=1)
+        for i, state in enumerate(states):
+            state.prev_kv.copy_(kv[i : i + 1, :, :d])
+            state.prev_gate.copy_(gate[i : i + 1, :, :d])
+        return paired
 
 
 def _head_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """DeepSeek-V4 decode's eager attention core (:meth:`DeepseekV4Attention.decode_attend`).
 
-A decode step runs the token-wise parts of a layer as CUDA graphs; this part stays eager because each
-sequence's window and compressors grow and close at their own steps. It is bound by the host: every op
-is a dispatch and a launch (~5-15 us) for a few microseconds of GPU work, so it is written for few ops.
-One sequence (the common case of a local server) takes a path of its own, without per-sequence lists,
-padding or masks; several run batched over one padded key tensor (:mod:`deepseek_v4_decode`). Nothing
-here waits for the device: counts are host ints, index tensors travel without a sync (:func:`host_ints`).
+Contiguous entry stores take the fixed-shape step (:mod:`deepseek_v4_static_decode`), which a decode
+step replays inside each layer's CUDA graph. Paged stores take the eager core below, because each
+sequence's window and compressors grow and close at their own steps and its blocks move. It is bound by
+the host: every op is a dispatch and a launch (~5-15 us) for a few microseconds of GPU work, so it is
+written for few ops. One sequence takes a path of its own, without per-sequence lists, padding or masks;
+several run batched over one padded key tensor (:mod:`deepseek_v4_decode`). Nothing here waits for the
+device: counts are host ints, index tensors travel without a sync (:func:`host_ints`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moetier.models import deepseek_v4_static_decode as static_decode
 from moetier.models.deepseek_v4_cache import LayerCache, RowWrites
 from moetier.models.deepseek_v4_decode import attend_padded, attend_rows
 from moetier.models.deepseek_v4_rope import StepRope
@@ -30,7 +32,13 @@ def decode_attend(
     rope: StepRope,
     states: list[LayerCache],
 ) -> torch.Tensor:
-    """:meth:`DeepseekV4Attention.decode_attend`: one token per sequence -> ``[B, heads, head_dim]``."""
+    """:meth:`DeepseekV4Attention.decode_attend`: one token per sequence -> ``[B, heads, head_dim]``. Contiguous
+    states take the fixed-shape step (:mod:`deepseek_v4_static_decode`, the one a decode step's graph replays)."""
+    if static_decode.supports(states):
+        bucket = static_decode.entry_bucket(states)
+        out = static_decode.attend(attn, q, index_q, inputs, rope.positions, rope.compress, states, bucket)
+        static_decode.advance(states)
+        return out
     if len(states) == 1:
         return _attend_one(attn, q, index_q, inputs, rope, states[0])
     return _attend_many(attn, q, index_q, inputs, rope, states)

@@ -1,13 +1,14 @@
 """Per-sequence DeepSeek-V4 attention state: sliding-window keys, compressor rolling state, compressed entries.
 
-Contiguous and per sequence (the paged engine replaces it). Memory per layer is the window
-(``sliding_window - 1`` keys plus up to :attr:`SlidingWindowKV.SLACK` rows of room to append in place),
-the open window's projections (``rate`` rows, preallocated), one overlap half for CSA, and the
-compressed entries, preallocated for ``max_tokens // rate`` entries.
+Per sequence. Memory per layer is the window (a ring of ``sliding_window`` keys), the open window's
+projections (``rate`` rows), one overlap half for CSA, all allocated once, and the compressed entries
+(``max_tokens // rate`` rows, contiguous or paged). The rolling tensors never move, so a decode step's
+CUDA graph may write them in place (:mod:`deepseek_v4_static_decode`).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -38,58 +39,61 @@ class RowWrites:
 
 
 class SlidingWindowKV:
-    """The last ``window - 1`` keys of one layer (V4 uses one tensor as both key and value).
+    """The last ``window`` keys of one layer (V4 uses one tensor as both key and value), in a ring.
 
-    The keys are rows ``[start, start + length)`` of a buffer with room for ``slack`` more rows, so a decode
-    step appends its key in place (one copy) and hands back a view; only when the room runs out (every
-    ``slack`` decode steps, or a long chunk) are the kept keys moved back to the front.
+    The key of position ``p`` lives in row ``p % window`` of a buffer allocated once, so its address never
+    changes and a decode step writes its key at a row the device computes from the position (a CUDA graph
+    can replay it: :mod:`deepseek_v4_static_decode`). ``seen`` counts the keys written so far. A query at
+    position ``p`` sees the keys of positions ``p - window + 1 .. p``: after its own key is written, every
+    row of the ring (rows past ``p`` are unwritten while ``p < window - 1``).
     """
-
-    SLACK = 64
 
     def __init__(self, window: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.keep = window - 1
-        self.buffer = torch.empty(0, dim, dtype=dtype, device=device)
-        self.start = self.length = 0
+        self.buffer = torch.zeros(window, dim, dtype=dtype, device=device)
+        self.seen = 0
+
+    @property
+    def size(self) -> int:
+        return self.buffer.shape[0]
 
     @property
     def keys(self) -> torch.Tensor:
-        """The kept keys ``[<= window - 1, D]`` (a view)."""
-        return self.buffer[self.start : self.start + self.length]
+        """The last ``<= window - 1`` keys in position order ``[n, D]`` (a view unless they wrap the ring)."""
+        count = min(self.seen, self.keep)
+        first = (self.seen - count) % self.size
+        if first + count <= self.size:
+            return self.buffer[first : first + count]
+        return torch.cat([self.buffer[first:], self.buffer[: first + count - self.size]])
 
     def extend(self, new: torch.Tensor, writes: RowWrites | None = None) -> torch.Tensor:
         """Append ``new`` (``[T, D]``); return the kept keys followed by ``new``, the keys the new queries see.
 
-        The result may be a view of the buffer: valid until the next :meth:`extend`. With ``writes`` the copy
-        of ``new`` into the buffer may be left to it (the view holds ``new`` once it is flushed).
-        """
-        if not self.keep:
-            return new
-        end, tokens = self.start + self.length, new.shape[0]
-        if end + tokens <= self.buffer.shape[0]:
+        With ``writes`` (one row) the copy of ``new`` into the ring may be left to it."""
+        keys = torch.cat([self.keys, new]) if self.seen and self.keep else new
+        tokens = new.shape[0]
+        if tokens == 1:
+            row = self.seen % self.size
             if writes is None:
-                self.buffer[end : end + tokens] = new
+                self.buffer[row : row + 1] = new
             else:
-                writes.add(self.buffer[end : end + tokens], new)
-            keys = self.buffer[self.start : end + tokens]
+                writes.add(self.buffer[row : row + 1], new)
         else:
-            keys = torch.cat([self.keys, new]) if self.length else new
-            capacity = self.keep + min(self.SLACK, self.keep)
-            if self.buffer.shape[0] < capacity:
-                self.buffer = new.new_empty(capacity, new.shape[1])
-            self.start = 0
-            self.buffer[: min(keys.shape[0], self.keep)] = keys[-self.keep :]
-            self.length = min(keys.shape[0], self.keep)
-            return keys
-        self.length = min(self.length + tokens, self.keep)
-        self.start = end + tokens - self.length
+            tail = new[-self.size :]
+            first = self.seen + tokens - tail.shape[0]
+            rows = torch.arange(first, first + tail.shape[0], device=new.device) % self.size
+            self.buffer.index_copy_(0, rows, tail)
+        self.seen += tokens
         return keys
 
+    def advance(self) -> None:
+        """Count one key written by the device (a static decode step wrote its row)."""
+        self.seen += 1
+
     def copy(self) -> SlidingWindowKV:
-        """A compact deep copy (a buffer of exactly the kept keys; it grows on its next extend)."""
+        """A deep copy (its own ring)."""
         clone = SlidingWindowKV.__new__(SlidingWindowKV)
-        clone.keep, clone.buffer = self.keep, self.keys.clone()
-        clone.start, clone.length = 0, self.length
+        clone.keep, clone.buffer, clone.seen = self.keep, self.buffer.clone(), self.seen
         return clone
 
     @property
@@ -121,8 +125,13 @@ class CompressorState:
         self.rate, self.width = rate, width
         self.open = torch.empty(rate, 2 * width, dtype=dtype, device=device)
         self.n_open = 0
+        # Overlapping windows (CSA, ``width`` = 2 x ``dim``): the first half of the last closed window; before
+        # any closed, zeros with a -inf gate (weight 0). Allocated once and updated in place (fixed addresses).
         self.prev_kv: torch.Tensor | None = None
         self.prev_gate: torch.Tensor | None = None
+        if width == 2 * dim:
+            self.prev_kv = torch.zeros(1, rate, dim, dtype=dtype, device=device)
+            self.prev_gate = torch.full((1, rate, dim), float("-inf"), dtype=torch.float32, device=device)
         self.entries = kv_rows((), max_entries, dim, dtype, device, kv_dtype)
         self.count = 0
 
@@ -159,6 +168,13 @@ class CompressorState:
             return False
         self.n_open = 0
         return True
+
+    def advance(self) -> None:
+        """Count one row stored by the device (a static decode step wrote it, and the entry when it closed)."""
+        self.n_open += 1
+        if self.n_open == self.rate:
+            self.n_open = 0
+            self.count += 1
 
     @property
     def open_kv(self) -> torch.Tensor:
@@ -234,10 +250,14 @@ class LayerCache:
         return total
 
 
+_SERIALS = itertools.count()
+
+
 class DeepseekV4Cache(SequenceCache):
     """All layers' state of one sequence; ``length`` tokens have been consumed."""
 
     def __init__(self, layers: list[LayerCache], max_tokens: int) -> None:
+        self.serial = next(_SERIALS)  # never reused: a decode graph keyed by it reads this cache's tensors only
         self.layers = layers
         self.max_tokens = max_tokens
         self.length = 0

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# Key dtypes the indexer scores in directly; anything else (fp32, fp8 storage) is scored in fp32.
+SCORE_DTYPES = (torch.bfloat16, torch.float16)
 # Padding masks ``[B, S]`` (True = padding) by the sequences' key counts; several layers of one step
 # share a key layout (every sliding layer; compressed layers of one rate), so they share the mask.
 MaskCache = dict[tuple[int, ...], torch.Tensor]

@@ -1,31 +1,39 @@
-"""One DeepSeek-V4 decode step (one new token per sequence) as segments: CUDA graphs around the eager parts.
+"""One DeepSeek-V4 decode step (one new token per sequence) as segments: a CUDA graph per layer.
 
 Decode of a few streams is bound by launches (issue 4: a 3-layer scaled V4-Flash step took 12.6 ms of wall
 time for ~2 ms of GPU work on an H200, ~670 kernels plus their Python). A step runs as
 
-    inputs    graph   embedding, residual streams, the rotations of the step's positions
-    per layer:
-      pre     graph   the previous layer's MoE output merged into the streams, attn_hc + norm, the fused
-                      projections of x, the rotated queries (the attention's and the indexer's), the
-                      indexer's head weights as it scores with them
-      core    eager   each sequence's window and compressors' rows, then batched over the sequences: the
-                      windows that close, the indexer's scores, the padded sink attention
-      post    graph   rotate back, output projection, mHC merge, ffn_hc + norm, router, shared expert; for a
-                      dispatcher that wants hints, the next layer's predicted experts
-                      (:meth:`DeepseekV4DecoderLayer.predict_routing`)
+    inputs    graph   embedding, residual streams, the rotations of the step's positions (token ids and
+                      positions passed through: every later segment reads them in place)
+    per layer, contiguous states (the default):
+      layer   graph   the previous layer's MoE output merged into the streams, attn_hc + norm, the fused
+                      projections, the rotated queries; the fixed-shape attention
+                      (:mod:`deepseek_v4_static_decode`: ring window, compressors, indexer top-k over a
+                      power-of-two bucket of entries, masked sink attention; every write in place at rows the
+                      device computes from the positions); rotate back, output projection, mHC merge, ffn_hc
+                      + norm, router, shared expert; the next layer's predicted experts for a dispatcher that
+                      wants hints (:meth:`DeepseekV4DecoderLayer.predict_routing`)
+    per layer, paged states:
+      pre     graph   the layer's first half above, up to the rotated queries
+      core    eager   the eager attention core (:mod:`deepseek_v4_attention_decode`)
+      post    graph   the layer's second half above, from rotating back
+    then
       experts eager   the dispatcher (its tiers decide on the host from the routing), after the hint; for
                       a dispatcher that is ``graphable`` for the batch (resident experts with device-built
-                      launch tables, a tiered dispatcher's mapped step), inside post instead, with the
-                      hint after post where it ``wants_graph_hints``
+                      launch tables, a tiered dispatcher's mapped step), inside the layer's (or post's) graph
+                      instead, with the hint after it where it ``wants_graph_hints``
                       (:func:`~moetier.models.decode_segments.decode_plan`)
     final     graph   the last MoE output merged in, hyper-head, final norm
 
-through :class:`~moetier.models.graph_segments.SegmentGraphs`, keyed by segment, layer and batch size: at
-most one capture per (segment, layer, batch size). Segments hand their outputs straight to the next one
-(read in place); only the eager parts' results and the step's token ids and positions are copied in. The
-math is the layers' own (:meth:`DeepseekV4DecoderLayer.decode_pre` and ``decode_post``, the attention's
-``decode_*`` methods), the same the one-call forward uses; without CUDA, or with graphs off, the segments
-run eagerly, so the CPU tests of this path test the graphed math.
+through :class:`~moetier.models.graph_segments.SegmentGraphs`. A whole layer's graph reads and writes the
+sequences' own state tensors (allocated once: fixed addresses), so it is keyed by layer, the sequences (their
+caches' serials) and the entry bucket: a sequence's first decode step warms it up, the second captures it,
+and a bucket that doubles captures it again (a handful of times over a long session); a finished sequence's
+graphs are dropped with it (:meth:`SegmentGraphs.track`). Pre and post are keyed by segment, layer and batch
+size. Segments hand their outputs straight to the next one (read in place); only the eager parts' results and
+the step's token ids and positions are copied in. The math is the layers' own (``decode_pre``, ``decode_post``,
+the attention's ``decode_*`` methods), the same the one-call forward uses; without CUDA, or with graphs off,
+the segments run eagerly, so the CPU tests of this path test the graphed math.
 
 Expert hints, as in :mod:`moetier.models.decode_segments`: every V4 layer is a MoE layer, so each but the last
 hands ``dispatcher.hint(L + 1, ids)`` the next layer's predicted experts (exact for a hash-routed next layer)
@@ -36,11 +44,13 @@ before the work holding layer ``L``'s call; the graphs are captured with or with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
+from moetier.models import deepseek_v4_static_decode as static_decode
 from moetier.models.base import ForwardBatch
 from moetier.models.decode_segments import DecodePlan, decode_plan
 from moetier.models.deepseek_v4_attention import Projections
@@ -63,51 +73,125 @@ def decode_step(model: DeepseekV4ForCausalLM, input_ids: torch.Tensor, batch: Fo
         plan = decode_plan(graphs, model.dispatcher, size, experts)
         # Each layer predicts the next one's experts (the last none), when the dispatcher wants hints.
         targets = (layers[1:] + [None]) if plan.hints else [None] * len(layers)
-        ids, streams, *rope_tensors = graphs.run(("inputs", size), model.decode_inputs, input_ids, batch.positions)
-        rope = StepRope(batch.positions, rotations_from(tuple(rope_tensors)), model.rope_tables["compress"])
+        inputs = graphs.run(("inputs", size), model.decode_inputs, input_ids, batch.positions)
+        ids, positions, streams, *rope_tensors = inputs
+        rope = StepRope(positions, rotations_from(tuple(rope_tensors)), model.rope_tables["compress"])
+        step = _Step(graphs, ids, tuple(rope_tensors), rope, batch, plan, model.embed.weight.dtype)
         carry: Carry = (streams,)
         for layer, ahead in zip(layers, targets, strict=True):
-            carry = _layer_step(graphs, layer, ahead, carry, ids, tuple(rope_tensors), rope, batch, plan)
+            carry = _layer_step(step, layer, ahead, carry)
         (hidden,) = graphs.run(("final", size), partial(_final, model), *carry)
         return graphs.fresh(hidden)
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What every layer of one decode step shares: the graphs, the token ids and positions (the inputs
+    segment's outputs, read in place), the rotations, the batch and the step's plan."""
+
+    graphs: SegmentGraphs
+    ids: torch.Tensor
+    rope_tensors: tuple[torch.Tensor, ...]
+    rope: StepRope
+    batch: ForwardBatch
+    plan: DecodePlan
+    dtype: torch.dtype
+
+    @property
+    def caches(self) -> list:
+        return [s.cache for s in self.batch.slices]
+
+
 def _layer_step(
-    graphs: SegmentGraphs,
-    layer: DeepseekV4DecoderLayer,
-    ahead: DeepseekV4DecoderLayer | None,
-    carry: Carry,
-    ids: torch.Tensor,
-    rope_tensors: tuple[torch.Tensor, ...],
-    rope: StepRope,
-    batch: ForwardBatch,
-    plan: DecodePlan,
+    step: _Step, layer: DeepseekV4DecoderLayer, ahead: DeepseekV4DecoderLayer | None, carry: Carry
 ) -> Carry:
-    """One layer: pre (graph), attention core (eager), post (graph; with ``ahead``, the layer it predicts, its
-    hint), routed experts (eager, or with ``plan.experts_in_graphs`` inside post) -> its carry."""
-    index, size, experts_in_graph = layer.layer, len(batch.slices), plan.experts_in_graphs
+    """One layer (with ``ahead``, the layer it predicts, its hint) -> its carry. Contiguous states: the whole
+    layer is one segment, its attention the fixed-shape step (:mod:`deepseek_v4_static_decode`); otherwise pre
+    (graph), the attention core (eager), post (graph). The routed experts run inside the (last) segment with
+    ``plan.experts_in_graphs``, else eagerly after it."""
+    index, experts_in_graph = layer.layer, step.plan.experts_in_graphs
     dispatcher = layer.ffn.dispatcher
-    pre = graphs.run(("pre", index, size), partial(_pre, layer, len(carry)), *carry, *rope_tensors)
-    streams, post, comb, q, index_q = pre[:5]
-    states = [s.cache.layers[index] for s in batch.slices]
-    with phase("v4.attend"):
-        out = layer.attn.decode_attend(q, index_q, Projections(*pre[5:]), rope, states)
-    post_fn = partial(_post, layer, ahead, experts_in_graph)
-    if plan.hints and experts_in_graph:  # what a hint for this layer started, before the segment holding its call
-        dispatcher.await_hint(index)
-    outputs = graphs.run(("post", index, size), post_fn, out, streams, post, comb, ids, *rope_tensors)
-    if experts_in_graph:  # the routed experts ran inside post: its outputs are the carry (and the hint)
+    states = [cache.layers[index] for cache in step.caches]
+    if static_decode.supports(states):
+        if step.plan.hints and experts_in_graph:  # what a hint for this layer started, before the segment with its call
+            dispatcher.await_hint(index)
+        outputs = _static_layer(step, layer, ahead, carry, states)
+    else:
+        outputs = _split_layer(step, layer, ahead, carry, states)
+    if experts_in_graph:  # the routed experts ran inside the segment: its outputs are the carry (and the hint)
         if ahead is not None:
             dispatcher.hint(ahead.layer, outputs[5])
         return outputs[:5]
     streams, post, comb, x, topk_ids, weights, shared, *predicted = outputs
     if ahead is not None:  # before this layer's dispatch: the next layer's copies can start while it computes
         dispatcher.hint(ahead.layer, predicted[0])
-    if plan.hints:
+    if step.plan.hints:
         dispatcher.await_hint(index)
     with phase("v4.dispatch"):
         routed = dispatcher.dispatch(index, x, topk_ids, weights)
     return streams, post, comb, routed, shared
+
+
+def _split_layer(
+    step: _Step, layer: DeepseekV4DecoderLayer, ahead: DeepseekV4DecoderLayer | None, carry: Carry, states: list
+) -> tuple:
+    """Pre (graph), the eager attention core, post (graph) -> post's outputs."""
+    index, size, graphs = layer.layer, len(step.batch.slices), step.graphs
+    pre = graphs.run(("pre", index, size), partial(_pre, layer, len(carry)), *carry, *step.rope_tensors)
+    streams, post, comb, q, index_q = pre[:5]
+    with phase("v4.attend"):
+        out = layer.attn.decode_attend(q, index_q, Projections(*pre[5:]), step.rope, states)
+    if step.plan.hints and step.plan.experts_in_graphs:
+        layer.ffn.dispatcher.await_hint(index)
+    post_fn = partial(_post, layer, ahead, step.plan.experts_in_graphs)
+    return graphs.run(("post", index, size), post_fn, out, streams, post, comb, step.ids, *step.rope_tensors)
+
+
+def _static_layer(
+    step: _Step, layer: DeepseekV4DecoderLayer, ahead: DeepseekV4DecoderLayer | None, carry: Carry, states: list
+) -> tuple:
+    """The whole layer as one segment, keyed by the sequences (their states' fixed tensors) and the entry bucket
+    -> post's outputs; the host's counts follow after."""
+    bucket = static_decode.entry_bucket(states)
+    table = _entry_table(step, layer, states)
+    serials = tuple(cache.serial for cache in step.caches)
+    for cache in step.caches:  # a finished sequence's graphs go with it
+        step.graphs.track(cache.serial, cache)
+    key = ("layer", layer.layer, len(states), bucket, serials, table)
+    fn = partial(_whole_layer, layer, ahead, step.plan.experts_in_graphs, len(carry), states, bucket, step.rope)
+    outputs = step.graphs.run(key, fn, *carry, *step.rope_tensors, step.rope.positions, step.ids, tags=serials)
+    static_decode.advance(states)
+    return outputs
+
+
+def _entry_table(step: _Step, layer: DeepseekV4DecoderLayer, states: list) -> int:
+    """The compressed entries' rotation table grown now to the stores' capacity (a graph must not grow it), and
+    its address (part of the key: a table grown for a longer sequence is a new tensor); 0 without a compressor."""
+    compressor = layer.attn.compressor
+    if compressor is None:
+        return 0
+    capacity = states[0].compressor.entries.capacity
+    return step.rope.compress.entry_table(capacity, compressor.rate, step.dtype).data_ptr()
+
+
+def _whole_layer(
+    layer: DeepseekV4DecoderLayer,
+    ahead: DeepseekV4DecoderLayer | None,
+    experts_in_graph: bool,
+    carried: int,
+    states: list,
+    bucket: int,
+    rope: StepRope,
+    *tensors: torch.Tensor | None,
+) -> tuple:
+    """Segment: ``carried`` carry tensors, the rotations' tensors, the positions and the token ids -> what
+    :func:`_post` returns, through :func:`_pre` and the fixed-shape attention."""
+    positions, ids = tensors[-2:]
+    pre = _pre(layer, carried, *tensors[:-2])
+    streams, post, comb, q, index_q = pre[:5]
+    inputs = Projections(*pre[5:])
+    out = static_decode.attend(layer.attn, q, index_q, inputs, positions, rope.compress, states, bucket)
+    return _post(layer, ahead, experts_in_graph, out, streams, post, comb, ids, *tensors[carried:-2])
 
 
 def _settle(layer: DeepseekV4DecoderLayer, carry: Carry) -> torch.Tensor:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -75,6 +76,7 @@ class _Entry:
     inputs: Tensors = ()
     outputs: Tensors = ()
     failed: bool = False
+    tags: tuple[Hashable, ...] = ()
 
 
 class SegmentGraphs:
@@ -98,17 +100,21 @@ class SegmentGraphs:
         self._capture_stream: Any = None
         self._side_stream: Any = None
         self._variant: Hashable = None
+        self._tracked: set[Hashable] = set()
 
-    def run(self, key: Hashable, fn: SegmentFn, *tensors: MaybeTensor) -> Tensors:
-        """``fn(*tensors)`` as a tuple, from the key's CUDA graph where one applies (module doc)."""
+    def run(self, key: Hashable, fn: SegmentFn, *tensors: MaybeTensor, tags: tuple[Hashable, ...] = ()) -> Tensors:
+        """``fn(*tensors)`` as a tuple, from the key's CUDA graph where one applies (module doc). ``tags`` name
+        what the graph reads besides its inputs (e.g. sequences whose state it writes): :meth:`drop_tag` drops it."""
         with phase("segments"):
-            return self._run(key, fn, tensors)
+            return self._run(key, fn, tensors, tags)
 
-    def _run(self, key: Hashable, fn: SegmentFn, tensors: Tensors) -> Tensors:
+    def _run(self, key: Hashable, fn: SegmentFn, tensors: Tensors, tags: tuple[Hashable, ...] = ()) -> Tensors:
         if not self._active(tensors):
             return _as_tuple(fn(*tensors))
         signature = (self._variant, key, torch.is_inference_mode_enabled(), *map(_signature, tensors))
-        entry = self._entries.setdefault(signature, _Entry())
+        entry = self._entries.get(signature)
+        if entry is None:
+            entry = self._entries[signature] = _Entry(tags=tags)
         if entry.graph is not None:
             return self._replay(entry, tensors)
         if entry.failed:
@@ -121,6 +127,21 @@ class SegmentGraphs:
     def fresh(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, or a copy of it when it is a captured output (which a later replay overwrites)."""
         return tensor.clone() if self._outputs.get(id(tensor)) is tensor else tensor
+
+    def track(self, tag: Hashable, owner: object) -> None:
+        """Drop the graphs tagged ``tag`` once ``owner`` is garbage (registered once per tag)."""
+        if tag not in self._tracked:
+            self._tracked.add(tag)
+            weakref.finalize(owner, self.drop_tag, tag)
+
+    def drop_tag(self, tag: Hashable) -> None:
+        """Forget every graph tagged ``tag`` (its memory returns to the pool once nothing else holds it)."""
+        self._tracked.discard(tag)
+        for signature in [s for s, entry in self._entries.items() if tag in entry.tags]:
+            entry = self._entries.pop(signature)
+            for output in entry.outputs:
+                if output is not None:
+                    self._outputs.pop(id(output), None)
 
     def reset(self) -> None:
         """Drop every graph (e.g. after the weights moved): keys warm up and capture again."""

@@ -32,8 +32,8 @@ def kv_estimate(config: Any) -> KvEstimate:
     """The family's attention state per token, from its config dataclass (one rule per attention kind).
 
     - DeepSeek-V4 (``layer_types``): compressed entries, ``head_dim / rate`` per token per CSA/HCA
-      layer plus ``index_head_dim / rate`` for the CSA indexer; per stream the sliding window
-      (``sliding_window - 1`` keys per layer) and the open compressor windows.
+      layer plus ``index_head_dim / rate`` for the CSA indexer; per stream the sliding window ring
+      (``sliding_window`` keys per layer), the open compressor windows and CSA's predecessor halves.
     - MLA (``kv_lora_rank``, DeepSeek-V3): ``kv_lora_rank + qk_rope_head_dim`` per token per layer.
     - GQA (``num_key_value_heads``, ``head_dim``): keys and values, ``2 * kv_heads * head_dim``.
     """
@@ -64,8 +64,11 @@ def kv_budget_line(config: Any, tokens: int, origin: str, streams: int, element:
 
 def _v4_kv(config: Any) -> KvEstimate:
     per_token, per_stream, scales = 0.0, 0, 0.0
+    # Per stream, what DeepseekV4Cache allocates up front: the window ring, each compressor's open window
+    # (projections and gates) and, overlapping (CSA, its indexer), the predecessor half's kv and gate (the
+    # gate is float32: counted as one value, exact in fp32, half its bytes in 16-bit).
     for layer in range(config.num_hidden_layers):
-        per_stream += (config.sliding_window - 1) * config.head_dim
+        per_stream += config.sliding_window * config.head_dim
         rate = config.compress_rate(layer)
         if rate == 0:
             continue
@@ -73,10 +76,10 @@ def _v4_kv(config: Any) -> KvEstimate:
         width = config.head_dim * (2 if csa else 1)
         per_token += config.head_dim / rate
         scales += 1 / rate
-        per_stream += 2 * (rate - 1) * width  # open window: projections and gates
+        per_stream += 2 * rate * width + (2 * rate * config.head_dim if csa else 0)
         if csa:
             per_token += config.index_head_dim / rate
             scales += 1 / rate
-            per_stream += 2 * (rate - 1) * 2 * config.index_head_dim
+            per_stream += 2 * rate * 2 * config.index_head_dim + 2 * rate * config.index_head_dim
     note = "V4 compressed entries per token; window + open windows per stream"
     return KvEstimate(per_token, per_stream, note, scales)

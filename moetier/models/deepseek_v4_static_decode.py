@@ -1,0 +1,175 @@
+"""DeepSeek-V4 decode attention in fixed shapes: one token per sequence, no host decision, CUDA-graph replayable.
+
+The eager decode core (:mod:`deepseek_v4_attention_decode`) lets the host decide each step: whether a
+compressor's window closes, how many entries there are, whether the indexer runs. Here the device decides
+from the step's positions, so the same ops run every step and a layer's whole step (projections, attention,
+output, routing) is one graph (:mod:`deepseek_v4_step`). Per sequence ``b`` at position ``p``:
+
+- the window key goes to ring row ``p % window`` (:class:`SlidingWindowKV`); every ring row is a key, those
+  past ``p`` masked while the ring is not yet full;
+- each compressor stores its row at ``p % rate`` and pools the open window every step, masked to its rows so
+  far (the previous window's first half joins for CSA); the entry is written at ``p // rate`` only where the
+  window closes (:meth:`KVRows.write_where`), and the predecessor half replaced there too;
+- the compressed keys are the first ``bucket`` entries, masked to the complete ones (``w < (p + 1) // rate``);
+  a CSA layer with more than ``index_topk`` of them lets the indexer score all ``bucket`` and reads back the
+  top-k (invisible ones score -inf and stay masked);
+- one masked sink attention over window and compressed keys, batched over the sequences.
+
+``bucket`` (:func:`entry_bucket`, a power of two at least every sequence's entry count after the step) is the
+one shape that changes with the context: the graph is keyed by it, so a long session captures a layer a
+handful of times. Masked keys are zeroed before both products (unwritten rows hold anything), so a masked
+key adds exactly nothing. Key order differs from the eager core's (ring order, top-k order), which only
+changes the sums' rounding. The host mirrors the counts afterwards (:func:`advance`).
+
+It runs on contiguous entry stores (fixed addresses); paged stores keep the eager core (:func:`supports`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from moetier.models.cache import KVRows
+from moetier.models.deepseek_v4_cache import CompressorState, LayerCache
+from moetier.models.deepseek_v4_decode import SCORE_DTYPES
+from moetier.models.deepseek_v4_rope import RotaryTable, Rotation, rotate_
+
+if TYPE_CHECKING:
+    from moetier.models.deepseek_v4_attention import Compressor, DeepseekV4Attention, Projections
+
+
+MIN_BUCKET = 16  # entries a layer reads at least: fewer captures at the start of a sequence
+
+
+def supports(states: list[LayerCache]) -> bool:
+    """Whether these sequences' states (one layer's) suit the fixed-shape step: contiguous entry stores (fixed
+    addresses) of one capacity."""
+    stores = [s for state in states for s in (state.compressor, state.indexer) if s is not None]
+    return all(type(s.entries) is KVRows for s in stores) and len({s.entries.capacity for s in stores}) <= 1
+
+
+def entry_bucket(states: list[LayerCache]) -> int:
+    """Entries the step reads per sequence: a power of two (at least :data:`MIN_BUCKET`) covering every
+    sequence's entry count once this step's row is in, at most the stores' capacity; 0 without a compressor."""
+    first = states[0].compressor
+    if first is None:
+        return 0
+    count = max(s.compressor.count + (s.compressor.n_open + 1 == s.compressor.rate) for s in states)
+    bucket = MIN_BUCKET
+    while bucket < count:
+        bucket *= 2
+    return min(bucket, first.entries.capacity)
+
+
+def attend(
+    attn: DeepseekV4Attention,
+    q: torch.Tensor,
+    index_q: torch.Tensor | None,
+    inputs: Projections,
+    positions: torch.Tensor,
+    table: RotaryTable,
+    states: list[LayerCache],
+    bucket: int,
+) -> torch.Tensor:
+    """One token per sequence (``positions`` ``[B]`` on the device) appended to ``states`` and attended ->
+    ``[B, heads, head_dim]`` (still rotated). Capturable for fixed ``states`` and ``bucket``; call
+    :func:`advance` after (outside any graph)."""
+    keys, valid = _window_step([s.window for s in states], inputs.kv, positions)
+    if attn.compressor is not None:
+        entries, visible = _compressed_keys(attn, index_q, inputs, positions, table, states, bucket)
+        keys, valid = torch.cat([keys, entries], dim=1), torch.cat([valid, visible], dim=1)
+    keys = keys.masked_fill(~valid[..., None], 0)
+    logits = torch.bmm(q, keys.transpose(1, 2)).mul_(attn.scale).masked_fill_(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(torch.cat([logits, attn.sink_logits(len(states))], dim=-1), dim=-1).to(q.dtype)
+    return torch.bmm(probs[..., :-1], keys)
+
+
+def advance(states: list[LayerCache]) -> None:
+    """The host's counts after a step of :func:`attend` (the device wrote the rows)."""
+    for state in states:
+        state.window.advance()
+        for store in (state.compressor, state.indexer):
+            if store is not None:
+                store.advance()
+
+
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)
+
+
+def _window_step(windows: list, kv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's key into its ring; the rings ``[B, window, D]`` and which rows hold keys ``[B, window]``."""
+    size = windows[0].size
+    rows = positions % size
+    for b, window in enumerate(windows):
+        window.buffer.index_copy_(0, rows[b : b + 1], kv[b : b + 1])
+    valid = torch.arange(size, device=positions.device)[None, :] <= positions[:, None]
+    return _stack([w.buffer for w in windows]), valid
+
+
+def _compress_step(
+    compressor: Compressor, states: list[CompressorState], kv_gate: torch.Tensor, positions: torch.Tensor, table
+) -> None:
+    """Each sequence's row into its open window; the window pooled (masked to its rows so far), rotated at
+    its entry's position, and written as entry ``p // rate`` where it closes."""
+    rate, width, dim, capacity = compressor.rate, states[0].width, compressor.dim, states[0].entries.capacity
+    slot = positions % rate
+    for b, state in enumerate(states):
+        state.open.index_copy_(0, slot[b : b + 1], kv_gate[b : b + 1])
+    if capacity == 0:  # a sequence shorter than one window: no entry will close
+        return
+    opens = _stack([s.open for s in states])  # [B, rate, 2 * width]
+    empty = (torch.arange(rate, device=positions.device)[None, :] > slot[:, None])[..., None]
+    kv = opens[..., :width].masked_fill(empty, 0)
+    gate = (opens[..., width:] + compressor.ape.float()).masked_fill(empty, float("-inf"))
+    closing = slot == rate - 1
+    if compressor.overlap:
+        prev_kv = _stack([s.prev_kv[0] for s in states])
+        prev_gate = _stack([s.prev_gate[0] for s in states])
+        pooled_kv = torch.cat([prev_kv, kv[..., dim:]], dim=1)
+        pooled_gate = torch.cat([prev_gate, gate[..., dim:]], dim=1)
+        for b, state in enumerate(states):  # after the reads above: a closing window becomes the predecessor
+            close = closing[b : b + 1, None, None]
+            state.prev_kv.copy_(torch.where(close, kv[b : b + 1, :, :dim], state.prev_kv))
+            state.prev_gate.copy_(torch.where(close, gate[b : b + 1, :, :dim], state.prev_gate))
+        kv, gate = pooled_kv, pooled_gate
+    pooled = compressor._pool(kv, gate)
+    at = (positions // rate).clamp(max=capacity - 1)  # past the last entry only while not closing (unwritten)
+    rotation = table.entry_table(capacity, rate, pooled.dtype).index_select(0, at)
+    rotate_(pooled, Rotation(*rotation.unbind(1)))
+    for b, state in enumerate(states):
+        state.entries.write_where(at[b : b + 1], pooled[b : b + 1], closing[b : b + 1])
+
+
+def _compressed_keys(
+    attn: DeepseekV4Attention,
+    index_q: torch.Tensor | None,
+    inputs: Projections,
+    positions: torch.Tensor,
+    table: RotaryTable,
+    states: list[LayerCache],
+    bucket: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed keys this step attends per sequence and whether each may be ``[B, n, D]``, ``[B, n]``."""
+    compressor, indexer = attn.compressor, attn.indexer
+    _compress_step(compressor, [s.compressor for s in states], inputs.kv_gate, positions, table)
+    if indexer is not None:
+        _compress_step(indexer.compressor, [s.indexer for s in states], inputs.index_kv_gate, positions, table)
+    ready = (positions + 1) // compressor.rate
+    visible = torch.arange(bucket, device=positions.device)[None, :] < ready[:, None]
+    if indexer is None or bucket <= indexer.topk:  # every entry so far (CSA: the top-k of all of them)
+        return _stack([s.compressor.entries.read(bucket) for s in states]), visible
+    keys = _stack([s.indexer.entries.read(bucket) for s in states])
+    if keys.dtype not in SCORE_DTYPES:
+        keys = keys.float()
+    ids = select(indexer, index_q, inputs.index_weights, keys, visible)
+    picked = _stack([s.compressor.entries.read_at(ids[b]) for b, s in enumerate(states)])
+    return picked, visible.gather(1, ids)
+
+
+def select(indexer, index_q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor):
+    """The indexer's ``[B, topk]`` picks among ``keys`` ``[B, bucket, dim]``: entries not ``visible`` score -inf
+    (their keys zeroed first: unwritten rows hold anything)."""
+    scores = indexer._scores(index_q, weights, keys.masked_fill(~visible[..., None], 0))
+    return scores.masked_fill_(~visible, float("-inf")).topk(indexer.topk, dim=-1).indices
