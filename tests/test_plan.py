@@ -159,8 +159,9 @@ def test_kv_estimates_per_attention_kind():
     )
     estimate = kv_estimate(v4)
     assert estimate.per_token == pytest.approx(512 / 4 + 128 / 4 + 512 / 128)
-    window = 3 * 127 * 512
-    open_windows = 2 * 3 * 1024 + 2 * 3 * 256 + 2 * 127 * 512
+    window = 3 * 128 * 512  # a ring of sliding_window keys per layer
+    # open windows (CSA, its indexer, HCA), plus CSA's and its indexer's predecessor halves (kv and gate)
+    open_windows = 2 * 4 * 1024 + 2 * 4 * 256 + 2 * 128 * 512 + 2 * 4 * 512 + 2 * 4 * 128
     assert estimate.per_stream == window + open_windows
     with pytest.raises(ConfigError, match="cannot estimate"):
         kv_estimate(SimpleNamespace(num_hidden_layers=2))
