@@ -24,7 +24,7 @@ from moetier.models.deepseek_v4_rope import RotaryTable
 # closes), set 2 above the counts reached (a regression fails). Before the host-overhead work: fp32 13 /
 # 16 / 46 / 29 / 94 (sliding, HCA, HCA closing, CSA, CSA closing, medians), bf16 14 / 17 / 54 / 29 / 104;
 # most of the closing steps' cost was the entries' rotation, now rows of a table (RotaryTable.entries).
-# The maxima include the first call's sink-logit views and a window buffer's compaction every few steps.
+# The maxima include the first call's sink-logit views (the window is a ring now: no compaction steps).
 # Paged caches. Sliding layers hold no paged store: they take the fixed-shape step in the layer's graph, not this
 # core. The ops rose (e.g. CSA without a close from 34 to 41) when these counts moved to paged stores (block gathers).
 OP_CEILINGS = {
