@@ -112,16 +112,19 @@ def compare_with_transformers(
 
 
 @torch.inference_mode()
-def greedy_groups(model, groups: tuple[int, ...] = (1, 2, 4), steps: int = 8) -> tuple[list[list[int]], list]:
+def greedy_groups(
+    model, groups: tuple[int, ...] = (1, 2, 4), steps: int = 8, mixed_capacities: bool = False
+) -> tuple[list[list[int]], list]:
     """Batched prefill of a group of sequences per size in ``groups``, then ``steps`` greedy decode steps of
     every group in turn (batch sizes alternate, so decode graphs of several sizes share their pool).
-    Returns the tokens per group and the logits per step (on the CPU)."""
+    ``mixed_capacities``: each sequence's cache of its own size (96, 76, 56, ... tokens), as the engine sizes
+    them (prompt + max_tokens), else all of 96. Returns the tokens per group and the logits per step (on the CPU)."""
     generator = torch.Generator().manual_seed(9)
     vocab, device = model.config.vocab_size, model.device
     runs = []
     for size in groups:
         lengths = [9 + 5 * i for i in range(size)]
-        caches = [model.new_cache(96) for _ in range(size)]
+        caches = [model.new_cache(96 - 20 * i if mixed_capacities else 96) for i in range(size)]
         prompt = torch.randint(0, vocab, (sum(lengths),), generator=generator).to(device)
         hidden = model(prompt, caches, lengths)
         last = torch.tensor([sum(lengths[: i + 1]) - 1 for i in range(size)], device=device)

@@ -241,8 +241,10 @@ def breakdown(counter: OpCounter) -> str:
 # after batching the attention core's per-sequence work (one launch for the row copies, closing windows
 # pooled together, one indexer scoring, one concatenation of the padded keys): fp32 759 / 1050, bf16 825 / 1130.
 # Paged caches (the eager core); raised from 770 / 1065 / 835 / 1145 when the window became a ring (its keys are
-# concatenated with the new one, one op per layer and sequence) and sliding layers took the fixed-shape step.
-CEILINGS = {(torch.float32, 1): 800, (torch.float32, 4): 1145, (torch.bfloat16, 1): 865, (torch.bfloat16, 4): 1215}
+# concatenated with the new one, one op per layer and sequence) and sliding layers took the fixed-shape step;
+# 4 streams raised from 1145 / 1215 when the compressors' pooling took its softmax over the last dimension (two
+# transposes a pooling: 1153 / 1225; the kernel it replaced took 28-78 us a call on the H200).
+CEILINGS = {(torch.float32, 1): 800, (torch.float32, 4): 1160, (torch.bfloat16, 1): 865, (torch.bfloat16, 4): 1235}
 
 
 @pytest.fixture(scope="module")

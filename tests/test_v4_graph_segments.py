@@ -476,15 +476,16 @@ CUDA_GROUPS = (1, 2, 4)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mixed", [False, True], ids=["equal-capacities", "mixed-capacities"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_graphs_match_eager_decode(checkpoint, dtype):
+def test_cuda_graphs_match_eager_decode(checkpoint, dtype, mixed):
     model = load_model(checkpoint, ModelLoadConfig(dtype=dtype, device="cuda"), progress=False).model
     model.graphs = SegmentGraphs(enabled=False)
-    eager_tokens, eager_logits = greedy_groups(model, CUDA_GROUPS)
+    eager_tokens, eager_logits = greedy_groups(model, CUDA_GROUPS, mixed_capacities=mixed)
     model.graphs = graphs = SegmentGraphs(enabled=True)
-    graph_tokens, graph_logits = greedy_groups(model, CUDA_GROUPS)
+    graph_tokens, graph_logits = greedy_groups(model, CUDA_GROUPS, mixed_capacities=mixed)
     errors = [relative_error(a, b) for a, b in zip(graph_logits, eager_logits, strict=True)]
-    print(f"\n{dtype}: worst relative error graphs vs eager {max(errors):.2e}; {graphs.captures} captures")
+    print(f"\n{dtype} mixed={mixed}: worst relative error vs eager {max(errors):.2e}; {graphs.captures} captures")
     assert graphs.failures == {}
     # inputs, each layer whole, final; a layer's graph is its sequences' (warm-up on their first step, capture on
     # the second), and an entry bucket that doubles captures it again

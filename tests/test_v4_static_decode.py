@@ -29,38 +29,68 @@ def checkpoint(tmp_path_factory):
 
 
 PROMPTS = (3, 19, 40)  # windows and entries at different fills; 40 tokens: more CSA entries than the top-k of 4
+# Equal capacities, and the engine's case: each sequence's own (prompt + max_tokens), here with the longest
+# sequence in the smallest cache, so the bucket outgrows the other stores.
+CAPACITIES = {"equal": (128, 128, 128), "mixed": (96, 64, 80)}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@torch.no_grad()
-def test_fixed_shape_step_matches_the_eager_core(checkpoint, dtype):
-    model = tiny_model(checkpoint, dtype)
-    generator = torch.Generator().manual_seed(9)
-    vocab = model.embed.num_embeddings
-    prompts = [torch.randint(0, vocab, (n,), generator=generator) for n in PROMPTS]
-    contiguous = [model.new_cache(128) for _ in prompts]
-    with paged_kv(PagedKVSpace("cpu", block_tokens=8)):
-        paged = [model.new_cache(128) for _ in prompts]
-    assert static_decode.supports([c.layers[1] for c in contiguous])
-    assert not static_decode.supports([c.layers[1] for c in paged])
+def _decode_both(model, prompts, capacities, steps, generator, tolerance) -> tuple[float, list, list]:
+    """Prefill ``prompts`` into contiguous and paged caches of ``capacities``, decode ``steps`` batched steps on
+    each and compare the logits every step -> the worst relative error and the two sets of caches."""
+    contiguous, paged = _caches(model, capacities)
     for prompt, a, b in zip(prompts, contiguous, paged, strict=True):
         model(prompt, a)
         model(prompt, b)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    worst = 0.0
-    for step in range(40):  # the rings wrap (window 8 in the tiny config), CSA / HCA windows close
+    vocab, worst = model.embed.num_embeddings, 0.0
+    for step in range(steps):
         tokens = torch.randint(0, vocab, (len(prompts),), generator=generator)
         fixed = model.compute_logits(model(tokens, contiguous, [1] * len(prompts)))
         eager = model.compute_logits(model(tokens, paged, [1] * len(prompts)))
         worst = max(worst, relative_error(fixed, eager))
         assert relative_error(fixed, eager) < tolerance, f"step {step}"
-    print(f"{dtype}: worst relative error fixed-shape vs eager core {worst:.2e}")
+    return worst, contiguous, paged
+
+
+def _caches(model, capacities):
+    contiguous = [model.new_cache(n) for n in capacities]
+    with paged_kv(PagedKVSpace("cpu", block_tokens=8)):
+        paged = [model.new_cache(n) for n in capacities]
+    assert static_decode.supports([c.layers[1] for c in contiguous])
+    assert not static_decode.supports([c.layers[1] for c in paged])
+    return contiguous, paged
+
+
+@pytest.mark.parametrize("capacities", CAPACITIES.values(), ids=CAPACITIES.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.no_grad()
+def test_fixed_shape_step_matches_the_eager_core(checkpoint, dtype, capacities):
+    model = tiny_model(checkpoint, dtype)
+    generator = torch.Generator().manual_seed(9)
+    vocab = model.embed.num_embeddings
+    prompts = [torch.randint(0, vocab, (n,), generator=generator) for n in PROMPTS]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    # 40 steps: the rings wrap (window 8 in the tiny config), CSA / HCA windows close
+    worst, contiguous, paged = _decode_both(model, prompts, capacities, 40, generator, tolerance)
+    print(f"{dtype} {capacities}: worst relative error fixed-shape vs eager core {worst:.2e}")
     for a, b in zip(contiguous, paged, strict=True):
         for la, lb in zip(a.layers, b.layers, strict=True):
             assert la.window.seen == lb.window.seen
             for sa, sb in ((la.compressor, lb.compressor), (la.indexer, lb.indexer)):
                 if sa is not None:
                     assert (sa.count, sa.n_open) == (sb.count, sb.n_open)
+
+
+@torch.no_grad()
+def test_stores_shorter_than_a_window_batch_with_longer_ones(checkpoint):
+    """A 7-token sequence has no HCA entry (rate 8) and one CSA entry (rate 4): its empty and one-row stores
+    batch with a sequence whose bucket is larger, through the fixed-shape step, as the eager core computes."""
+    model = tiny_model(checkpoint)
+    generator = torch.Generator().manual_seed(3)
+    vocab = model.embed.num_embeddings
+    prompts = [torch.randint(0, vocab, (n,), generator=generator) for n in (2, 36)]
+    worst, contiguous, _ = _decode_both(model, prompts, (7, 64), 5, generator, 1e-5)  # 7 tokens after 5 steps
+    assert {layer.compressor.entries.capacity for layer in contiguous[0].layers if layer.compressor} == {0, 1}
+    print(f"worst relative error fixed-shape vs eager core {worst:.2e}")
 
 
 def _addresses(cache) -> list[int]:

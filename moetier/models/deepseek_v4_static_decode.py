@@ -22,6 +22,8 @@ key adds exactly nothing. Key order differs from the eager core's (ring order, t
 changes the sums' rounding. The host mirrors the counts afterwards (:func:`advance`).
 
 It runs on contiguous entry stores (fixed addresses); paged stores keep the eager core (:func:`supports`).
+Sequences of different capacities batch together: a store shorter than the bucket is read whole and padded
+with zero rows, which the masks hide (a sequence never has entries past its own capacity).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from moetier.models.cache import KVRows
 from moetier.models.deepseek_v4_cache import CompressorState, LayerCache
@@ -44,22 +47,26 @@ MIN_BUCKET = 16  # entries a layer reads at least: fewer captures at the start o
 
 def supports(states: list[LayerCache]) -> bool:
     """Whether these sequences' states (one layer's) suit the fixed-shape step: contiguous entry stores (fixed
-    addresses) of one capacity."""
-    stores = [s for state in states for s in (state.compressor, state.indexer) if s is not None]
-    return all(type(s.entries) is KVRows for s in stores) and len({s.entries.capacity for s in stores}) <= 1
+    addresses), of any capacities."""
+    return all(type(s.entries) is KVRows for state in states for s in (state.compressor, state.indexer) if s)
+
+
+def entry_capacity(states: list[LayerCache]) -> int:
+    """The largest entry capacity among these sequences' compressor stores (0 without a compressor)."""
+    return max((s.compressor.entries.capacity for s in states if s.compressor is not None), default=0)
 
 
 def entry_bucket(states: list[LayerCache]) -> int:
     """Entries the step reads per sequence: a power of two (at least :data:`MIN_BUCKET`) covering every
-    sequence's entry count once this step's row is in, at most the stores' capacity; 0 without a compressor."""
-    first = states[0].compressor
-    if first is None:
+    sequence's entry count once this step's row is in, at most the largest store's capacity; 0 without a
+    compressor."""
+    if states[0].compressor is None:
         return 0
     count = max(s.compressor.count + (s.compressor.n_open + 1 == s.compressor.rate) for s in states)
     bucket = MIN_BUCKET
     while bucket < count:
         bucket *= 2
-    return min(bucket, first.entries.capacity)
+    return min(bucket, entry_capacity(states))
 
 
 def attend(
@@ -113,11 +120,12 @@ def _compress_step(
 ) -> None:
     """Each sequence's row into its open window; the window pooled (masked to its rows so far), rotated at
     its entry's position, and written as entry ``p // rate`` where it closes."""
-    rate, width, dim, capacity = compressor.rate, states[0].width, compressor.dim, states[0].entries.capacity
+    rate, width, dim = compressor.rate, states[0].width, compressor.dim
+    capacities = [state.entries.capacity for state in states]
     slot = positions % rate
     for b, state in enumerate(states):
         state.open.index_copy_(0, slot[b : b + 1], kv_gate[b : b + 1])
-    if capacity == 0:  # a sequence shorter than one window: no entry will close
+    if max(capacities) == 0:  # sequences shorter than one window: no entry will close
         return
     opens = _stack([s.open for s in states])  # [B, rate, 2 * width]
     empty = (torch.arange(rate, device=positions.device)[None, :] > slot[:, None])[..., None]
@@ -135,11 +143,14 @@ def _compress_step(
             state.prev_gate.copy_(torch.where(close, gate[b : b + 1, :, :dim], state.prev_gate))
         kv, gate = pooled_kv, pooled_gate
     pooled = compressor._pool(kv, gate)
-    at = (positions // rate).clamp(max=capacity - 1)  # past the last entry only while not closing (unwritten)
-    rotation = table.entry_table(capacity, rate, pooled.dtype).index_select(0, at)
+    at = (positions // rate).clamp(max=max(capacities) - 1)  # past the last entry only while not closing
+    rotation = table.entry_table(max(capacities), rate, pooled.dtype).index_select(0, at)
     rotate_(pooled, Rotation(*rotation.unbind(1)))
-    for b, state in enumerate(states):
-        state.entries.write_where(at[b : b + 1], pooled[b : b + 1], closing[b : b + 1])
+    for b, (state, capacity) in enumerate(zip(states, capacities, strict=True)):
+        if capacity == 0:  # this sequence closes no window before it ends
+            continue
+        row = at[b : b + 1] if capacity == max(capacities) else at[b : b + 1].clamp(max=capacity - 1)
+        state.entries.write_where(row, pooled[b : b + 1], closing[b : b + 1])  # a closing row is < capacity
 
 
 def _compressed_keys(
@@ -159,13 +170,28 @@ def _compressed_keys(
     ready = (positions + 1) // compressor.rate
     visible = torch.arange(bucket, device=positions.device)[None, :] < ready[:, None]
     if indexer is None or bucket <= indexer.topk:  # every entry so far (CSA: the top-k of all of them)
-        return _stack([s.compressor.entries.read(bucket) for s in states]), visible
-    keys = _stack([s.indexer.entries.read(bucket) for s in states])
+        return _stack([_read_padded(s.compressor.entries, bucket) for s in states]), visible
+    keys = _stack([_read_padded(s.indexer.entries, bucket) for s in states])
     if keys.dtype not in SCORE_DTYPES:
         keys = keys.float()
     ids = select(indexer, index_q, inputs.index_weights, keys, visible)
-    picked = _stack([s.compressor.entries.read_at(ids[b]) for b, s in enumerate(states)])
+    picked = _stack([_read_picked(s.compressor.entries, ids[b]) for b, s in enumerate(states)])
     return picked, visible.gather(1, ids)
+
+
+def _read_padded(entries: KVRows, bucket: int) -> torch.Tensor:
+    """The first ``bucket`` rows ``[bucket, D]``; a store with fewer rows is read whole and padded with zero rows
+    (entries it never has: masked)."""
+    rows = entries.read(min(bucket, entries.capacity))
+    return rows if rows.shape[0] == bucket else F.pad(rows, (0, 0, 0, bucket - rows.shape[0]))
+
+
+def _read_picked(entries: KVRows, ids: torch.Tensor) -> torch.Tensor:
+    """The rows at ``ids`` ``[k]``; picks past a shorter store's rows (invisible, masked) read its last row, and a
+    store with no rows reads zeros."""
+    if entries.capacity == 0:
+        return torch.zeros(ids.shape[0], entries.data.shape[-1], dtype=entries.dtype, device=ids.device)
+    return entries.read_at(ids.clamp(max=entries.capacity - 1))
 
 
 def select(indexer, index_q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor):

@@ -165,12 +165,12 @@ def _static_layer(
 
 
 def _entry_table(step: _Step, layer: DeepseekV4DecoderLayer, states: list) -> int:
-    """The compressed entries' rotation table grown now to the stores' capacity (a graph must not grow it), and
+    """The compressed entries' rotation table grown now to the largest store's capacity (a graph must not grow it), and
     its address (part of the key: a table grown for a longer sequence is a new tensor); 0 without a compressor."""
     compressor = layer.attn.compressor
     if compressor is None:
         return 0
-    capacity = states[0].compressor.entries.capacity
+    capacity = static_decode.entry_capacity(states)
     return step.rope.compress.entry_table(capacity, compressor.rate, step.dtype).data_ptr()
 
 
