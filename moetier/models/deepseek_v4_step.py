@@ -76,7 +76,10 @@ def decode_step(model: DeepseekV4ForCausalLM, input_ids: torch.Tensor, batch: Fo
         inputs = graphs.run(("inputs", size), model.decode_inputs, input_ids, batch.positions)
         ids, positions, streams, *rope_tensors = inputs
         rope = StepRope(positions, rotations_from(tuple(rope_tensors)), model.rope_tables["compress"])
-        step = _Step(graphs, ids, tuple(rope_tensors), rope, batch, plan, model.embed.weight.dtype)
+        serials = tuple(s.cache.serial for s in batch.slices)
+        for serial, piece in zip(serials, batch.slices, strict=True):  # a finished sequence's graphs go with it
+            graphs.track(serial, piece.cache)
+        step = _Step(graphs, ids, tuple(rope_tensors), rope, batch, plan, model.embed.weight.dtype, serials)
         carry: Carry = (streams,)
         for layer, ahead in zip(layers, targets, strict=True):
             carry = _layer_step(step, layer, ahead, carry)
@@ -87,7 +90,7 @@ def decode_step(model: DeepseekV4ForCausalLM, input_ids: torch.Tensor, batch: Fo
 @dataclass(frozen=True)
 class _Step:
     """What every layer of one decode step shares: the graphs, the token ids and positions (the inputs
-    segment's outputs, read in place), the rotations, the batch and the step's plan."""
+    segment's outputs, read in place), the rotations, the batch, the step's plan and the caches' serials."""
 
     graphs: SegmentGraphs
     ids: torch.Tensor
@@ -96,6 +99,7 @@ class _Step:
     batch: ForwardBatch
     plan: DecodePlan
     dtype: torch.dtype
+    serials: tuple[int, ...]  # the sequences' caches (the fixed-shape layers' graph keys and tags)
 
     @property
     def caches(self) -> list:
@@ -154,9 +158,7 @@ def _static_layer(
     -> post's outputs; the host's counts follow after."""
     bucket = static_decode.entry_bucket(states)
     table = _entry_table(step, layer, states)
-    serials = tuple(cache.serial for cache in step.caches)
-    for cache in step.caches:  # a finished sequence's graphs go with it
-        step.graphs.track(cache.serial, cache)
+    serials = step.serials
     key = ("layer", layer.layer, len(states), bucket, serials, table)
     fn = partial(_whole_layer, layer, ahead, step.plan.experts_in_graphs, len(carry), states, bucket, step.rope)
     outputs = step.graphs.run(key, fn, *carry, *step.rope_tensors, step.rope.positions, step.ids, tags=serials)
