@@ -111,7 +111,9 @@ def workspace_bytes(cfg: DeepseekV4Config, layer: int, queries: int, context: in
     held = queries * elem * (2 * cfg.hidden_size + cfg.q_lora_rank + 2 * dim)
     if kind != SLIDING:
         width = 2 * dim if kind == CSA else dim
-        held += queries * width * (2 * elem + 8) + entries * dim * elem  # compressor; entries (fp8: dequantised)
+        # compressor (kv and weights, fp32 gate, its channels-first copy for the softmax, the softmax); entries
+        # (fp8: dequantised)
+        held += queries * width * (2 * elem + 12) + entries * dim * elem
     if kind == HCA:
         held += queries * entries  # visibility mask
     if kind == CSA:

@@ -122,10 +122,11 @@ def _compress_step(
     its entry's position, and written as entry ``p // rate`` where it closes."""
     rate, width, dim = compressor.rate, states[0].width, compressor.dim
     capacities = [state.entries.capacity for state in states]
+    largest = max(capacities)
     slot = positions % rate
     for b, state in enumerate(states):
         state.open.index_copy_(0, slot[b : b + 1], kv_gate[b : b + 1])
-    if max(capacities) == 0:  # sequences shorter than one window: no entry will close
+    if largest == 0:  # sequences shorter than one window: no entry will close
         return
     opens = _stack([s.open for s in states])  # [B, rate, 2 * width]
     empty = (torch.arange(rate, device=positions.device)[None, :] > slot[:, None])[..., None]
@@ -143,13 +144,13 @@ def _compress_step(
             state.prev_gate.copy_(torch.where(close, gate[b : b + 1, :, :dim], state.prev_gate))
         kv, gate = pooled_kv, pooled_gate
     pooled = compressor._pool(kv, gate)
-    at = (positions // rate).clamp(max=max(capacities) - 1)  # past the last entry only while not closing
-    rotation = table.entry_table(max(capacities), rate, pooled.dtype).index_select(0, at)
+    at = (positions // rate).clamp(max=largest - 1)  # past the last entry only while not closing
+    rotation = table.entry_table(largest, rate, pooled.dtype).index_select(0, at)
     rotate_(pooled, Rotation(*rotation.unbind(1)))
     for b, (state, capacity) in enumerate(zip(states, capacities, strict=True)):
         if capacity == 0:  # this sequence closes no window before it ends
             continue
-        row = at[b : b + 1] if capacity == max(capacities) else at[b : b + 1].clamp(max=capacity - 1)
+        row = at[b : b + 1] if capacity == largest else at[b : b + 1].clamp(max=capacity - 1)
         state.entries.write_where(row, pooled[b : b + 1], closing[b : b + 1])  # a closing row is < capacity
 
 

@@ -158,10 +158,9 @@ def _static_layer(
     -> post's outputs; the host's counts follow after."""
     bucket = static_decode.entry_bucket(states)
     table = _entry_table(step, layer, states)
-    serials = step.serials
-    key = ("layer", layer.layer, len(states), bucket, serials, table)
+    key = ("layer", layer.layer, len(states), bucket, step.serials, table)
     fn = partial(_whole_layer, layer, ahead, step.plan.experts_in_graphs, len(carry), states, bucket, step.rope)
-    outputs = step.graphs.run(key, fn, *carry, *step.rope_tensors, step.rope.positions, step.ids, tags=serials)
+    outputs = step.graphs.run(key, fn, *carry, *step.rope_tensors, step.rope.positions, step.ids, tags=step.serials)
     static_decode.advance(states)
     return outputs
 
