@@ -168,13 +168,13 @@ import json, sys, torch
 sys.path.insert(0, {tests!r})
 from test_engine import make_engine, random_prompt, run
 import moetier.kernels.paged_attention as pa
-from moetier.kernels import grouped_experts, kv_read, rmsnorm, sinkhorn
+from moetier.kernels import grouped_experts, hyper_mix, kv_read, rmsnorm, sinkhorn
 from moetier.config import ModelLoadConfig
 from moetier.engine.sampling import SamplingParams
 from moetier.weights.loader import load_model
 
 if {device!r} == "cpu":  # the other kernels run eagerly, as on the CPU CI: interpreted they are slow, not tested
-    for module in (grouped_experts, kv_read, rmsnorm, sinkhorn):
+    for module in (grouped_experts, hyper_mix, kv_read, rmsnorm, sinkhorn):
         module._BROKEN.append("off in this test")
 calls = []
 original = pa.paged_decode_attention

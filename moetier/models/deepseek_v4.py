@@ -20,7 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetier.kernels.sinkhorn import sinkhorn
+from moetier.kernels.hyper_mix import (
+    Merge,
+    Mixed,
+    Mixing,
+    collapse_reference,
+    hyper_mix,
+    merge_reference,
+    weights_reference,
+)
 from moetier.models.base import (
     CausalLM,
     ExpertTarget,
@@ -35,12 +43,11 @@ from moetier.models.deepseek_v4_attention import (
     FusedLinears,
     Projections,
     V4RMSNorm,
-    rms_unweighted,
 )
 from moetier.models.deepseek_v4_cache import CompressorState, DeepseekV4Cache, LayerCache, SlidingWindowKV
 from moetier.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4Config
 from moetier.models.deepseek_v4_rope import ROPE_KINDS, RotaryTable, Rotation, StepRope, rotation_tensors
-from moetier.models.deepseek_v4_step import decode_step
+from moetier.models.deepseek_v4_step import carry_merge, decode_step
 from moetier.models.graph_segments import SegmentGraphs
 from moetier.models.layers import DenseMLP, rope_inverse_frequencies
 from moetier.tiers.dispatcher import ExpertDispatcher
@@ -63,43 +70,29 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.empty(mix))
         self.scale = nn.Parameter(torch.empty(3))
 
+    @property
+    def mixing(self) -> Mixing:
+        return Mixing(self.fn, self.base, self.scale, self.hc, self.iters, self.hc_eps, self.norm_eps)
+
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams`` ``[T, hc, H]`` -> ``post`` ``[T, hc]``, ``comb`` ``[T, hc, hc]``, sublayer input ``[T, H]``."""
-        hc = self.hc
-        logits = self._logits(streams)
-        gates = torch.sigmoid(logits[:, : 2 * hc])
-        pre, post = gates[:, :hc] + self.hc_eps, gates[:, hc:] * 2
-        comb = sinkhorn(logits[:, 2 * hc :].view(-1, hc, hc), self.iters, self.hc_eps)
-        collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        pre, post, comb = weights_reference(streams, self.mixing)
+        return post, comb, collapse_reference(streams, pre)
 
     def collapse(self, streams: torch.Tensor) -> torch.Tensor:
         """Only the sublayer input of :meth:`forward` (``post`` and the Sinkhorn ``comb`` skipped), the same numbers."""
-        pre = torch.sigmoid(self._logits(streams)[:, : self.hc]) + self.hc_eps
-        return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+        pre, _, _ = weights_reference(streams, self.mixing, pre_only=True)
+        return collapse_reference(streams, pre)
 
-    def _logits(self, streams: torch.Tensor) -> torch.Tensor:
-        """``[T, mix]`` float32 mixing logits of ``streams``: pre, post, then comb's."""
-        flat = rms_unweighted(streams.flatten(1), self.norm_eps, torch.float32)
-        # One affine for all three parts: logits * (pre | post | comb scale) + base.
-        scale = self.scale.float()[self._scale_index(streams.device)]
-        return torch.addcmul(self.base.float(), F.linear(flat, self.fn.float()), scale)
-
-    def _scale_index(self, device: torch.device) -> torch.Tensor:
-        """``[mix]`` indices into ``scale`` (0 for pre, 1 for post, 2 for comb logits), built once per device."""
-        cached = self.__dict__.get("_index")
-        if cached is None or cached.device != device:
-            hc = self.hc
-            cached = torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
-            self.__dict__["_index"] = cached
-        return cached
+    def mix(self, streams: torch.Tensor, norm: V4RMSNorm, merge: Merge | None = None) -> Mixed:
+        """:meth:`forward` then ``norm`` of the sublayer input, with ``merge`` (a sublayer's output merged into the
+        streams first) where given: the two mHC kernels on CUDA (:mod:`moetier.kernels.hyper_mix`)."""
+        return hyper_mix(streams, self.mixing, norm.weight, norm.eps, merge)
 
     @staticmethod
     def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """New streams: ``post[k] * out + sum_j comb[j, k] * streams[j]`` (``comb`` is applied transposed)."""
-        dtype = streams.dtype
-        placed = post.to(dtype)[..., None] * out[:, None, :]
-        return torch.baddbmm(placed, comb.to(dtype).transpose(-1, -2), streams)
+        return merge_reference(streams, Merge(post, comb, out))
 
 
 class HyperHead(nn.Module):
@@ -107,16 +100,22 @@ class HyperHead(nn.Module):
 
     def __init__(self, cfg: DeepseekV4Config) -> None:
         super().__init__()
-        self.hc_eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
+        self.hc, self.hc_eps, self.norm_eps = cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps
         self.fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size))
         self.base = nn.Parameter(torch.empty(cfg.hc_mult))
         self.scale = nn.Parameter(torch.empty(1))
 
+    @property
+    def mixing(self) -> Mixing:
+        return Mixing(self.fn, self.base, self.scale, self.hc, 0, self.hc_eps, self.norm_eps)
+
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = rms_unweighted(streams.flatten(1), self.norm_eps, torch.float32)
-        pre = torch.sigmoid(torch.addcmul(self.base.float(), F.linear(flat, self.fn.float()), self.scale.float()))
-        pre = pre + self.hc_eps
-        return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+        pre, _, _ = weights_reference(streams, self.mixing)
+        return collapse_reference(streams, pre)
+
+    def mix(self, streams: torch.Tensor, norm: V4RMSNorm, merge: Merge | None = None) -> torch.Tensor:
+        """``norm(self(streams))`` (``merge``: the last layer's MoE output merged in first), in two kernels on CUDA."""
+        return hyper_mix(streams, self.mixing, norm.weight, norm.eps, merge).x
 
 
 _SCORE_FUNCS = {
@@ -240,14 +239,16 @@ class DeepseekV4DecoderLayer(nn.Module):
     # state or host decisions, captured as CUDA graphs on CUDA; the one-call forward above is the same math.
 
     def decode_pre(
-        self, streams: torch.Tensor, token: dict[str, Rotation]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, Projections]:
-        """Before the attention of one token per sequence: ``post``, ``comb``, the rotated queries (the
-        attention's and the indexer's) and the projections of the normed input."""
-        post, comb, x = self.attn_input(streams)
-        inputs = self.attn.project(x, token[self.attn.rope_kind])
+        self, carry: tuple[torch.Tensor | None, ...], token: dict[str, Rotation]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, Projections]:
+        """Before the attention of one token per sequence, from the previous layer's carry (:func:`carry_merge`:
+        its MoE output merged in here): the streams, ``post``, ``comb``, the rotated queries (the attention's and
+        the indexer's) and the projections of the normed input."""
+        streams, merge = carry_merge(carry)
+        mixed = self.attn_hc.mix(streams, self.attn_norm, merge)
+        inputs = self.attn.project(mixed.x, token[self.attn.rope_kind])
         q, index_q = self.attn.decode_queries(inputs.q_residual, token)
-        return post, comb, q, index_q, inputs
+        return mixed.streams, mixed.post, mixed.comb, q, index_q, inputs
 
     def decode_post(
         self,
@@ -261,10 +262,10 @@ class DeepseekV4DecoderLayer(nn.Module):
         """After the attention (``out``, still rotated): the streams with the attention merged in, the MoE's
         ``post``, ``comb`` and normed input, the routing (ids, weights) and the shared expert's output (None
         without one). The routed experts come next, from the dispatcher."""
-        streams = HyperConnection.merge(streams, self.attn.decode_output(out, token[self.attn.rope_kind]), post, comb)
-        post, comb, x = self.ffn_input(streams)
-        ids, weights = self.ffn.gate(x, input_ids)
-        return streams, post, comb, x, ids, weights, self.ffn.shared(x)
+        attended = self.attn.decode_output(out, token[self.attn.rope_kind])
+        mixed = self.ffn_hc.mix(streams, self.ffn_norm, Merge(post, comb, attended))
+        ids, weights = self.ffn.gate(mixed.x, input_ids)
+        return mixed.streams, mixed.post, mixed.comb, mixed.x, ids, weights, self.ffn.shared(mixed.x)
 
     def predict_routing(
         self,
@@ -283,8 +284,8 @@ class DeepseekV4DecoderLayer(nn.Module):
         gate = self.ffn.gate
         if gate.hashed:
             return gate.select(None, input_ids)
-        estimate = _streams_without_routed(streams, post, comb, shared)
-        return gate.select(self.ffn_norm(self.ffn_hc.collapse(estimate)), input_ids)
+        estimate = self.ffn_hc.mix(streams, self.ffn_norm, Merge(post, comb, shared))  # routed: zero
+        return gate.select(estimate.x, input_ids)
 
     @staticmethod
     def finish_ffn(
@@ -296,16 +297,6 @@ class DeepseekV4DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """The layer's output streams once the routed experts' output is in (the end of :meth:`forward`)."""
         return HyperConnection.merge(streams, DeepseekV4MoE.add_shared(routed, shared), post, comb)
-
-
-def _streams_without_routed(
-    streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, shared: torch.Tensor | None
-) -> torch.Tensor:
-    """:meth:`DeepseekV4DecoderLayer.finish_ffn` with a zero routed output: the streams mixed by ``comb``, plus
-    the shared expert's output placed by ``post`` where there is one."""
-    if shared is None:
-        return torch.bmm(comb.to(streams.dtype).transpose(-1, -2), streams)
-    return HyperConnection.merge(streams, shared, post, comb)
 
 
 _COMPRESSOR_LEAF = {"wkv": "kv_proj", "wgate": "gate_proj", "ape": "position_bias", "norm": "kv_norm"}
@@ -464,8 +455,6 @@ class DeepseekV4ForCausalLM(CausalLM):
             layer.attn.fuse_projections()
             if layer.ffn.shared_experts is not None:
                 layer.ffn.shared_experts.gate_up.fuse()
-            for hc in (layer.attn_hc, layer.ffn_hc):
-                hc._scale_index(self.device)  # built now: a CUDA graph capture cannot copy it in from the host
         # Graphs read the weights in place: any captured before (e.g. of an earlier load) are stale.
         self.graphs = SegmentGraphs()
 

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moetier.kernels.hyper_mix import Merge
 from moetier.models import deepseek_v4_static_decode as static_decode
 from moetier.models.base import ForwardBatch
 from moetier.models.decode_segments import DecodePlan, decode_plan
@@ -195,15 +196,19 @@ def _whole_layer(
     return _post(layer, ahead, experts_in_graph, out, streams, post, comb, ids, *tensors[carried:-2])
 
 
-def _settle(layer: DeepseekV4DecoderLayer, carry: Carry) -> torch.Tensor:
-    """The residual streams a carry stands for (merging a layer's MoE output in)."""
-    return carry[0] if len(carry) == 1 else layer.finish_ffn(*carry)
+def carry_merge(carry: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, Merge | None]:
+    """A decode carry as streams and what is still to merge into them: ``(streams,)`` is complete; a layer's
+    ``(streams, post, comb, routed, shared)`` still needs its MoE output (routed + shared) merged in
+    (:meth:`DeepseekV4DecoderLayer.finish_ffn`), which the next hyper-connection's kernels do."""
+    if len(carry) == 1:
+        return carry[0], None
+    streams, post, comb, routed, shared = carry
+    return streams, Merge(post, comb, routed, shared)
 
 
 def _pre(layer: DeepseekV4DecoderLayer, carried: int, *tensors: torch.Tensor | None) -> tuple:
     """Segment: ``carried`` carry tensors then the rotations' -> streams, post, comb, q, index_q, projections."""
-    streams = _settle(layer, tensors[:carried])
-    post, comb, q, index_q, inputs = layer.decode_pre(streams, rotations_from(tensors[carried:]))
+    streams, post, comb, q, index_q, inputs = layer.decode_pre(tensors[:carried], rotations_from(tensors[carried:]))
     inputs = layer.attn.decode_projections(inputs)
     projected = (inputs.q_residual, inputs.kv, inputs.kv_gate, inputs.index_kv_gate, inputs.index_weights)
     return streams, post, comb, q, index_q, *projected
@@ -235,5 +240,6 @@ def _post(
 
 
 def _final(model: DeepseekV4ForCausalLM, *carry: torch.Tensor | None) -> torch.Tensor:
-    """Segment: the last layer's output streams -> the final hidden states."""
-    return model.final_hidden(_settle(model.layers[-1], carry))
+    """Segment: the last layer's carry (its MoE output merged in here) -> the final hidden states."""
+    streams, merge = carry_merge(carry)
+    return model.hc_head.mix(streams, model.norm, merge)
