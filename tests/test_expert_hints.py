@@ -318,6 +318,13 @@ def count_predictions(model, monkeypatch) -> list[int]:
     return count
 
 
+def graphs_per_run(model) -> int:
+    """Segments captured by one :func:`greedy_run`: every batch size's inputs and final segments and, per layer, V4's
+    one whole-layer graph (contiguous caches) or the others' pre and post."""
+    per_layer = 1 if type(model).__name__ == "DeepseekV4ForCausalLM" else 2
+    return (per_layer * len(model.layers) + 2) * len(GROUPS)
+
+
 def test_switching_hints_recaptures_the_graphs(model, monkeypatch):
     """Graphs captured for one choice never replay for the other: each switch drops and recaptures them all."""
     store = model.dispatcher.store
@@ -325,9 +332,7 @@ def test_switching_hints_recaptures_the_graphs(model, monkeypatch):
     eager_hints = [e for c in eager for e in c.events if e[0] == "hint"]
     monkeypatch.setattr(model, "graphs", graphs := FakeGraphs(warmup=1))
     predictions = count_predictions(model, monkeypatch)
-    # every segment of every batch size: V4 (contiguous caches) a graph per whole layer, others pre and post
-    per_layer = 1 if type(model).__name__ == "DeepseekV4ForCausalLM" else 2
-    per_switch = (per_layer * len(model.layers) + 2) * len(GROUPS)
+    per_switch = graphs_per_run(model)
     for wants in (False, True, False, True):
         captures, predictions[0] = graphs.captures, 0
         calls = greedy_run(model, HintRecorder(store, wants))
@@ -368,7 +373,7 @@ def test_cuda_graph_hints_equal_eager_hints(cuda_model):
     cuda_model.graphs = graphs = SegmentGraphs(enabled=True)
     graphed = greedy_run(cuda_model, HintRecorder(store))
     assert graphs.failures == {}  # the predictions captured: no host sync in them
-    assert graphs.captures == (2 * len(cuda_model.layers) + 2) * len(GROUPS) and graphs.replays > 0
+    assert graphs.captures == graphs_per_run(cuda_model) and graphs.replays > 0
     hints = [e for c in graphed for e in c.events if e[0] == "hint"]
     assert hints and all(ids.is_cuda and ids.dtype == torch.int64 for _, _, ids in hints)
     assert_same_run(graphed, eager)
@@ -384,5 +389,5 @@ def test_cuda_dispatcher_swap_recaptures(cuda_model):
     for wants in (False, True, False, True):
         captures = graphs.captures
         assert_same_run(greedy_run(cuda_model, HintRecorder(store, wants)), eager[wants])
-        assert graphs.captures == captures + (2 * len(cuda_model.layers) + 2) * len(GROUPS)
+        assert graphs.captures == captures + graphs_per_run(cuda_model)
     assert graphs.failures == {}
