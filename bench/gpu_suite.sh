@@ -219,7 +219,9 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     fi
     if [ -n "${ALT_TREE:-}" ]; then  # ALT_MODES (default resident,tiered) again from the source tree ALT_TREE
         echo "=== decode from the tree $ALT_TREE" >> "$LOG"
-        (cd "$ALT_TREE" && export PYTHONPATH=/tmp/site:$PWD && bench decode 300 --streams 1,2,4 --cache-fraction 0.05 \
+        # its receipt's git sha ends in -alt (the tree is another commit than this checkout)
+        (cd "$ALT_TREE" && export PYTHONPATH=/tmp/site:$PWD MOETIER_GIT_SHA="${MOETIER_GIT_SHA:-unknown}-alt" \
+            && bench decode 300 --streams 1,2,4 --cache-fraction 0.05 \
             --policy lfu --modes "${ALT_MODES:-resident,tiered}")
     fi
     if [ -n "${GRAPHS_CHECK:-}" ]; then  # decode CUDA graphs off, then on (Qwen3 / V3 graphs are opt-in)
