@@ -78,7 +78,11 @@ from moetier.tiers.tiered_config import TieredConfig
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
 from moetier.weights.loader import LoadedModel
 
-_PROFILED_STEPS = 3  # steps the torch profiler records per mode (after the settling steps)
+_PROFILED_STEPS = 4  # steps the torch profiler records per mode (after the settling steps)
+# Steps before a profiled or traced pass: a fresh run's first steps warm up and capture its graphs, and a tiered
+# route's variants (a fed step's timed eager one, its graphed one) capture later still: the profile is of the
+# steady state.
+_PROFILE_SETTLE_STEPS = 24
 MODES = (
     *("resident", "naive", "cpu", "copy", "tiered"),
     *("tiered-host", "tiered-nohint", "resident-host", "mapped", "mapped-cpu", "mapped-cpu-noahead"),
@@ -196,10 +200,10 @@ _TRIAL_STEPS_CAP = 160
 _SETTLE_STEPS = 2
 
 
-def _settled(run: _DecodeRun) -> torch.Tensor:
-    """Prefill ``run``, then :data:`_SETTLE_STEPS` decode steps -> the next tokens."""
+def _settled(run: _DecodeRun, steps: int = _SETTLE_STEPS) -> torch.Tensor:
+    """Prefill ``run``, then ``steps`` decode steps -> the next tokens."""
     tokens = run.prefill()
-    for _ in range(_SETTLE_STEPS):
+    for _ in range(steps):
         tokens = run.step(tokens)
     return tokens
 
@@ -253,7 +257,7 @@ def _clock_steps(run: _DecodeRun, steps: int) -> dict[str, Any]:
 
 def _python_profile(run: _DecodeRun, steps: int, rows: int = 30) -> str:
     """The host's Python functions by own time over ``steps`` decode steps (cProfile: where to cut host time)."""
-    tokens = _settled(run)
+    tokens = _settled(run, _PROFILE_SETTLE_STEPS)
     sync_device(run.model.device)
     profiler = cProfile.Profile()
     profiler.enable()
@@ -279,7 +283,7 @@ def _profile_steps(run: _DecodeRun, steps: int = _PROFILED_STEPS, trace_path: Pa
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.model.device.type == "cuda" else [])
-    tokens = _settled(run)
+    tokens = _settled(run, _PROFILE_SETTLE_STEPS)
     with profile(activities=activities, experimental_config=_trace_config(trace_path)) as prof:
         for _ in range(steps):
             tokens = run.step(tokens)
