@@ -45,7 +45,7 @@ for tokens, top_k, experts in ((1, 1, 4), (3, 6, 16), (4, 3, 8), (2, 8, 32)):
     inbox = (torch.full((tokens, top_k), 99), torch.zeros(tokens, top_k), torch.zeros(tokens, 40, dtype=torch.bfloat16))
     feed = FeedTarget(base, *(t.data_ptr() - base.data_ptr() for t in inbox))
     gates, hidden = torch.rand(tokens, top_k, generator=g).bfloat16(), torch.randn(tokens, 40, generator=g).bfloat16()
-    fed, pair_tokens = build_table(offsets, ids, pick, feed, gates, hidden)
+    fed, pair_tokens, _ = build_table(offsets, ids, pick, feed, gates, hidden)
     plain = build_table(offsets, ids)
     results.append({
         "plain": torch.equal(plain[0], device_tables(offsets, ids)[0]) and torch.equal(plain[1], pair_tokens),
@@ -128,7 +128,7 @@ for tokens, top_k, experts, share in ((1, 6, 64, 0.5), (3, 6, 16, 0.4), (4, 3, 8
              torch.zeros(tokens, 40, dtype=torch.bfloat16, device=DEVICE))
     feed = FeedTarget(base, *(t.data_ptr() - base.data_ptr() for t in inbox))
     counts = torch.full((experts,), 3, dtype=torch.int64, device=DEVICE)
-    fed, pair_tokens = build_table(offsets, ids, pick, feed, gates, hidden, split, counts)
+    fed, pair_tokens, rows = build_table(offsets, ids, pick, feed, gates, hidden, split, counts)
     want_counts = torch.full((experts,), 3, dtype=torch.int64, device=DEVICE)
     want_counts.index_add_(0, ids[skip], torch.ones(int(skip.sum()), dtype=torch.int64, device=DEVICE))
     unsplit = device_tables(offsets, ids, 16, pick[ids].bool())[0]
@@ -138,6 +138,45 @@ for tokens, top_k, experts, share in ((1, 6, 64, 0.5), (3, 6, 16, 0.4), (4, 3, 8
         "inbox": torch.equal(inbox[0], torch.where(skip, ids, -1)),
         "counts": torch.equal(counts, want_counts),
         "unsplit": torch.equal(build_table(offsets, ids, pick)[0], unsplit),
+        "no rows": rows is None,
+    })
+print(json.dumps(results))
+"""
+
+# The same with experts cut in parts of 32 of their 256 rows: the CPU's whole experts, then the last parts of the
+# next one (its ids carry the device's rows), the device's rows of every pair as split_rows has them.
+_ROW_SPLIT_KERNEL = """
+import json, torch
+from moetier.kernels.cpu_worker import fed_ids
+from moetier.kernels.device_routing import device_tables
+from moetier.kernels.routing_table import CallSplit, FeedTarget, build_table, split_priorities, split_rows
+g = torch.Generator().manual_seed(2)
+results = []
+for tokens, top_k, experts, share in ((1, 6, 64, 0.55), (3, 6, 16, 0.4), (4, 3, 8, 0.7), (1, 6, 64, 0.5),
+                                      (2, 8, 32, 1.0), (1, 1, 4, 0.3), (1, 6, 64, 0.01)):
+    offsets = torch.randint(0, 1 << 30, (experts,), generator=g) * 16
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    pick = (torch.rand(experts, generator=g) < 0.8).to(torch.uint8)
+    priority = torch.tensor(split_priorities(experts, tokens), dtype=torch.int32)
+    gates, hidden = torch.rand(tokens, top_k, generator=g).bfloat16(), torch.randn(tokens, 40, generator=g).bfloat16()
+    offsets, ids, pick, priority, gates, hidden = (t.to(DEVICE) for t in (offsets, ids, pick, priority, gates, hidden))
+    split = CallSplit(priority, torch.tensor([share], dtype=torch.float32, device=DEVICE), unit_rows=32, inter=256)
+    skip, want_rows = split_rows(ids, pick, split)
+    parted = (want_rows > 0) & (want_rows < 256)
+    base = torch.zeros(16, dtype=torch.uint8, device=DEVICE)
+    inbox = (torch.full((tokens, top_k), 99, device=DEVICE), torch.zeros(tokens, top_k, device=DEVICE),
+             torch.zeros(tokens, 40, dtype=torch.bfloat16, device=DEVICE))
+    feed = FeedTarget(base, *(t.data_ptr() - base.data_ptr() for t in inbox))
+    fed, pair_tokens, rows = build_table(offsets, ids, pick, feed, gates, hidden, split)
+    cpu_ids = torch.where(skip, ids, torch.where(parted, fed_ids(ids, want_rows), -1))
+    n = int(pick[ids.unique()].sum())
+    cpu_work = len(set(ids[skip].tolist())) + float((256 - want_rows[parted][:1]).sum()) / 256
+    results.append({
+        "fed": torch.equal(fed, device_tables(offsets, ids, 16, skip)[0]),
+        "rows": torch.equal(rows.view(tokens, top_k), want_rows),
+        "inbox": torch.equal(inbox[0], cpu_ids),
+        "share": abs(cpu_work - share * n) <= 1 / 16,
+        "cut": bool(parted.any()) == (round(share * n * 8) % 8 != 0),
     })
 print(json.dumps(results))
 """
@@ -154,6 +193,17 @@ def test_the_table_kernel_splits_each_call_as_split_skip_does_under_the_interpre
 def test_the_table_kernel_splits_each_call_as_split_skip_does_on_cuda():
     results = _run("cuda", _SPLIT_KERNEL)
     assert len(results) == 6
+    for r in results:
+        assert all(r.values()), r
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_table_kernel_cuts_an_expert_to_meet_the_share_as_split_rows_does(device):
+    """Interpreted off CUDA: the whole experts the CPU takes, the split expert's rows on each side (the device's
+    rows per pair, the CPU's inbox ids carrying them) as split_rows decides, and the CPU's work ``share * n``
+    experts to a part (1/8 of an expert here)."""
+    results = _run(device, _ROW_SPLIT_KERNEL)
+    assert len(results) == 7
     for r in results:
         assert all(r.values()), r
 
@@ -213,6 +263,92 @@ results = [case(i, getattr(torch, dt), t, kk, lim, DEVICE) for i, (dt, t, kk, li
     [("float32", 1, 3, None), ("float32", 3, 4, 0.7), ("bfloat16", 4, 3, None), ("bfloat16", 2, 6, 0.5)])]
 print(json.dumps(results))
 """
+
+
+# The grouped kernels over a table whose split expert computes only its first rows: against the reference's same
+# rows (swiglu_expert with rows), for dense, fp8 (128-row parts: its scale tiles) and fp4 blocks.
+_ROW_KERNELS = """
+import json, torch
+from dataclasses import replace
+import moetier.kernels.grouped_experts as k
+from moetier.kernels.device_routing import LayerBlocks, launch_routed, routed_table
+from moetier.kernels.routing_table import CallSplit, split_priorities, split_rows
+from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertStore, device_allocator, swiglu_expert
+
+def store_of(fmt, layout, g):
+    dtype = torch.float32 if fmt == "float32" else torch.bfloat16
+    quant = {"fp8": ExpertQuant(kind="fp8-block", tile=(128, 128)),
+             "fp4": ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=True)}.get(fmt)
+    store = ExpertStore(replace(layout, quant=quant), dtype, device_allocator(DEVICE))
+    for e in range(layout.num_experts):
+        w = store.block_for_loading(0, e)
+        if quant is None:
+            w.block.copy_(torch.randn(w.block.shape, generator=g) * 0.1)
+            continue
+        for name in ("gate", "up", "down"):
+            q, scale = getattr(w, name + "_q"), getattr(w, name + "_scale")
+            if fmt == "fp8":
+                q.copy_(torch.randn(q.shape, generator=g).clamp(-3, 3).to(torch.float8_e4m3fn).view(q.dtype))
+                scale.copy_(torch.rand(scale.shape, generator=g) * 0.02 + 0.01)
+            else:
+                q.copy_(torch.randint(0, 256, q.shape, dtype=torch.uint8, generator=g))
+                scale.copy_(2.0 ** -torch.randint(3, 6, scale.shape, generator=g).float())
+    return store, dtype
+
+results = []
+for fmt, unit, share in (("float32", 32, 0.45), ("bfloat16", 64, 0.3), ("fp8", 128, 0.5), ("fp4", 32, 0.55)):
+    g = torch.Generator().manual_seed(5)
+    layout = ExpertLayout(moe_layers=(0,), num_experts=8, hidden_size=64, intermediate_size=256, top_k=3,
+                          swiglu_limit=0.9)
+    store, dtype = store_of(fmt, layout, g)
+    experts = [store.expert(0, e) for e in range(8)]
+    blocks = LayerBlocks.of(experts, dtype)
+    x = torch.randn(2, 64, generator=g).to(dtype).to(DEVICE)
+    ids = torch.tensor([[0, 3, 5], [3, 6, 1]], device=DEVICE)
+    weights = torch.rand(2, 3, generator=g).to(dtype).to(DEVICE)
+    pick = torch.ones(8, dtype=torch.uint8, device=DEVICE)
+    priority = torch.tensor(split_priorities(8, 0), dtype=torch.int32, device=DEVICE)
+    split = CallSplit(priority, torch.tensor([share], device=DEVICE), unit_rows=unit, inter=256)
+    skip, rows = split_rows(ids, pick, split)
+    out = torch.zeros(2, 64, dtype=torch.float32, device=DEVICE)
+    launch_routed(out, x, weights, blocks, 0.9, routed_table(blocks, ids, pick, split=split))
+    want = torch.zeros_like(out)
+    for t in range(2):
+        for j in range(3):
+            if int(rows[t, j]) > 0:
+                part = swiglu_expert(x[t : t + 1], experts[int(ids[t, j])], 0.9, (0, int(rows[t, j])))
+                want[t] += part[0].float() * weights[t, j].float()
+    cut = (rows > 0) & (rows < 256)
+    rel = ((out - want).norm() / want.norm()).item()
+    # The plain call (the CPU's whole experts' weights zeroed: each adds +-0) over the cut expert with its rows
+    # from the cut on zeroed (their activations are 0, so add +-0 too): the split call's bits.
+    unzeroed, kept = torch.zeros_like(out), torch.where(skip, 0.0, weights.float()).to(dtype)
+    launch_routed(unzeroed, x, kept, blocks, 0.9, routed_table(blocks, ids))
+    c, w = int(rows[cut][0]), store.expert(0, int(ids[cut][0]))
+    if w.quantized:
+        w.gate_q[c:], w.up_q[c:] = 0, 0
+        w.down_q[:, (c // 2 if fmt == "fp4" else c):] = 0
+    else:
+        w.gate_up[c:256], w.gate_up[256 + c :], w.down[:, c:] = 0, 0, 0
+    plain = torch.zeros_like(out)
+    launch_routed(plain, x, kept, blocks, 0.9, routed_table(blocks, ids))
+    results.append({"fmt": fmt, "cut": bool(cut.any()), "rel": rel, "broken": list(k._BROKEN),
+                    "same_bits": torch.equal(out, plain), "differs": not torch.equal(out, unzeroed)})
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_grouped_kernels_compute_only_a_split_experts_first_rows(device):
+    """Interpreted off CUDA: a call whose split expert the device computes to its first rows (the rest is the CPU
+    tier's) gives the bits of the whole call over that expert with its other rows zeroed, and the reference's same
+    rows within the tolerance, for dense, fp8 and fp4 blocks."""
+    results = _run(device, _ROW_KERNELS)
+    assert len(results) == 4
+    for r in results:
+        assert r["cut"] and r["differs"] and r["same_bits"] and not r["broken"], r
+        # Against torch's rows (the interpreter rounds to bf16 by truncation: only float32 is checked there).
+        assert r["rel"] < (1e-5 if r["fmt"] == "float32" else 5e-2 if device == "cpu" else 1e-2), r
 
 
 def _run(device: str, script: str = _SAME_BITS) -> list[dict]:

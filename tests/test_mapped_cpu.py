@@ -17,11 +17,11 @@ from test_tiers_fidelity import _random_store, _routing
 
 from moetier.errors import ConfigError
 from moetier.kernels import cpu_experts
-from moetier.kernels.cpu_worker import FedInbox, NativeWorker
+from moetier.kernels.cpu_worker import FedInbox, NativeWorker, fed_ids
 from moetier.tiers import mapped_cpu
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuGroup, CpuJob
 from moetier.tiers.dispatcher import ResidentDispatcher
-from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertStore, device_allocator
+from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertStore, device_allocator, swiglu_expert
 from moetier.tiers.mapped_cpu import balanced_share, cpu_fixed_seconds, cpu_picks, default_share
 from moetier.tiers.route_costs import RouteCosts
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
@@ -158,8 +158,19 @@ def test_the_fed_split_mode_is_balanced_by_default_and_a_bad_one_is_refused(monk
     monkeypatch.setenv("MOETIER_FED_SPLIT", " Static ")
     assert mapped_cpu.fed_split_mode() == "static"
     monkeypatch.setenv("MOETIER_FED_SPLIT", "even")
-    with pytest.raises(ConfigError, match="MOETIER_FED_SPLIT must be one of balanced, static, got 'even'"):
+    monkeypatch.setenv("MOETIER_FED_SPLIT", "whole")
+    assert mapped_cpu.fed_split_mode() == "whole"
+    monkeypatch.setenv("MOETIER_FED_SPLIT", "even")
+    with pytest.raises(ConfigError, match="MOETIER_FED_SPLIT must be one of balanced, whole, static, got 'even'"):
         mapped_cpu.fed_split_mode()
+
+
+def test_a_calls_split_cuts_experts_in_parts_the_cpu_kernel_reads_from():
+    """V4-Flash's 2048 rows in 16 parts of 128; fp8's 128-wide scale tiles bound the part from below; rows that no
+    power of two of parts cuts (Qwen3-235B's 1536) keep whole experts."""
+    assert mapped_cpu.split_unit_rows(2048) == 128 and mapped_cpu.split_unit_rows(2048, 128) == 128
+    assert mapped_cpu.split_unit_rows(64) == 32 and mapped_cpu.split_unit_rows(64, 128) == 0
+    assert mapped_cpu.split_unit_rows(1536) == 0 and mapped_cpu.split_unit_rows(32) == 0
 
 
 # --- CUDA: the device stores the start words and waits for the done words -----------------------------------
@@ -167,12 +178,13 @@ def test_the_fed_split_mode_is_balanced_by_default_and_a_bad_one_is_refused(monk
 
 @pytest.mark.gpu
 @needs_kernel
-@pytest.mark.parametrize("split", ["static", "balanced"])
+@pytest.mark.parametrize("split", ["static", "whole", "balanced"])
 @pytest.mark.parametrize("queued", [False, True])
 def test_fed_steps_enqueued_ahead_of_the_host_match_resident_on_cuda(queued, split, monkeypatch):
     """Steps launched back to back with no host read in between: the worker holds several fed jobs queued before
     their inputs exist, each starts when the device stores its word, and the stream waits for each one's sums.
-    ``queued``: each step inside the dispatcher's ``decode_step``, every layer's job queued before its calls (as
+    ``balanced`` cuts an expert of most calls in two (512 rows: parts of 128), ``whole`` never does. ``queued``:
+    each step inside the dispatcher's ``decode_step``, every layer's job queued before its calls (as
     for calls replayed from CUDA graphs), batch sizes alternating."""
     monkeypatch.setenv("MOETIER_FED_SPLIT", split)
     layout = ExpertLayout((0, 1, 2), num_experts=32, hidden_size=1024, intermediate_size=512, top_k=4, swiglu_limit=7.0)
@@ -333,3 +345,94 @@ def test_fed_jobs_on_e8m0_scale_bytes_give_the_float32_scales_bits():
         outs.append(inbox.out.clone())
         tier.close()
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
+
+
+SPLIT_LAYOUT = replace(LAYOUT, intermediate_size=256)
+
+
+def _split_store(fmt: str) -> ExpertStore:
+    """SPLIT_LAYOUT's experts in ``fmt``: bf16 values, fp8 blocks (128 x 128 tiles) or fp4 (32-column tiles)."""
+    if fmt == "bf16":
+        return _random_store(SPLIT_LAYOUT, torch.bfloat16, seed=6)
+    quant = (
+        ExpertQuant(kind="fp8-block", tile=(128, 128))
+        if fmt == "fp8"
+        else ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=True)
+    )
+    store = ExpertStore(replace(SPLIT_LAYOUT, quant=quant), torch.bfloat16, device_allocator("cpu"))
+    generator = torch.Generator().manual_seed(6)
+    for layer in SPLIT_LAYOUT.moe_layers:
+        for expert in range(SPLIT_LAYOUT.num_experts):
+            weights = store.block_for_loading(layer, expert)
+            for name in ("gate", "up", "down"):
+                q, scale = getattr(weights, f"{name}_q"), getattr(weights, f"{name}_scale")
+                if fmt == "fp8":
+                    values = torch.randn(q.shape, generator=generator).clamp(-3, 3)
+                    q.copy_(values.to(torch.float8_e4m3fn).view(q.dtype))
+                    scale.copy_(torch.rand(scale.shape, generator=generator) * 0.02 + 0.01)
+                else:
+                    q.copy_(torch.randint(0, 256, q.shape, dtype=torch.uint8, generator=generator))
+                    scale.copy_(scale_to_float(torch.randint(121, 125, scale.shape, dtype=torch.uint8)))
+    return store
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
+def test_a_fed_job_computes_a_split_experts_rows_from_the_row_its_id_carries(fmt):
+    """Pairs whose inbox id carries a first row (a split expert: the device computes the rows below) get only the
+    part through rows ``from .. I`` (gate/up rows, down columns); whole pairs beside them as before. Against torch's
+    reference for the same rows, and the two parts of an expert together against the whole."""
+    store = _split_store(fmt)
+    tier = CpuExpertTier(SPLIT_LAYOUT.swiglu_limit, threads=2)
+    worker, checked, _ = tier.fed_plan(_layer(store, 0), SPLIT_LAYOUT.hidden_size)
+    hidden, ids, weights = _routing(2, SPLIT_LAYOUT, torch.Generator().manual_seed(3), torch.bfloat16)
+    inter, split = SPLIT_LAYOUT.intermediate_size, 128
+    split_expert = int(ids[0, 1])
+    from_rows = torch.where(ids == split_expert, split, 0)
+
+    def run(from_of: torch.Tensor) -> torch.Tensor:
+        inbox = FedInbox.allocate(2, SPLIT_LAYOUT.top_k, SPLIT_LAYOUT.hidden_size, pin=False)
+        start = torch.zeros(1, dtype=torch.int32)
+        job = worker.submit_fed(checked, (start.data_ptr(), 1), inbox, SPLIT_LAYOUT.swiglu_limit, 2)
+        inbox.ids.copy_(fed_ids(ids, from_of))
+        inbox.weights.copy_(weights.float())
+        inbox.hidden.copy_(hidden)
+        start[0] = 1
+        assert job.wait()[0] == 0
+        return inbox.out.clone()
+
+    got = run(from_rows)
+    expected = torch.zeros_like(got)
+    for t, k in torch.cartesian_prod(torch.arange(2), torch.arange(SPLIT_LAYOUT.top_k)).tolist():
+        expert, lo = int(ids[t, k]), int(from_rows[t, k])
+        part = swiglu_expert(hidden[t : t + 1], store.expert(0, expert), SPLIT_LAYOUT.swiglu_limit, (lo, inter))
+        expected[t] += part[0].float() * float(weights[t, k])
+    assert relative_error(got, expected) < 5e-3
+    # The device's rows of the split expert added to the CPU's part: the whole expert, as the unsplit job has it.
+    device = torch.zeros_like(got)
+    for t, k in (ids == split_expert).nonzero().tolist():
+        part = swiglu_expert(hidden[t : t + 1], store.expert(0, split_expert), SPLIT_LAYOUT.swiglu_limit, (0, split))
+        device[t] += part[0].float() * float(weights[t, k])
+    whole = run(torch.zeros_like(from_rows))
+    assert relative_error(got + device, whole) < 5e-3 and relative_error(got, whole) > 1e-2
+    tier.close()
+
+
+@needs_kernel
+def test_a_fed_row_off_the_tiles_is_refused_with_zero_sums():
+    """A first row that is not a multiple of 32 (or not below the width) fails the job (no stale sums)."""
+    store = _split_store("bf16")
+    tier = CpuExpertTier(SPLIT_LAYOUT.swiglu_limit, threads=1)
+    worker, checked, _ = tier.fed_plan(_layer(store, 0), SPLIT_LAYOUT.hidden_size)
+    hidden, ids, weights = _routing(1, SPLIT_LAYOUT, torch.Generator().manual_seed(3), torch.bfloat16)
+    for bad in (48, SPLIT_LAYOUT.intermediate_size):
+        inbox = FedInbox.allocate(1, SPLIT_LAYOUT.top_k, SPLIT_LAYOUT.hidden_size, pin=False)
+        inbox.out.fill_(7.0)
+        start = torch.zeros(1, dtype=torch.int32)
+        job = worker.submit_fed(checked, (start.data_ptr(), 1), inbox, SPLIT_LAYOUT.swiglu_limit, 1)
+        inbox.ids.copy_(fed_ids(ids, bad))
+        inbox.weights.copy_(weights.float())
+        inbox.hidden.copy_(hidden)
+        start[0] = 1
+        assert job.wait()[0] != 0 and inbox.out.abs().max() == 0
+    tier.close()

@@ -33,6 +33,10 @@ typedef struct job {
     const bf16_t *const *gate_up; /* [E] -> [2I, H] (gate rows, then up rows) */
     const bf16_t *const *down;    /* [E] -> [H, I] */
     const int64_t *offsets;       /* [E + 1]: expert e owns pairs offsets[e] .. offsets[e + 1] */
+    /* [E] or NULL (0 for every expert): expert e's first intermediate row. A fed job's split expert (the device
+     * computes rows 0 .. from[e], this job the rest: gate/up rows from[e] .. I, down columns from[e] .. I, a
+     * multiple of 32 and of the scales' tile width, so every row read starts on a tile). */
+    const int64_t *from;
     const int64_t *rows;          /* [P]: row of `hidden` / `out` of each pair */
     const float *gates;           /* [P] */
     const bf16_t *hidden;         /* [U, H] */
@@ -135,26 +139,33 @@ ALWAYS_INLINE int packed_rows(const job_t *job, int64_t tokens) {
     return is_e2m1(job) && job->tile_cols == 32 && tokens <= MOETIER_FP4_FUSED_TOKENS;
 }
 
-/* Row `row` of matrix m of expert e into `slot` of `rows`: a pointer into the weights (bf16), or the row
- * dequantised into `slot` of this thread's buffers (quantised), or for packed rows its codes and scales
+/* Row `row` of matrix m of expert e from column `col0` on (0, or a split expert's first down column: a multiple
+ * of the scales' tile width) into `slot` of `rows`: a pointer into the weights (bf16), or those values
+ * dequantised into `slot` of this thread's buffers (quantised), or for packed rows their codes and scales
  * (dot_rows_e2m1 dequantises what it does not read packed). */
-static void weight_row(const job_t *job, int m, int64_t e, int64_t row, bf16_t *bufs, int slot, rows_t *rows) {
+static void weight_row_from(const job_t *job, int m, int64_t e, int64_t row, int64_t col0, bf16_t *bufs, int slot,
+                            rows_t *rows) {
     const int64_t H = job->hidden_size, I = job->inter;
     if (!is_quantised(job)) {
-        rows->w[slot] = m == DOWN ? job->down[e] + row * I : job->gate_up[e] + (m == UP ? I + row : row) * H;
+        rows->w[slot] = (m == DOWN ? job->down[e] + row * I : job->gate_up[e] + (m == UP ? I + row : row) * H) + col0;
         return;
     }
-    const int64_t cols = m == DOWN ? I : H;
-    const float *scales = row_scales(job, m, e, row, cols, bufs, slot);
+    const int64_t cols = m == DOWN ? I : H, tile = col0 / job->tile_cols;
+    const float *scales = row_scales(job, m, e, row, cols, bufs, slot) + tile;
     bf16_t *dst = bufs + slot * job->row_stride;
     rows->w[slot] = rows->buf[slot] = dst;
     if (job->quant == QUANT_E4M3) {
-        e4m3_row(job->codes[m][e] + row * cols, scales, cols, job->tile_cols, dst);
+        e4m3_row(job->codes[m][e] + row * cols + col0, scales, cols - col0, job->tile_cols, dst);
         return;
     }
-    rows->q[slot] = job->codes[m][e] + row * (cols / 2);
+    rows->q[slot] = job->codes[m][e] + row * (cols / 2) + col0 / 2;
     rows->s[slot] = scales;
-    if (!rows->packed) e2m1_row(rows->q[slot], scales, cols, job->tile_cols, dst);
+    if (!rows->packed) e2m1_row(rows->q[slot], scales, cols - col0, job->tile_cols, dst);
+}
+
+/* Row `row` of matrix m of expert e, whole (weight_row_from at column 0). */
+static void weight_row(const job_t *job, int m, int64_t e, int64_t row, bf16_t *bufs, int slot, rows_t *rows) {
+    weight_row_from(job, m, e, row, 0, bufs, slot, rows);
 }
 
 /* silu(gate) * up on the bf16-rounded projections, with DeepSeek-V4's optional clamp; rounded to bf16. */
@@ -221,7 +232,8 @@ static void gate_up_units(const job_t *job, int64_t lo, int64_t hi, int tid) {
     while (lo < hi) {
         int64_t e = lo / I, j0 = lo % I;
         int64_t j1 = (hi - lo < I - j0) ? j0 + (hi - lo) : I;
-        gate_up_rows(job, e, j0, j1, thread_rows(job, tid));
+        const int64_t from = job->from != NULL ? job->from[e] : 0; /* a split expert's rows below are the device's */
+        if (j1 > from) gate_up_rows(job, e, j0 > from ? j0 : from, j1, thread_rows(job, tid));
         lo += j1 - j0;
     }
 }
@@ -231,22 +243,23 @@ static void gate_up_units(const job_t *job, int64_t lo, int64_t hi, int tid) {
 static void down_rows(const job_t *job, int64_t e, int64_t h0, int64_t h1, bf16_t *bufs) {
     const int64_t H = job->hidden_size, I = job->inter, first = job->offsets[e];
     const int64_t count = job->offsets[e + 1] - first, part = (h1 - h0 + MAX_ROWS - 1) / MAX_ROWS;
+    const int64_t from = job->from != NULL ? job->from[e] : 0; /* a split expert: its columns from here on */
     for (int64_t i = 0; i < part; ++i) {
         int64_t h[MAX_ROWS];
         rows_t w = {.packed = packed_rows(job, count)};
         int r = 0;
         for (; r < MAX_ROWS && h0 + r * part + i < h1; ++r) {
             h[r] = h0 + r * part + i;
-            weight_row(job, DOWN, e, h[r], bufs, r, &w);
+            weight_row_from(job, DOWN, e, h[r], from, bufs, r, &w);
         }
         for (int64_t tb = 0; tb < count; tb += TOKEN_BLOCK) {
             const int nt = token_block(job, e, tb);
             const xval_t *x[TOKEN_BLOCK];
-            for (int t = 0; t < nt; ++t) x[t] = job->act + (first + tb + t) * I;
+            for (int t = 0; t < nt; ++t) x[t] = job->act + (first + tb + t) * I + from;
             if (job->act_shuffled != NULL)
-                for (int t = 0; t < nt; ++t) w.xs[t] = job->act_shuffled + (first + tb + t) * whole_blocks(I);
+                for (int t = 0; t < nt; ++t) w.xs[t] = job->act_shuffled + (first + tb + t) * whole_blocks(I) + from;
             float res[MAX_ROWS][TOKEN_BLOCK];
-            dot_block(&w, r, x, nt, I, res);
+            dot_block(&w, r, x, nt, I - from, res);
             for (int t = 0; t < nt; ++t) {
                 const int64_t p = first + tb + t;
                 float *dst = job->out + job->rows[p] * H;

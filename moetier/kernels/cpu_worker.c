@@ -35,7 +35,10 @@
 typedef struct {
     int32_t *start; /* the word the device's stream write stores start_value into (the worker stores 0 back) */
     int32_t start_value;
-    const int64_t *ids;    /* [pairs]: the layer's expert of each (token, k) pair, -1 where the device runs it */
+    /* [pairs]: the layer's expert of each (token, k) pair in the low 32 bits, -1 where the device runs it; the high
+     * 32 bits the first intermediate row this job computes (0: all of them; else the device computes the rows
+     * below: a split expert, every pair of which carries the same row). */
+    const int64_t *ids;
     const float *weights;  /* [pairs] */
     int64_t pairs, top_k;
     const uint64_t *table; /* the layer's pointers, part by part (parts x n_layer), alive as long as the worker */
@@ -102,6 +105,10 @@ static int wait_for_start(worker_t *w, const queued_t *q) {
     }
 }
 
+/* A fed pair's expert (-1: the device's pair) and the first intermediate row the job computes of it. */
+ALWAYS_INLINE int64_t fed_expert(int64_t id) { return id < 0 ? -1 : (id & 0xffffffffll); }
+ALWAYS_INLINE int64_t fed_from(int64_t id) { return id < 0 ? 0 : (id >> 32); }
+
 /* The fed job's pairs (ids >= 0) grouped by expert, in increasing expert order and, within one, increasing
  * pair order, into the job's arrays (allocated for every pair at submit), then run. A pair's row of `hidden`
  * and `out` is its token (pair / top_k). */
@@ -110,28 +117,31 @@ static int run_fed(queued_t *q) {
     job_t *job = &q->job;
     int64_t *order = q->fed_order, n = 0;
     for (int64_t p = 0; p < f->pairs; ++p) {
-        const int64_t e = f->ids[p];
-        if (e >= f->n_layer) { /* an id the device should never write: no sums at all, not stale ones */
+        const int64_t e = fed_expert(f->ids[p]), from = fed_from(f->ids[p]);
+        /* an id or a row the device should never write: no sums at all, not stale ones */
+        if (e >= f->n_layer || from < 0 || from >= job->inter || from % 32 != 0 ||
+            (job->tile_cols > 0 && from % job->tile_cols != 0)) {
             memset(job->out, 0, (size_t)(job->out_rows * job->hidden_size) * sizeof(float));
             return MOETIER_BAD_ARGS;
         }
         if (e < 0) continue;
         int64_t i = n++; /* insertion sort by (expert, pair): a decode layer has a few dozen pairs */
-        while (i > 0 && f->ids[order[i - 1]] > e) {
+        while (i > 0 && fed_expert(f->ids[order[i - 1]]) > e) {
             order[i] = order[i - 1];
             --i;
         }
         order[i] = p;
     }
     uint64_t *table = q->fed_table;
-    int64_t *offsets = (int64_t *)job->offsets, *rows = (int64_t *)job->rows;
+    int64_t *offsets = (int64_t *)job->offsets, *rows = (int64_t *)job->rows, *from = (int64_t *)job->from;
     float *gates = (float *)job->gates;
     int64_t experts = 0;
     for (int64_t i = 0; i < n; ++i) {
-        const int64_t e = f->ids[order[i]];
-        if (i == 0 || e != f->ids[order[i - 1]]) {
+        const int64_t e = fed_expert(f->ids[order[i]]);
+        if (i == 0 || e != fed_expert(f->ids[order[i - 1]])) {
             for (int64_t part = 0; part < f->parts; ++part)
                 table[part * f->pairs + experts] = f->table[part * f->n_layer + e];
+            from[experts] = fed_from(f->ids[order[i]]);
             offsets[experts++] = i;
         }
         rows[i] = order[i] / f->top_k;
@@ -320,7 +330,7 @@ void *moetier_worker_submit_fed(void *handle, int quant, int64_t n_layer, const 
     const size_t offsets_bytes = (size_t)(pairs + 1) * sizeof(int64_t), rows_bytes = (size_t)pairs * sizeof(int64_t);
     queued_t *q = calloc(1, sizeof(queued_t));
     feed_t *f = calloc(1, sizeof(feed_t));
-    char *owned = malloc(table_bytes + offsets_bytes + 2 * rows_bytes + (size_t)pairs * sizeof(float));
+    char *owned = malloc(table_bytes + offsets_bytes + 3 * rows_bytes + (size_t)pairs * sizeof(float));
     if (q == NULL || f == NULL || owned == NULL) {
         free(q);
         free(f);
@@ -332,8 +342,8 @@ void *moetier_worker_submit_fed(void *handle, int quant, int64_t n_layer, const 
                   .top_k = top_k, .table = table, .n_layer = n_layer, .parts = parts};
     uint64_t *t = (uint64_t *)owned;
     int64_t *o = (int64_t *)(owned + table_bytes), *r = (int64_t *)(owned + table_bytes + offsets_bytes);
-    job_t job = {.n_experts = 0, .offsets = o, .rows = r, .gates = (float *)(owned + table_bytes + offsets_bytes +
-                                                                            2 * rows_bytes),
+    job_t job = {.n_experts = 0, .offsets = o, .rows = r, .from = r + 2 * pairs,
+                 .gates = (float *)(owned + table_bytes + offsets_bytes + 3 * rows_bytes),
                  .hidden = hidden, .out_rows = tokens, .hidden_size = hidden_size, .inter = inter,
                  .has_limit = has_limit, .limit = limit, .out = out, .quant = quant, .tile_rows = tile_rows,
                  .tile_cols = tile_cols};

@@ -130,10 +130,23 @@ class NativeJob:
             self.wait()
 
 
+# A fed pair's id carries, above this bit, the first intermediate row the CPU computes of its expert (0: all of it;
+# else the device computes the rows below: a split expert). cpu_worker.c's fed_expert / fed_from read it.
+FED_FROM_SHIFT = 32
+
+
+def fed_ids(ids: torch.Tensor, from_rows: torch.Tensor | int = 0) -> torch.Tensor:
+    """Inbox ids (int64) for expert ``ids`` (-1: the device's pair) whose CPU part starts at intermediate row
+    ``from_rows`` (a multiple of 32 and of the scales' tile width; the same for every pair of one expert)."""
+    ids = ids.to(torch.int64)
+    return torch.where(ids < 0, -1, ids | (torch.as_tensor(from_rows, dtype=torch.int64) << FED_FROM_SHIFT))
+
+
 @dataclass
 class FedInbox:
     """A fed job's pinned buffers: ``ids`` int64 and ``weights`` float32 ``[T, K]`` (an id of -1: not the CPU's
-    pair), ``hidden`` bf16 ``[T, H]`` (the device writes these three), ``out`` float32 ``[T, H]`` (the worker's)."""
+    pair; above ``FED_FROM_SHIFT``, the first intermediate row it computes: :func:`fed_ids`), ``hidden`` bf16
+    ``[T, H]`` (the device writes these three), ``out`` float32 ``[T, H]`` (the worker's)."""
 
     ids: torch.Tensor
     weights: torch.Tensor

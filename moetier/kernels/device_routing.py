@@ -32,6 +32,9 @@ from moetier.tiers.experts import ExpertWeights
 
 # Calls of at most this many (token, expert) pairs take the device table: a few streams of decode.
 DEVICE_ROUTING_MAX_PAIRS = 64
+# A device-built call: its launch table, layout, each pair's token, and each pair's intermediate rows on the device
+# (None: every row; a split expert's first rows, see routing_table.CallSplit).
+Routed = tuple[torch.Tensor, LaunchLayout, torch.Tensor, torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -125,20 +128,23 @@ def routed_table(
     hidden: torch.Tensor | None = None,
     split: CallSplit | None = None,
     cpu_counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, LaunchLayout, torch.Tensor]:
-    """The call's launch table, its layout and each pair's token: one kernel where it runs
-    (:func:`~moetier.kernels.routing_table.build_table`, also writing the CPU tier's inbox for ``feed``), else
-    :func:`device_tables`' torch ops. ``pick`` (uint8 ``[E]``) marks the experts whose pairs are left out (with
-    ``split``: those the CPU may take, split per call), each left-out pair counted into ``cpu_counts``;
-    ``feed`` needs the kernel (:func:`~moetier.kernels.routing_table.table_kernel_usable`)."""
+) -> Routed:
+    """The call's launch table, its layout, each pair's token and (a ``split`` with ``unit_rows``) each pair's rows
+    on the device: one kernel where it runs (:func:`~moetier.kernels.routing_table.build_table`, also writing the
+    CPU tier's inbox for ``feed``), else :func:`device_tables`' torch ops. ``pick`` (uint8 ``[E]``) marks the
+    experts whose pairs are left out (with ``split``: those the CPU may take, split per call), each left-out pair
+    counted into ``cpu_counts``; ``feed`` needs the kernel
+    (:func:`~moetier.kernels.routing_table.table_kernel_usable`)."""
     tokens, top_k = topk_ids.shape
     if not table_kernel_usable(topk_ids):
         if feed is not None:
             raise ValueError("device_routing: feeding the CPU tier's inbox needs the table kernel")
+        if split is not None and split.unit_rows:
+            raise ValueError("device_routing: splitting an expert's rows needs the table kernel")
         skip = None if pick is None else left_to_cpu(topk_ids, pick, split, cpu_counts)
-        return device_tables(blocks.offsets, topk_ids, blocks.align, skip)
-    table, pair_tokens = build_table(blocks.offsets, topk_ids, pick, feed, gates, hidden, split, cpu_counts)
-    return table, routed_layout(tokens, top_k, blocks.align), pair_tokens
+        return (*device_tables(blocks.offsets, topk_ids, blocks.align, skip), None)
+    table, pair_tokens, rows = build_table(blocks.offsets, topk_ids, pick, feed, gates, hidden, split, cpu_counts)
+    return table, routed_layout(tokens, top_k, blocks.align), pair_tokens, rows
 
 
 def left_to_cpu(
@@ -165,15 +171,15 @@ def launch_routed(
     topk_weights: torch.Tensor,
     blocks: LayerBlocks,
     swiglu_limit: float | None,
-    routed: tuple[torch.Tensor, LaunchLayout, torch.Tensor],
+    routed: Routed,
     fp4: Fp4Blocks | None = None,
 ) -> None:
     """The grouped kernels over a table from :func:`routed_table`, adding into ``out`` (float32 ``[T, H]``);
     ``fp4``: the fp4 kernels' block sizes (default: the module's current ones)."""
-    table, layout, pair_tokens = routed
+    table, layout, pair_tokens, rows = routed
     gates = topk_weights.reshape(-1)
     first, placement = blocks.first, blocks.placement
-    launch_grouped(out, hidden, pair_tokens, gates, first, placement, swiglu_limit, table, layout, fp4)
+    launch_grouped(out, hidden, pair_tokens, gates, first, placement, swiglu_limit, table, layout, fp4, rows)
 
 
 def run_routed(

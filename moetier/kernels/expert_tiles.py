@@ -56,8 +56,10 @@ if triton is not None:
         TILE_C: tl.constexpr,
         UNIT: tl.constexpr,
         UNITS: tl.constexpr,
+        upto,
     ):
-        """``sum_k w[row, k] * x[k]`` over the ``UNITS * UNIT`` columns from ``k0`` of an e4m3 matrix, per row.
+        """``sum_k w[row, k] * x[k]`` over the ``UNITS * UNIT`` columns from ``k0`` of an e4m3 matrix, per row, the
+        columns from ``upto`` on left out (``width``, or a split expert's rows the device computes).
 
         The matrix is ``[rows, width]`` bytes at byte ``part`` of ``block``, its float32 scales
         ``[ceil(rows / TILE_R), ceil(width / TILE_C)]`` at byte ``scales`` (edge tiles may be partial). A
@@ -66,20 +68,20 @@ if triton is not None:
         ``[UNITS, UNIT]``. Each weight is the loader's ``(float(v) * scale).to(dtype)``."""
         unit = k0 + tl.arange(0, UNITS) * UNIT  # each unit's first column
         cols = unit[:, None] + tl.arange(0, UNIT)[None, :]
-        ok = rows_ok[:, None, None] & (cols < width)[None, :, :]
+        ok = rows_ok[:, None, None] & (cols < upto)[None, :, :]
         raw = tl.load(block + part + rows[:, None, None] * width + cols[None, :, :], mask=ok, other=0)
         grid = (width + TILE_C - 1) // TILE_C
         scale_at = (rows // TILE_R)[:, None] * grid + (unit // TILE_C)[None, :]
-        scale_ok = rows_ok[:, None] & (unit < width)[None, :]
+        scale_ok = rows_ok[:, None] & (unit < upto)[None, :]
         scale = tl.load(as_f32(block + scales) + scale_at, mask=scale_ok, other=0.0)
         w = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]).to(dtype).to(tl.float32)
         return tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
 
     @triton.jit
-    def units(row_ptr, k0, width: tl.constexpr, UNIT: tl.constexpr, UNITS: tl.constexpr):
-        """The float32 inputs of a ``UNITS * UNIT`` column step from ``k0``, ``[UNITS, UNIT]``."""
+    def units(row_ptr, k0, width: tl.constexpr, UNIT: tl.constexpr, UNITS: tl.constexpr, upto):
+        """The float32 inputs of a ``UNITS * UNIT`` column step from ``k0``, ``[UNITS, UNIT]`` (zeros from ``upto``)."""
         cols = k0 + tl.arange(0, UNITS)[:, None] * UNIT + tl.arange(0, UNIT)[None, :]
-        return tl.load(row_ptr + cols, mask=cols < width, other=0.0).to(tl.float32)
+        return tl.load(row_ptr + cols, mask=(cols < width) & (cols < upto), other=0.0).to(tl.float32)
 
     @triton.jit
     def e2m1(code):
@@ -109,8 +111,11 @@ if triton is not None:
         UNITS: tl.constexpr,
         POW2: tl.constexpr,
         E8M0: tl.constexpr,
+        upto,
     ):
-        """``sum_k w[row, k] * x[k]`` over the ``UNITS * UNIT`` columns from ``k0`` of a packed fp4 matrix, per row.
+        """``sum_k w[row, k] * x[k]`` over the ``UNITS * UNIT`` columns from ``k0`` of a packed fp4 matrix, per row,
+        the columns from ``upto`` on left out (``width``, or a split expert's rows the device computes: a multiple of
+        ``UNIT``).
 
         The matrix is ``[rows, width / 2]`` bytes at byte ``part`` of ``block`` (column ``c`` is byte
         ``c // 2`` of its row, low nibble when ``c`` is even), its float32 scales ``[rows / TILE_R,
@@ -126,7 +131,7 @@ if triton is not None:
         """
         HALF: tl.constexpr = UNIT // 2
         unit = k0 // UNIT + tl.arange(0, UNITS)
-        unit_ok = unit < width // UNIT
+        unit_ok = unit < upto // UNIT
         j = tl.arange(0, HALF)
         base = block
         at = rows[:, None, None] * (width // 2) + (unit * HALF)[None, :, None] + j[None, None, :]
@@ -148,12 +153,13 @@ if triton is not None:
             return tl.sum(tl.sum(low * x_even[None, :, :] + high * x_odd[None, :, :], axis=2), axis=1)
 
     @triton.jit
-    def even_odd(row_ptr, k0, width: tl.constexpr, UNIT: tl.constexpr, UNITS: tl.constexpr):
-        """The float32 inputs of a ``UNITS * UNIT`` column step from ``k0``, split into even and odd columns."""
+    def even_odd(row_ptr, k0, width: tl.constexpr, UNIT: tl.constexpr, UNITS: tl.constexpr, upto):
+        """The float32 inputs of a ``UNITS * UNIT`` column step from ``k0``, split into even and odd columns (zeros
+        from ``upto``)."""
         HALF: tl.constexpr = UNIT // 2
         cols = k0 + tl.arange(0, UNITS)[:, None, None] * UNIT + tl.arange(0, HALF)[None, :, None] * 2
         cols = cols + tl.arange(0, 2)[None, None, :]
-        pairs = tl.load(row_ptr + cols, mask=cols < width, other=0.0).to(tl.float32)
+        pairs = tl.load(row_ptr + cols, mask=(cols < width) & (cols < upto), other=0.0).to(tl.float32)
         return tl.split(pairs)
 
     @triton.jit

@@ -107,9 +107,13 @@ if triton is not None:
         GATE: tl.constexpr,
         UP: tl.constexpr,
         ALIGN: tl.constexpr,
+        rows_ptr,
+        ROWS: tl.constexpr,
     ):
         # Dense blocks, one program per (group, block of intermediate channels), for all of the group's tokens
-        # at once on the tensor cores. GATE/UP are the element offsets of the two matrices in a block.
+        # at once on the tensor cores. GATE/UP are the element offsets of the two matrices in a block. With ROWS,
+        # rows_ptr holds each pair's intermediate rows this call computes (a split expert's first ones; groups are
+        # single pairs then): the rest is left unread.
         group, block = tl.program_id(0), tl.program_id(1)
         dtype = x_ptr.dtype.element_ty
         weights = blocks_ptr + block_offset(table_ptr + 3 * group, ALIGN)
@@ -121,6 +125,8 @@ if triton is not None:
             rows = tl.load(pair_token_ptr + start + t, mask=t_ok, other=0)
             i = block * BLOCK_I + tl.arange(0, BLOCK_I)
             i_ok = i < inter
+            if ROWS:
+                i_ok = i_ok & (i < tl.load(rows_ptr + start))
             acc_gate = tl.zeros((BLOCK_T, BLOCK_I), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_T, BLOCK_I), dtype=tl.float32)
             for k0 in range(0, hidden, BLOCK_K):
@@ -174,17 +180,17 @@ if triton is not None:
         acc_up = tl.zeros(n.shape, dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             if QUANT >= 2:
-                x_even, x_odd = even_odd(x_row, k0, hidden, UNIT, BLOCK_K // UNIT)
+                x_even, x_odd = even_odd(x_row, k0, hidden, UNIT, BLOCK_K // UNIT, hidden)
                 acc_gate += fp4_row_dot(weights, GATE, GATE_SCALE, n, n_ok, k0, x_even, x_odd, hidden, dtype,
-                                         TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2, QUANT == 3)  # fmt: skip
+                                         TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2, QUANT == 3, hidden)  # fmt: skip
                 acc_up += fp4_row_dot(weights, UP, UP_SCALE, n, n_ok, k0, x_even, x_odd, hidden, dtype,
-                                       TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2, QUANT == 3)  # fmt: skip
+                                       TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2, QUANT == 3, hidden)  # fmt: skip
             else:
-                x = units(x_row, k0, hidden, UNIT, BLOCK_K // UNIT)
+                x = units(x_row, k0, hidden, UNIT, BLOCK_K // UNIT, hidden)
                 acc_gate += fp8_row_dot(weights, GATE, GATE_SCALE, n, n_ok, k0, x, hidden, dtype,
-                                        TILE_R, TILE_C, UNIT, BLOCK_K // UNIT)  # fmt: skip
+                                        TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, hidden)  # fmt: skip
                 acc_up += fp8_row_dot(weights, UP, UP_SCALE, n, n_ok, k0, x, hidden, dtype,
-                                      TILE_R, TILE_C, UNIT, BLOCK_K // UNIT)  # fmt: skip
+                                      TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, hidden)  # fmt: skip
         act = activation(acc_gate, acc_up, limit, dtype, HAS_LIMIT)
         tl.store(act_ptr + pair * inter + n, act, mask=n_ok)
 
@@ -213,6 +219,8 @@ if triton is not None:
         POW2: tl.constexpr,
         ALIGN: tl.constexpr,
         MAX_TOKENS: tl.constexpr,
+        rows_ptr,
+        ROWS: tl.constexpr,
     ):
         # Quantised blocks, one program per (group, block of intermediate channels), a matrix-vector product
         # per token of the group: decode rows carry one token or a few, so the weights' dequantisation, not
@@ -223,6 +231,8 @@ if triton is not None:
         count = tl.load(table_ptr + 3 * group + 2)
         n = block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
+        if ROWS:  # a split expert's first rows only (see _gate_up_kernel)
+            n_ok = n_ok & (n < tl.load(rows_ptr + start))
         for t in range(MAX_TOKENS):  # a fixed trip count: one compiled kernel whatever the group sizes
             if t < count:
                 _gate_up_row(x_ptr, pair_token_ptr, act_ptr, stride_x, limit, weights, start + t, n, n_ok,
@@ -248,8 +258,11 @@ if triton is not None:
         UNIT: tl.constexpr,
         POW2: tl.constexpr,
         ALIGN: tl.constexpr,
+        rows_ptr,
+        ROWS: tl.constexpr,
     ):
-        # One program per (pair of this call, block of output channels): y = round(down @ act) * gate.
+        # One program per (pair of this call, block of output channels): y = round(down @ act) * gate. With ROWS,
+        # only the columns below the pair's rows in rows_ptr (a split expert's first ones, see _gate_up_kernel).
         row, block = tl.program_id(0), tl.program_id(1)
         dtype = act_ptr.dtype.element_ty
         pair = tl.load(table_ptr + 2 * row)
@@ -258,18 +271,21 @@ if triton is not None:
             h = block * BLOCK_H + tl.arange(0, BLOCK_H)
             h_ok = h < hidden
             acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            upto = inter
+            if ROWS:
+                upto = tl.load(rows_ptr + pair)
             for k0 in range(0, inter, BLOCK_K):
                 if QUANT >= 2:
-                    a_even, a_odd = even_odd(act_ptr + pair * inter, k0, inter, UNIT, BLOCK_K // UNIT)
+                    a_even, a_odd = even_odd(act_ptr + pair * inter, k0, inter, UNIT, BLOCK_K // UNIT, upto)
                     acc += fp4_row_dot(weights, DOWN, DOWN_SCALE, h, h_ok, k0, a_even, a_odd, inter, dtype,
-                                        TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2, QUANT == 3)  # fmt: skip
+                                        TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, POW2, QUANT == 3, upto)  # fmt: skip
                 elif QUANT == 1:
-                    a = units(act_ptr + pair * inter, k0, inter, UNIT, BLOCK_K // UNIT)
+                    a = units(act_ptr + pair * inter, k0, inter, UNIT, BLOCK_K // UNIT, upto)
                     acc += fp8_row_dot(weights, DOWN, DOWN_SCALE, h, h_ok, k0, a, inter, dtype,
-                                       TILE_R, TILE_C, UNIT, BLOCK_K // UNIT)  # fmt: skip
+                                       TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, upto)  # fmt: skip
                 else:
                     k = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = k < inter
+                    k_ok = (k < inter) & (k < upto)
                     a = tl.load(act_ptr + pair * inter + k, mask=k_ok, other=0.0).to(tl.float32)
                     w = dense_tile(weights, DOWN, h, k, h_ok[:, None] & k_ok[None, :], inter, dtype)
                     acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
@@ -462,9 +478,12 @@ def launch_grouped(
     table: torch.Tensor,
     layout: LaunchLayout,
     fp4: Fp4Blocks | None = None,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """The three launches over a launch table on the device (its block offsets count from ``first``'s block);
-    ``fp4``: the fp4 kernels' block sizes for this call (default: :func:`current_fp4_blocks`)."""
+    ``fp4``: the fp4 kernels' block sizes for this call (default: :func:`current_fp4_blocks`); ``rows`` (int64
+    ``[pairs]``, a table of single-pair groups only): the intermediate rows each pair computes, from the first (a
+    split expert's share; the others' rows read nothing)."""
     # gate is [I, H] (fp4: [I, H/2] bytes), down [H, I]: the intermediate size is gate's rows.
     inter, size = (first.gate_q.shape[0] if first.quantized else first.down.shape[1]), hidden.shape[1]
     quant, gate, up, down, gate_scale, up_scale, down_scale, tile_r, tile_c, pow2 = placement
@@ -480,21 +499,22 @@ def launch_grouped(
     fp4 = (fp4 or current_fp4_blocks()) if quant >= 2 else None
     block_k, block_h = (fp4.k, fp4.h) if fp4 else (_BLOCK_K, _BLOCK_H)
     block_n = fp4.n if fp4 else _QUANT_BLOCK_N
+    split = {"rows_ptr": table if rows is None else rows, "ROWS": rows is not None}
     if quant == 0:
         _gate_up_kernel[(layout.groups, triton.cdiv(inter, _BLOCK_I))](
             x, table, blocks, pair_tokens, act, x.stride(0), hidden=size, inter=inter, **limits,
             IEEE=hidden.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-            BLOCK_T=MAX_GROUP_TOKENS, BLOCK_I=_BLOCK_I, BLOCK_K=_BLOCK_K, GATE=gate, UP=up, ALIGN=align,
+            BLOCK_T=MAX_GROUP_TOKENS, BLOCK_I=_BLOCK_I, BLOCK_K=_BLOCK_K, GATE=gate, UP=up, ALIGN=align, **split,
         )  # fmt: skip
     else:
         _gate_up_quant_kernel[(layout.groups, triton.cdiv(inter, block_n))](
             x, table, blocks, pair_tokens, act, x.stride(0), hidden=size, inter=inter, **limits,
             BLOCK_N=block_n, BLOCK_K=block_k, MAX_TOKENS=MAX_GROUP_TOKENS,
-            GATE=gate, UP=up, GATE_SCALE=gate_scale, UP_SCALE=up_scale, **quantised,
+            GATE=gate, UP=up, GATE_SCALE=gate_scale, UP_SCALE=up_scale, **quantised, **split,
         )  # fmt: skip
     _down_kernel[(layout.pairs, triton.cdiv(size, block_h))](
         act, table[layout.pair_at:], blocks, pair_gates.contiguous(), y, size, inter, BLOCK_H=block_h,
-        BLOCK_K=block_k, DOWN=down, DOWN_SCALE=down_scale, **quantised,
+        BLOCK_K=block_k, DOWN=down, DOWN_SCALE=down_scale, **quantised, **split,
     )  # fmt: skip
     _sum_kernel[(layout.touched, triton.cdiv(size, _SUM_BLOCK))](
         y, table[layout.token_at :], out, size, PER_TOKEN=layout.width, BLOCK_H=_SUM_BLOCK

@@ -55,10 +55,27 @@ class FeedTarget:
 class CallSplit:
     """How a call's eligible experts are split between the CPU and the device: ``priority`` (int32 ``[E]``, distinct
     values below 2**16: the order the CPU takes experts with as many tokens) and ``share`` (float32 ``[1]``, the
-    CPU's fraction of each call's distinct eligible experts), both on the call's device."""
+    CPU's fraction of each call's distinct eligible experts), both on the call's device.
+
+    With ``unit_rows`` (0: whole experts only) the share is met to a part of ``unit_rows`` of an expert's ``inter``
+    intermediate rows: the CPU takes whole experts, then the last rows of the next one, whose first rows the device
+    computes (``inter / unit_rows`` parts, a power of two, so the kernel's float32 arithmetic is the reference's)."""
 
     priority: torch.Tensor
     share: torch.Tensor
+    unit_rows: int = 0
+    inter: int = 0
+
+    def __post_init__(self) -> None:
+        if self.unit_rows:
+            units = self.inter // self.unit_rows if self.unit_rows > 0 else 0
+            if units < 2 or units * self.unit_rows != self.inter or units & (units - 1):
+                raise ValueError(f"CallSplit: {self.inter} rows do not cut in a power of two of {self.unit_rows}")
+
+    @property
+    def units(self) -> int:
+        """The parts an expert is cut in (1: whole experts only)."""
+        return self.inter // self.unit_rows if self.unit_rows else 1
 
 
 # A call's tokens per expert times this plus its priority orders the CPU's picks (priorities are < 2**16).
@@ -66,18 +83,33 @@ _KEY_STRIDE = 1 << 16
 
 
 def split_skip(topk_ids: torch.Tensor, pick: torch.Tensor, split: CallSplit) -> torch.Tensor:
-    """The pairs (bool ``[T, K]``) whose expert :func:`build_table` gives the CPU for ``split``: of the call's
-    distinct experts that ``pick`` marks, the ``floor(share * n + 0.5)`` with the fewest tokens in the call, ties
-    by ``priority`` (float32 arithmetic, as the kernel's)."""
+    """The pairs (bool ``[T, K]``) whose expert :func:`build_table` gives the CPU whole for ``split``: of the call's
+    ``n`` distinct experts that ``pick`` marks, the ``floor(share * n + 0.5)`` (with ``unit_rows``: whole parts of
+    ``share * n``, see :func:`split_rows`) with the fewest tokens in the call, ties by ``priority``."""
+    return split_rows(topk_ids, pick, split)[0]
+
+
+def split_rows(topk_ids: torch.Tensor, pick: torch.Tensor, split: CallSplit) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`split_skip`'s pairs and each pair's intermediate rows on the device (int64 ``[T, K]``): 0 for the CPU's
+    whole experts, ``inter`` for the device's, and for the next expert in the CPU's order, when ``share * n`` leaves
+    ``u`` of ``units`` parts over (``floor(share * n * units + 0.5)`` parts in all, float32 as the kernel's), its
+    first ``(units - u) * unit_rows`` (the CPU computes the rest). Without ``unit_rows``, ``inter`` is taken as 1."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     experts, uses = torch.unique(flat, return_counts=True)
     eligible = pick[experts] != 0
     experts, uses = experts[eligible], uses[eligible]
     n = torch.tensor(float(experts.numel()), dtype=torch.float32, device=flat.device)
-    n_cpu = int(torch.floor(split.share.reshape(-1)[0].to(flat.device) * n + 0.5))
-    keys = uses * _KEY_STRIDE + split.priority[experts].to(torch.int64)
-    chosen = experts[torch.argsort(keys)[:n_cpu]]
-    return torch.isin(topk_ids.to(torch.int64), chosen)
+    units, share = split.units, split.share.reshape(-1)[0].to(flat.device)
+    total = int(torch.floor(share * n * units + 0.5))
+    n_cpu, part = divmod(total, units)
+    order = experts[torch.argsort(uses * _KEY_STRIDE + split.priority[experts].to(torch.int64))]
+    ids = topk_ids.to(torch.int64)
+    skip = torch.isin(ids, order[:n_cpu])
+    inter = split.inter if split.unit_rows else 1
+    rows = torch.where(skip, 0, inter)
+    if part > 0 and n_cpu < order.numel():
+        rows = torch.where(ids == order[n_cpu], (units - part) * split.unit_rows, rows)
+    return skip, rows
 
 
 def split_priorities(experts: int, salt: int) -> list[int]:
@@ -101,10 +133,22 @@ if triton is not None:
 
     @triton.jit
     def _call_skip(
-        ids, k_ok, ids_ptr, pick_ptr, prio_ptr, share_ptr, PAIRS: tl.constexpr, CALL: tl.constexpr, STRIDE: tl.constexpr
+        ids,
+        k_ok,
+        ids_ptr,
+        pick_ptr,
+        prio_ptr,
+        share_ptr,
+        PAIRS: tl.constexpr,
+        CALL: tl.constexpr,
+        STRIDE: tl.constexpr,
+        UNITS: tl.constexpr,
+        UNIT_ROWS: tl.constexpr,
     ):
-        """Which of a token's pairs (``ids``) the CPU takes under a :class:`CallSplit`: every program decides for
-        the whole call (``CALL``: ``PAIRS`` padded to a power of two), so they all agree."""
+        """Which of a token's pairs (``ids``) the CPU takes under a :class:`CallSplit`, whole (``skip``) and split
+        (``parted``: the device computes its first ``rows`` intermediate rows, the CPU the rest), and ``rows``:
+        every program decides for the whole call (``CALL``: ``PAIRS`` padded to a power of two), so they all agree.
+        Experts are cut in ``UNITS`` parts of ``UNIT_ROWS`` rows (``UNITS`` 1: whole experts only)."""
         q = tl.arange(0, CALL)
         q_ok = q < PAIRS
         q_ids = tl.load(ids_ptr + q, mask=q_ok, other=-1).to(tl.int64)  # -1: padding matches no expert
@@ -116,10 +160,14 @@ if triton is not None:
         n = tl.sum(first.to(tl.int32), axis=0)
         key = uses * STRIDE + tl.load(prio_ptr + q_ids, mask=q_ok, other=0)
         rank = tl.sum((first[None, :] & (key[None, :] < key[:, None])).to(tl.int32), axis=1)
-        n_cpu = tl.floor(tl.load(share_ptr) * n.to(tl.float32) + 0.5).to(tl.int32)
+        total = tl.floor(tl.load(share_ptr) * n.to(tl.float32) * UNITS + 0.5).to(tl.int32)  # the CPU's parts
+        n_cpu, units = total // UNITS, total % UNITS
         chosen = first & (rank < n_cpu)
-        mine = (ids[:, None] == q_ids[None, :]) & chosen[None, :]
-        return (tl.sum(mine.to(tl.int32), axis=1) > 0) & k_ok
+        cut = first & (rank == n_cpu) & (units > 0)
+        same = ids[:, None] == q_ids[None, :]
+        skip = (tl.sum((same & chosen[None, :]).to(tl.int32), axis=1) > 0) & k_ok
+        parted = (tl.sum((same & cut[None, :]).to(tl.int32), axis=1) > 0) & k_ok
+        return skip, parted, (UNITS - units) * UNIT_ROWS
 
     @triton.jit
     def _table_kernel(
@@ -130,6 +178,7 @@ if triton is not None:
         share_ptr,
         cpu_counts_ptr,
         table_ptr,
+        rows_ptr,
         gates_ptr,
         hidden_ptr,
         base_ptr,
@@ -148,6 +197,9 @@ if triton is not None:
         CALL: tl.constexpr,
         KEY_STRIDE: tl.constexpr,
         FEED: tl.constexpr,
+        UNITS: tl.constexpr,
+        UNIT_ROWS: tl.constexpr,
+        ROWS: tl.constexpr,
     ):
         t = tl.program_id(0)
         k = tl.arange(0, WIDTH)
@@ -156,8 +208,12 @@ if triton is not None:
         ids = tl.load(ids_ptr + pair, mask=k_ok, other=0).to(tl.int64)
         block = tl.load(offsets_ptr + ids, mask=k_ok, other=0)
         skip = tl.zeros((WIDTH,), dtype=tl.int1)
+        parted = tl.zeros((WIDTH,), dtype=tl.int1)
+        rows = UNITS * UNIT_ROWS  # the split expert's rows the device computes (every row: no split)
         if SPLIT:
-            skip = _call_skip(ids, k_ok, ids_ptr, pick_ptr, prio_ptr, share_ptr, PAIRS, CALL, KEY_STRIDE)
+            skip, parted, rows = _call_skip(
+                ids, k_ok, ids_ptr, pick_ptr, prio_ptr, share_ptr, PAIRS, CALL, KEY_STRIDE, UNITS, UNIT_ROWS
+            )
         elif PICK:
             skip = (tl.load(pick_ptr + ids, mask=k_ok, other=0) != 0) & k_ok
         if COUNT:
@@ -177,8 +233,13 @@ if triton is not None:
         tl.store(row + 1 + rank, kept, mask=k_ok)
         tl.store(row + 1 + k, none, mask=k >= TOP_K)
         tl.store(table_ptr + 5 * PAIRS + (PAIRS // TOP_K) * (WIDTH + 1) + pair, t.to(tl.int64), mask=k_ok)
-        if FEED:
+        if ROWS:  # each pair's rows on the device: none of the CPU's whole experts, the first ones of a split one
+            mine = tl.where(parted, rows, UNITS * UNIT_ROWS).to(tl.int64)
+            tl.store(rows_ptr + pair, tl.where(skip, 0, mine), mask=k_ok)
+        if FEED:  # the CPU's pairs, a split expert's with its first row above FED_FROM_SHIFT (cpu_worker.fed_ids)
             cpu_ids = tl.where(skip, ids, none)
+            if ROWS:
+                cpu_ids = tl.where(parted, ids | (rows.to(tl.int64) << 32), cpu_ids)
             tl.store((base_ptr + feed_ids).to(tl.pointer_type(tl.int64), bitcast=True) + pair, cpu_ids, mask=k_ok)
             gates = tl.load(gates_ptr + pair, mask=k_ok, other=0.0).to(tl.float32)
             tl.store((base_ptr + feed_gates).to(tl.pointer_type(tl.float32), bitcast=True) + pair, gates, mask=k_ok)
@@ -208,17 +269,20 @@ def build_table(
     hidden: torch.Tensor | None = None,
     split: CallSplit | None = None,
     cpu_counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The launch table of :func:`~moetier.kernels.device_routing.device_tables` for ``topk_ids`` ``[T, K]`` and
-    each pair's token, with the pairs whose expert ``pick`` (uint8 ``[E]``) marks left out (with ``split``: the
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The launch table of :func:`~moetier.kernels.device_routing.device_tables` for ``topk_ids`` ``[T, K]``, each
+    pair's token and (for a ``split`` with ``unit_rows``, else None) each pair's intermediate rows on the device
+    (:func:`split_rows`), with the pairs whose expert ``pick`` (uint8 ``[E]``) marks left out (with ``split``: the
     pairs :func:`split_skip` gives the CPU; each left-out pair adds one to its expert's ``cpu_counts``, int64
-    ``[E]``, where given) and, with ``feed``, written with
-    ``gates`` and ``hidden`` (bf16) to the CPU tier's inbox; the caller checked :func:`table_kernel_usable`. Both
-    come from one allocation the kernel fills (nothing made ahead: the call may be captured in a CUDA graph)."""
+    ``[E]``, where given) and, with ``feed``, written with ``gates`` and ``hidden`` (bf16) to the CPU tier's inbox
+    (a split expert's pairs too, its ids carrying the device's rows: ``cpu_worker.fed_ids``); the caller checked
+    :func:`table_kernel_usable`. All come from one allocation the kernel fills (nothing made ahead: the call may
+    be captured in a CUDA graph)."""
     tokens, top_k = topk_ids.shape
     pairs, width = tokens * top_k, row_width(top_k)
     size = 5 * pairs + tokens * (width + 1)
-    table = torch.empty(size + pairs, dtype=torch.int64, device=topk_ids.device)
+    rows = split is not None and split.unit_rows > 0
+    table = torch.empty(size + pairs * (2 if rows else 1), dtype=torch.int64, device=topk_ids.device)
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     fed = feed is not None
     base = feed.base if fed else table
@@ -229,12 +293,13 @@ def build_table(
     _table_kernel[(tokens,)](
         ids, offsets, pick if pick is not None else table,
         split.priority if split is not None else table, split.share if split is not None else table,
-        counts if counts is not None else table, table,
+        counts if counts is not None else table, table, table[size + pairs :] if rows else table,
         gates.contiguous() if fed else table, hidden if fed else table, base,
         feed.ids if fed else 0, feed.gates if fed else 0, feed.hidden if fed else 0,
         hidden.stride(0) if fed else 0,
         TOP_K=top_k, WIDTH=width, PAIRS=pairs, HIDDEN=hidden_size, BLOCK_H=1024, PICK=pick is not None,
         SPLIT=split is not None, COUNT=counts is not None, CALL=max(1 << (pairs - 1).bit_length(), 16),
-        KEY_STRIDE=_KEY_STRIDE, FEED=fed,
+        KEY_STRIDE=_KEY_STRIDE, FEED=fed, UNITS=split.units if split is not None else 1,
+        UNIT_ROWS=split.unit_rows if rows else 0, ROWS=rows,
     )  # fmt: skip
-    return table[:size], table[size:]
+    return table[:size], table[size : size + pairs], table[size + pairs :] if rows else None

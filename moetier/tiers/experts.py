@@ -269,8 +269,12 @@ class ExpertWeights:
         return [(self.gate_q, self.gate_scale), (self.up_q, self.up_scale), (self.down_q, self.down_scale)]
 
 
-def swiglu_expert(x: torch.Tensor, weights: ExpertWeights, swiglu_limit: float | None) -> torch.Tensor:
-    """One expert's output ``down(silu(gate(x)) * up(x))`` for ``x`` of shape ``[T, H]``.
+def swiglu_expert(
+    x: torch.Tensor, weights: ExpertWeights, swiglu_limit: float | None, rows: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """One expert's output ``down(silu(gate(x)) * up(x))`` for ``x`` of shape ``[T, H]``; with ``rows``
+    ``(lo, hi)``, the part of it through intermediate rows ``lo .. hi`` only (gate and up rows, down columns: a
+    split expert's share, the shares summing to the whole up to rounding).
 
     This is the reference every tier (resident GPU, CPU tier, staged prefill) is checked against. A
     quantised expert is first dequantised to ``x.dtype`` with the loader's own function, so it computes
@@ -278,11 +282,17 @@ def swiglu_expert(x: torch.Tensor, weights: ExpertWeights, swiglu_limit: float |
     """
     if weights.quantized:
         weights = weights.dequantized(x.dtype)
-    gate, up = F.linear(x, weights.gate_up).chunk(2, dim=-1)
+    down = weights.down
+    if rows is None:
+        gate, up = F.linear(x, weights.gate_up).chunk(2, dim=-1)
+    else:
+        (lo, hi), inter = rows, down.shape[1]
+        gate, up = F.linear(x, weights.gate_up[lo:hi]), F.linear(x, weights.gate_up[inter + lo : inter + hi])
+        down = down[:, lo:hi]
     if swiglu_limit is not None:
         gate = gate.clamp(max=swiglu_limit)
         up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
-    return F.linear(F.silu(gate) * up, weights.down)
+    return F.linear(F.silu(gate) * up, down)
 
 
 BlockAllocator = Callable[[int, torch.dtype], torch.Tensor]

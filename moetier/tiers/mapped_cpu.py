@@ -145,16 +145,34 @@ def cpu_fixed_seconds(jobs: Sequence[tuple[int, float]]) -> float:
     return ceiling if slope <= 0.0 else min(max(mean_t - slope * mean_n, 0.0), ceiling)
 
 
-FED_SPLITS = ("balanced", "static")
+FED_SPLITS = ("balanced", "whole", "static")
+# A call's share is met to a part of this many intermediate rows of an expert (on CUDA, where the experts' rows cut
+# in a power of two of such parts): at one stream a layer misses ~4 experts, and whole experts leave one side
+# waiting for up to one expert's time (an H200 trace of 12 layers: 0.69-0.80 ms a layer's experts, ~0.58-0.62 had
+# both sides ended together). 128 rows of V4-Flash's 2048 are 1/16 of an expert (~0.8 MB in fp4).
+SPLIT_UNIT_ROWS = 128
 
 
 def fed_split_mode() -> str:
     """``MOETIER_FED_SPLIT``: how the fed CPU tier's experts are chosen: ``balanced`` (the default: ``share`` of each
-    call's uncached experts) or ``static`` (a fixed ``share`` of each layer's expert ids, :func:`cpu_picks`)."""
+    call's uncached experts, to a part of an expert's rows), ``whole`` (the same in whole experts) or ``static``
+    (a fixed ``share`` of each layer's expert ids, :func:`cpu_picks`)."""
     value = os.environ.get("MOETIER_FED_SPLIT", "balanced").strip().lower()
     if value not in FED_SPLITS:
         raise ConfigError(f"MOETIER_FED_SPLIT must be one of {', '.join(FED_SPLITS)}, got {value!r}: unset it")
     return value
+
+
+def split_unit_rows(inter: int, tile_cols: int = 0, unit: int = SPLIT_UNIT_ROWS) -> int:
+    """The rows of a part of an expert of ``inter`` intermediate rows a call's split cuts to: ``unit``, or a smaller
+    power of two down to 32 and ``tile_cols`` (the CPU kernel reads rows from a tile's start: fp8's scale tiles are
+    128 wide), that cuts the rows in a power of two of at least 2 parts; 0 where none does (whole experts only)."""
+    while unit >= max(32, tile_cols):
+        parts = inter // unit
+        if parts >= 2 and parts * unit == inter and parts & (parts - 1) == 0:
+            return unit
+        unit //= 2
+    return 0
 
 
 def cpu_picks(layers: int, experts: int, share: float) -> list[bool]:
@@ -203,7 +221,8 @@ class FedCpuShare:
         self.adaptive, self.picks_version = adaptive, 0
         self.store, self.tier, self.metrics, self.share = store, tier, metrics, share
         self.layers, self.top_k, self.hidden_size = layers, layout.top_k, layout.hidden_size
-        self.balanced = fed_split_mode() == "balanced"
+        mode = fed_split_mode()
+        self.balanced = mode != "static"
         experts = layout.num_experts
         self.picks = [True] * (len(layers) * experts) if self.balanced else cpu_picks(len(layers), experts, share)
         self.cuda = device.type == "cuda"
@@ -212,7 +231,10 @@ class FedCpuShare:
         self._share = torch.tensor([share], dtype=torch.float32, device=device)
         ranks = [split_priorities(experts, row) for row in range(len(layers))]
         priorities = torch.tensor(ranks, dtype=torch.int32, device=device)
-        self._splits = {layer: CallSplit(priorities[row], self._share) for layer, row in self._row.items()}
+        # Parts of an expert only where the table kernel runs: the host playing the device (off CUDA) splits whole.
+        tile_cols, inter = (layout.quant.tile[1] if layout.quant is not None else 0), layout.intermediate_size
+        unit = split_unit_rows(inter, tile_cols) if mode == "balanced" and device.type == "cuda" else 0
+        self._splits = {layer: CallSplit(priorities[row], self._share, unit, inter) for layer, row in self._row.items()}
         self.worker: NativeWorker | None = None
         self._checked: dict[int, CheckedExperts] = {}
         self.kernel: str | None = None
