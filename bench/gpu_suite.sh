@@ -37,7 +37,8 @@
 # pinned to the last cores (MOETIER_CPU_PIN=1), unpinned, pinned again: with the unpinned main run, an ABAB.
 # FED_SPLIT_AB=1 adds three decode runs of FED_SPLIT_AB_MODES (default tiered,mapped-cpu) with the fed CPU tier's
 # static split (MOETIER_FED_SPLIT=static: a fixed share of each layer's expert ids), the default balanced split (a
-# share of each call's uncached experts), static again: with the main run, balanced / static / balanced / static.
+# share of each call's uncached experts, to a part of an expert), static again: with the main run, balanced / static /
+# balanced / static. FED_SPLIT_AB="whole balanced whole" runs those MOETIER_FED_SPLIT values in that order instead.
 # CPU_THREADS_AB="10 12" adds a decode run of CPU_THREADS_AB_MODES (default tiered,mapped-cpu) per CPU-tier thread
 # count named (--cpu-threads), then one at the default count again.
 # TIERED_AB="mapped_bookkeeping_every=1 mapped_bookkeeping_every=4" adds a decode run of TIERED_AB_MODES (default
@@ -191,7 +192,9 @@ if [ -z "${SKIP_BENCH:-}" ]; then
         done
     fi
     if [ -n "${FED_SPLIT_AB:-}" ]; then  # the static split of the fed CPU tier against the balanced default
-        for split in static balanced static; do
+        splits=$FED_SPLIT_AB
+        [ "$splits" = 1 ] && splits="static balanced static"
+        for split in $splits; do
             echo "=== decode with MOETIER_FED_SPLIT=$split" >> "$LOG"
             MOETIER_FED_SPLIT=$split bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
                 --modes "${FED_SPLIT_AB_MODES:-tiered,mapped-cpu}" --profile
