@@ -436,3 +436,32 @@ def test_a_fed_row_off_the_tiles_is_refused_with_zero_sums():
         start[0] = 1
         assert job.wait()[0] != 0 and inbox.out.abs().max() == 0
     tier.close()
+
+
+@needs_kernel
+def test_mapped_calls_that_cut_an_expert_between_host_and_cpu_tier_match_resident_in_bf16(monkeypatch):
+    """Off CUDA the host plays the device for the cut too: the cut expert's first rows by the host's per-expert path,
+    the rest by the fed worker (its inbox ids carrying the row), whole experts on either side as before."""
+    monkeypatch.setenv("MOETIER_FED_SPLIT", "balanced")
+    store = _random_store(SPLIT_LAYOUT, torch.bfloat16)
+    resident = ResidentDispatcher(store)
+    tiered = TieredDispatcher(store, cache_slots=4, miss_route="mapped", mapped_cpu_share=0.5, policy="lfu")
+    cuts, fill = [], mapped_cpu.FedCpuShare.fill
+
+    def counting_fill(self, inbox, *args):
+        fill(self, inbox, *args)
+        cuts.append(bool(((inbox.ids >= 0) & (inbox.ids >> 32 > 0)).any()))  # an id carrying a first row
+
+    monkeypatch.setattr(mapped_cpu.FedCpuShare, "fill", counting_fill)
+    generator = torch.Generator().manual_seed(5)
+    errors = []
+    for tokens in (1, 1, 2, 1, 3, 1, 2, 1):
+        for layer in SPLIT_LAYOUT.moe_layers:
+            hidden, ids, weights = _routing(tokens, SPLIT_LAYOUT, generator, torch.bfloat16, skew=1.0)
+            ours = tiered.dispatch(layer, hidden, ids, weights)
+            errors.append(relative_error(ours, resident.dispatch(layer, hidden, ids, weights)))
+    split = tiered.mapped.cpu.call_split(SPLIT_LAYOUT.moe_layers[0])
+    tiered.close()
+    assert split.unit_rows == 128 and split.units == 2
+    assert any(cuts) and not all(cuts)  # an odd count of uncached experts at share 0.5 cuts one in two
+    _check_bf16_noise(errors)

@@ -46,9 +46,10 @@ from moetier.kernels.device_routing import (
     left_to_cpu,
     routed_table,
 )
+from moetier.kernels.routing_table import split_rows
 from moetier.tiers.dispatcher import run_host_sorted
 from moetier.tiers.expert_cache import ExpertCache, Slot
-from moetier.tiers.experts import ExpertStore, ExpertWeights
+from moetier.tiers.experts import ExpertStore, ExpertWeights, swiglu_expert
 from moetier.tiers.mapped_ahead import MappedPrefetch
 from moetier.tiers.mapped_cpu import FedCpuShare
 from moetier.tiers.metrics import TierMetrics
@@ -174,17 +175,20 @@ class MappedExperts:
             self._dispatch_on_device(layer, out, hidden, topk_ids, topk_weights, pick, stream)
             self._restore_ahead(layer, topk_ids)
             return
-        call, skip = None, None
+        call, skip, rows = None, None, None
         if fed:  # the host plays the device: it fills the inbox, stores the start word, runs the device's share
-            skip = left_to_cpu(topk_ids, pick, self.cpu.call_split(layer), self._cpu_count_rows[layer])
+            split = self.cpu.call_split(layer)
+            skip = left_to_cpu(topk_ids, pick, split, self._cpu_count_rows[layer])
+            if split is not None and split.unit_rows:  # a cut expert's first rows are the device's
+                rows = split_rows(topk_ids, pick, split)[1]
             inbox = self.cpu.inbox(hidden.shape[0])
-            self.cpu.fill(inbox, hidden, topk_ids, topk_weights, skip)
+            self.cpu.fill(inbox, hidden, topk_ids, topk_weights, skip, rows)
             call = self.cpu.start(layer, inbox, stream)
-            skip = skip if call is not None else None
+            skip, rows = (skip, rows) if call is not None else (None, None)
         try:
             if call is not None:
                 self.cpu.mark_start(call, stream)
-            self._run_on_host(layer, out, hidden, topk_ids, topk_weights, skip)
+            self._run_on_host(layer, out, hidden, topk_ids, topk_weights, skip, rows)
             if call is not None:
                 self.cpu.mark_end(call, stream)
         except BaseException:
@@ -228,13 +232,21 @@ class MappedExperts:
             raise
         self.cpu.collect(call, out, stream)
 
-    def _run_on_host(self, layer, out, hidden, topk_ids, topk_weights, skip: torch.Tensor | None) -> None:
-        """Off CUDA: the table read on the host and the per-expert path over the pairs ``skip`` leaves."""
-        limit = self.store.layout.swiglu_limit
+    def _run_on_host(self, layer, out, hidden, topk_ids, topk_weights, skip, rows=None) -> None:
+        """Off CUDA: the table read on the host and the per-expert path over the pairs ``skip`` leaves (``rows``:
+        each pair's intermediate rows on the device, a cut expert's first ones; see ``routing_table.split_rows``)."""
+        limit, inter = self.store.layout.swiglu_limit, self.store.layout.intermediate_size
         offsets = self.table[self._span(layer)].tolist()
         if skip is None:
             run_host_sorted(out, hidden, topk_ids, topk_weights, lambda e: self._block_at(offsets[e]), limit)
             return
+        if rows is not None:  # the cut expert's pairs: their first rows here, the rest is the CPU tier's
+            cut = (rows > 0) & (rows < inter)
+            for t, k in cut.nonzero().tolist():
+                block, upto = self._block_at(offsets[int(topk_ids[t, k])]), int(rows[t, k])
+                part = swiglu_expert(hidden[t : t + 1], block, limit, (0, upto))
+                out[t] += part[0].float() * topk_weights[t, k].float()
+            skip = skip | cut
         keep = ~skip.reshape(-1)
         if not bool(keep.any()):
             return

@@ -45,7 +45,7 @@ import torch
 
 from moetier.errors import ConfigError
 from moetier.kernels.cpu_experts import CheckedExperts
-from moetier.kernels.cpu_worker import ABANDONED, FedInbox, NativeJob, NativeWorker
+from moetier.kernels.cpu_worker import ABANDONED, FedInbox, NativeJob, NativeWorker, fed_ids
 from moetier.kernels.routing_table import CallSplit, FeedTarget, split_priorities
 from moetier.tiers.cpu_tier import CpuExpertTier
 from moetier.tiers.experts import ExpertStore
@@ -231,9 +231,8 @@ class FedCpuShare:
         self._share = torch.tensor([share], dtype=torch.float32, device=device)
         ranks = [split_priorities(experts, row) for row in range(len(layers))]
         priorities = torch.tensor(ranks, dtype=torch.int32, device=device)
-        # Parts of an expert only where the table kernel runs: the host playing the device (off CUDA) splits whole.
         tile_cols, inter = (layout.quant.tile[1] if layout.quant is not None else 0), layout.intermediate_size
-        unit = split_unit_rows(inter, tile_cols) if mode == "balanced" and device.type == "cuda" else 0
+        unit = split_unit_rows(inter, tile_cols) if mode == "balanced" else 0
         self._splits = {layer: CallSplit(priorities[row], self._share, unit, inter) for layer, row in self._row.items()}
         self.worker: NativeWorker | None = None
         self._checked: dict[int, CheckedExperts] = {}
@@ -304,11 +303,14 @@ class FedCpuShare:
             target = self._targets[tokens] = FeedTarget(base, *(t.data_ptr() - origin for t in parts))
         return target
 
-    @staticmethod
-    def fill(inbox: FedInbox, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, skip) -> None:
-        """Copy the CPU's pairs (``skip`` marks them; the others' ids become -1), their gates and the hidden rows
-        into the inbox with torch copies (where the table kernel does not write it)."""
+    def fill(self, inbox: FedInbox, hidden, topk_ids, topk_weights, skip: torch.Tensor, rows=None) -> None:
+        """Copy the CPU's pairs (``skip`` marks them; the others' ids become -1, but a cut expert's, whose ``rows``
+        on the device are fewer than all: theirs carry those rows, :func:`~moetier.kernels.cpu_worker.fed_ids`),
+        their gates and the hidden rows into the inbox with torch copies (where the table kernel does not write it)."""
         cpu_ids = torch.where(skip, topk_ids.to(torch.int64), -1)
+        if rows is not None:
+            cut = (rows > 0) & (rows < self.store.layout.intermediate_size)
+            cpu_ids = torch.where(cut, fed_ids(topk_ids, rows), cpu_ids)
         for dst, src in ((inbox.ids, cpu_ids), (inbox.weights, topk_weights.float()), (inbox.hidden, hidden)):
             dst.copy_(src, non_blocking=src.is_cuda)
 
