@@ -107,7 +107,18 @@ def test_a_call_split_is_even_on_every_call_where_fixed_picks_are_even_only_on_a
     assert worst_split <= 0.5 < worst_fixed  # fixed picks give one side of some calls most of its misses
 
 
-_SPLIT_KERNEL = """
+# One split call's inputs in the scripts below (a loop body over tokens, top_k, experts and share; g the generator).
+_SPLIT_CALL = """
+    offsets = torch.randint(0, 1 << 30, (experts,), generator=g) * 16
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    pick = (torch.rand(experts, generator=g) < 0.8).to(torch.uint8)
+    priority = torch.tensor(split_priorities(experts, tokens), dtype=torch.int32)
+    gates, hidden = torch.rand(tokens, top_k, generator=g).bfloat16(), torch.randn(tokens, 40, generator=g).bfloat16()
+    offsets, ids, pick, priority, gates, hidden = (t.to(DEVICE) for t in (offsets, ids, pick, priority, gates, hidden))
+"""
+
+_SPLIT_KERNEL = (
+    """
 import json, torch
 from moetier.kernels.device_routing import device_tables
 from moetier.kernels.routing_table import CallSplit, FeedTarget, build_table, split_priorities, split_skip
@@ -115,12 +126,9 @@ g = torch.Generator().manual_seed(1)
 results = []
 for tokens, top_k, experts, share in ((1, 6, 64, 0.5), (3, 6, 16, 0.4), (4, 3, 8, 0.75), (16, 4, 32, 0.3),
                                       (2, 8, 32, 1.0), (1, 1, 4, 0.5)):
-    offsets = torch.randint(0, 1 << 30, (experts,), generator=g) * 16
-    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    pick = (torch.rand(experts, generator=g) < 0.8).to(torch.uint8)
-    priority = torch.tensor(split_priorities(experts, tokens), dtype=torch.int32)
-    gates, hidden = torch.rand(tokens, top_k, generator=g).bfloat16(), torch.randn(tokens, 40, generator=g).bfloat16()
-    offsets, ids, pick, priority, gates, hidden = (t.to(DEVICE) for t in (offsets, ids, pick, priority, gates, hidden))
+"""
+    + _SPLIT_CALL
+    + """
     split = CallSplit(priority, torch.tensor([share], dtype=torch.float32, device=DEVICE))
     skip = split_skip(ids, pick, split)
     base = torch.zeros(16, dtype=torch.uint8, device=DEVICE)
@@ -142,10 +150,12 @@ for tokens, top_k, experts, share in ((1, 6, 64, 0.5), (3, 6, 16, 0.4), (4, 3, 8
     })
 print(json.dumps(results))
 """
+)
 
 # The same with experts cut in parts of 32 of their 256 rows: the CPU's whole experts, then the last parts of the
 # next one (its ids carry the device's rows), the device's rows of every pair as split_rows has them.
-_ROW_SPLIT_KERNEL = """
+_ROW_SPLIT_KERNEL = (
+    """
 import json, torch
 from moetier.kernels.cpu_worker import fed_ids
 from moetier.kernels.device_routing import device_tables
@@ -154,12 +164,9 @@ g = torch.Generator().manual_seed(2)
 results = []
 for tokens, top_k, experts, share in ((1, 6, 64, 0.55), (3, 6, 16, 0.4), (4, 3, 8, 0.7), (1, 6, 64, 0.5),
                                       (2, 8, 32, 1.0), (1, 1, 4, 0.3), (1, 6, 64, 0.01)):
-    offsets = torch.randint(0, 1 << 30, (experts,), generator=g) * 16
-    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    pick = (torch.rand(experts, generator=g) < 0.8).to(torch.uint8)
-    priority = torch.tensor(split_priorities(experts, tokens), dtype=torch.int32)
-    gates, hidden = torch.rand(tokens, top_k, generator=g).bfloat16(), torch.randn(tokens, 40, generator=g).bfloat16()
-    offsets, ids, pick, priority, gates, hidden = (t.to(DEVICE) for t in (offsets, ids, pick, priority, gates, hidden))
+"""
+    + _SPLIT_CALL
+    + """
     split = CallSplit(priority, torch.tensor([share], dtype=torch.float32, device=DEVICE), unit_rows=32, inter=256)
     skip, want_rows = split_rows(ids, pick, split)
     parted = (want_rows > 0) & (want_rows < 256)
@@ -180,6 +187,7 @@ for tokens, top_k, experts, share in ((1, 6, 64, 0.55), (3, 6, 16, 0.4), (4, 3, 
     })
 print(json.dumps(results))
 """
+)
 
 
 def test_the_table_kernel_splits_each_call_as_split_skip_does_under_the_interpreter():

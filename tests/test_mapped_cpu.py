@@ -307,20 +307,28 @@ def test_calls_right_after_another_route_are_not_timed():
     tiered.close()
 
 
-def _fp4_store(scale_format: str) -> ExpertStore:
-    """LAYOUT's experts as fp4 blocks, their power-of-two scales kept as ``scale_format`` (the same values)."""
-    quant = ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=True, scale_format=scale_format)
-    store = ExpertStore(replace(LAYOUT, quant=quant), torch.bfloat16, device_allocator("cpu"))
-    generator = torch.Generator().manual_seed(4)
-    for layer in LAYOUT.moe_layers:
-        for expert in range(LAYOUT.num_experts):
+def _quantised_store(layout: ExpertLayout, quant: ExpertQuant, seed: int, fill) -> ExpertStore:
+    """``layout``'s experts as ``quant`` blocks, each matrix's codes and scales set by ``fill(q, scale, generator)``."""
+    store = ExpertStore(replace(layout, quant=quant), torch.bfloat16, device_allocator("cpu"))
+    generator = torch.Generator().manual_seed(seed)
+    for layer in layout.moe_layers:
+        for expert in range(layout.num_experts):
             weights = store.block_for_loading(layer, expert)
             for name in ("gate", "up", "down"):
-                q, scale = getattr(weights, f"{name}_q"), getattr(weights, f"{name}_scale")
-                q.copy_(torch.randint(0, 256, q.shape, dtype=torch.uint8, generator=generator))
-                exponents = torch.randint(121, 125, scale.shape, dtype=torch.uint8, generator=generator)
-                scale.copy_(exponents if scale_format == "e8m0" else scale_to_float(exponents))
+                fill(getattr(weights, f"{name}_q"), getattr(weights, f"{name}_scale"), generator)
     return store
+
+
+def _fp4_store(scale_format: str) -> ExpertStore:
+    """LAYOUT's experts as fp4 blocks, their power-of-two scales kept as ``scale_format`` (the same values)."""
+
+    def fill(q, scale, generator):
+        q.copy_(torch.randint(0, 256, q.shape, dtype=torch.uint8, generator=generator))
+        exponents = torch.randint(121, 125, scale.shape, dtype=torch.uint8, generator=generator)
+        scale.copy_(exponents if scale_format == "e8m0" else scale_to_float(exponents))
+
+    quant = ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=True, scale_format=scale_format)
+    return _quantised_store(LAYOUT, quant, 4, fill)
 
 
 @needs_kernel
@@ -354,26 +362,34 @@ def _split_store(fmt: str) -> ExpertStore:
     """SPLIT_LAYOUT's experts in ``fmt``: bf16 values, fp8 blocks (128 x 128 tiles) or fp4 (32-column tiles)."""
     if fmt == "bf16":
         return _random_store(SPLIT_LAYOUT, torch.bfloat16, seed=6)
-    quant = (
-        ExpertQuant(kind="fp8-block", tile=(128, 128))
-        if fmt == "fp8"
-        else ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=True)
+
+    def fill(q, scale, generator):
+        if fmt == "fp8":
+            values = torch.randn(q.shape, generator=generator).clamp(-3, 3)
+            q.copy_(values.to(torch.float8_e4m3fn).view(q.dtype))
+            scale.copy_(torch.rand(scale.shape, generator=generator) * 0.02 + 0.01)
+        else:
+            q.copy_(torch.randint(0, 256, q.shape, dtype=torch.uint8, generator=generator))
+            scale.copy_(scale_to_float(torch.randint(121, 125, scale.shape, dtype=torch.uint8)))
+
+    fp8 = ExpertQuant(kind="fp8-block", tile=(128, 128))
+    return _quantised_store(
+        SPLIT_LAYOUT, fp8 if fmt == "fp8" else ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=True), 6, fill
     )
-    store = ExpertStore(replace(SPLIT_LAYOUT, quant=quant), torch.bfloat16, device_allocator("cpu"))
-    generator = torch.Generator().manual_seed(6)
-    for layer in SPLIT_LAYOUT.moe_layers:
-        for expert in range(SPLIT_LAYOUT.num_experts):
-            weights = store.block_for_loading(layer, expert)
-            for name in ("gate", "up", "down"):
-                q, scale = getattr(weights, f"{name}_q"), getattr(weights, f"{name}_scale")
-                if fmt == "fp8":
-                    values = torch.randn(q.shape, generator=generator).clamp(-3, 3)
-                    q.copy_(values.to(torch.float8_e4m3fn).view(q.dtype))
-                    scale.copy_(torch.rand(scale.shape, generator=generator) * 0.02 + 0.01)
-                else:
-                    q.copy_(torch.randint(0, 256, q.shape, dtype=torch.uint8, generator=generator))
-                    scale.copy_(scale_to_float(torch.randint(121, 125, scale.shape, dtype=torch.uint8)))
-    return store
+
+
+def _split_job(worker, checked, inbox_ids, weights, hidden, threads: int) -> tuple[int, torch.Tensor]:
+    """One fed job of SPLIT_LAYOUT's experts over ``inbox_ids`` (as the inbox holds them) -> its status and sums
+    (the inbox's out starts non-zero: a failed job must not leave stale sums)."""
+    inbox = FedInbox.allocate(hidden.shape[0], SPLIT_LAYOUT.top_k, SPLIT_LAYOUT.hidden_size, pin=False)
+    inbox.out.fill_(7.0)
+    start = torch.zeros(1, dtype=torch.int32)
+    job = worker.submit_fed(checked, (start.data_ptr(), 1), inbox, SPLIT_LAYOUT.swiglu_limit, threads)
+    inbox.ids.copy_(inbox_ids)
+    inbox.weights.copy_(weights.float())
+    inbox.hidden.copy_(hidden)
+    start[0] = 1
+    return job.wait()[0], inbox.out.clone()
 
 
 @needs_kernel
@@ -391,15 +407,9 @@ def test_a_fed_job_computes_a_split_experts_rows_from_the_row_its_id_carries(fmt
     from_rows = torch.where(ids == split_expert, split, 0)
 
     def run(from_of: torch.Tensor) -> torch.Tensor:
-        inbox = FedInbox.allocate(2, SPLIT_LAYOUT.top_k, SPLIT_LAYOUT.hidden_size, pin=False)
-        start = torch.zeros(1, dtype=torch.int32)
-        job = worker.submit_fed(checked, (start.data_ptr(), 1), inbox, SPLIT_LAYOUT.swiglu_limit, 2)
-        inbox.ids.copy_(fed_ids(ids, from_of))
-        inbox.weights.copy_(weights.float())
-        inbox.hidden.copy_(hidden)
-        start[0] = 1
-        assert job.wait()[0] == 0
-        return inbox.out.clone()
+        status, out = _split_job(worker, checked, fed_ids(ids, from_of), weights, hidden, threads=2)
+        assert status == 0
+        return out
 
     got = run(from_rows)
     expected = torch.zeros_like(got)
@@ -426,15 +436,8 @@ def test_a_fed_row_off_the_tiles_is_refused_with_zero_sums():
     worker, checked, _ = tier.fed_plan(_layer(store, 0), SPLIT_LAYOUT.hidden_size)
     hidden, ids, weights = _routing(1, SPLIT_LAYOUT, torch.Generator().manual_seed(3), torch.bfloat16)
     for bad in (48, SPLIT_LAYOUT.intermediate_size):
-        inbox = FedInbox.allocate(1, SPLIT_LAYOUT.top_k, SPLIT_LAYOUT.hidden_size, pin=False)
-        inbox.out.fill_(7.0)
-        start = torch.zeros(1, dtype=torch.int32)
-        job = worker.submit_fed(checked, (start.data_ptr(), 1), inbox, SPLIT_LAYOUT.swiglu_limit, 1)
-        inbox.ids.copy_(fed_ids(ids, bad))
-        inbox.weights.copy_(weights.float())
-        inbox.hidden.copy_(hidden)
-        start[0] = 1
-        assert job.wait()[0] != 0 and inbox.out.abs().max() == 0
+        status, out = _split_job(worker, checked, fed_ids(ids, bad), weights, hidden, threads=1)
+        assert status != 0 and out.abs().max() == 0
     tier.close()
 
 
