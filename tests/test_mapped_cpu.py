@@ -468,3 +468,38 @@ def test_mapped_calls_that_cut_an_expert_between_host_and_cpu_tier_match_residen
     assert split.unit_rows == 128 and split.units == 2
     assert any(cuts) and not all(cuts)  # an odd count of uncached experts at share 0.5 cuts one in two
     _check_bf16_noise(errors)
+
+
+@needs_kernel
+def test_timed_steps_queue_their_jobs_up_front_and_time_the_wait_for_the_cpu(monkeypatch):
+    """Steps inside ``decode_step``: the timed ones (eager: ``decode_step`` yields None) take the jobs queued for the
+    step, as graphed ones do, and time each call's device share and the wait after it until the CPU's sums were in
+    (``fed_late_seconds``); the others are untimed."""
+    monkeypatch.setattr(mapped_cpu, "TIMED_STEP_EVERY", 4)
+    monkeypatch.setattr(mapped_cpu, "FAST_TIMED_STEP_EVERY", 4)
+    store = _random_store(LAYOUT, torch.bfloat16)
+    resident = ResidentDispatcher(store)
+    tiered = TieredDispatcher(store, cache_slots=3, miss_route="mapped", policy="lfu")  # share None: adaptive
+    tiered.prepare("cpu")
+    fed = tiered.mapped.cpu
+    submitted, submit = [], fed._submit
+    monkeypatch.setattr(fed, "_submit", lambda layer, inbox: submitted.append(layer) or submit(layer, inbox))
+    generator = torch.Generator().manual_seed(6)
+    variants, errors = [], []
+    for _ in range(12):
+        with tiered.decode_step(1, torch.bfloat16) as variant:
+            variants.append(variant)
+            queued = len(submitted)
+            for layer in LAYOUT.moe_layers:
+                hidden, ids, weights = _routing(1, LAYOUT, generator, torch.bfloat16, skew=1.0)
+                ours = tiered.dispatch(layer, hidden, ids, weights)
+                errors.append(relative_error(ours, resident.dispatch(layer, hidden, ids, weights)))
+            assert len(submitted) == queued  # every call took the job queued at the step's start
+    tiered.flush_metrics()
+    totals = tiered.metrics.snapshot()["totals"]
+    tiered.close()
+    timed = [v is None for v in variants]
+    assert sum(timed) == 3 and len(submitted) == 12 * len(LAYOUT.moe_layers)
+    assert totals["fed_timed"] == sum(timed) * len(LAYOUT.moe_layers)
+    assert totals["fed_device_seconds"] > 0 and totals["fed_late_seconds"] >= 0
+    _check_bf16_noise(errors)

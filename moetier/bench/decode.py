@@ -385,6 +385,9 @@ def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams
         # The share of uncached experts the mapped route's fed CPU tier takes (tiers.mapped_cpu; after rebalancing).
         "mapped_cpu_share": _fed_share(dispatcher),
         "mapped_cpu_share_history": list(getattr(_fed(dispatcher), "history", [])),  # (mapped steps, share)
+        # Its timed calls: the device's share, and the device's wait after it until the CPU's sums were added.
+        "fed_device_ms_per_call": 1e3 * total.fed_device_seconds / max(1, total.fed_timed),
+        "fed_late_ms_per_call": 1e3 * total.fed_late_seconds / max(1, total.fed_timed),
         "timed_steps": steps,
     }
 

@@ -299,11 +299,13 @@ class MappedExperts:
         the step must run eagerly (a fed share's timed step). A fed step's jobs are queued here, since replayed
         calls run no host code (:meth:`FedCpuShare.queue_step`); :meth:`end_step` closes the step."""
         fed = self.cpu is not None and self.cpu.usable(hidden)
-        if fed and self.cpu.timed_step():
-            return None
-        if fed:
-            self.cpu.queue_step(hidden.shape[0])
-        return "mapped", fed
+        if not fed:
+            return "mapped", False
+        timed = self.cpu.timed_step()
+        # A timed step's jobs are queued up front too: its eager calls then start the CPU tier as a graphed step's
+        # do (submitted per call, the H200 traces had the device waiting ~0.35 ms a layer for a job still queuing).
+        self.cpu.queue_step(hidden.shape[0])
+        return None if timed else ("mapped", True)
 
     def end_step(self, failed: bool = False) -> None:
         """After a step: a queued step's jobs are the calls' own again, the reads ahead's slots given back;
@@ -397,8 +399,9 @@ class MappedExperts:
                 counters.experts_miss += calls - hit_calls
                 counters.uses_hit += hits
                 counters.uses_miss += count - hits
-                counters.cpu_pairs += cpu  # computed by the fed CPU tier from the home copy
-                counters.mapped_pairs += count - hits - cpu  # the others' kernels read their block over PCIe
+                counters.cpu_pairs += cpu  # computed by the fed CPU tier from the home copy (whole experts)
+                # The others' kernels read their block over PCIe (a cut expert's pairs count here, whole).
+                counters.mapped_pairs += count - hits - cpu
                 counters.mapped_bytes += (count - hits - cpu) * block
 
     def _record_ahead(self, stats: torch.Tensor | None) -> None:

@@ -388,10 +388,13 @@ class FedCpuShare:
         self._untimed = SETTLE_STEPS * len(self.layers)
 
     def mark_start(self, call: FedCall, stream: Any) -> None:
-        """Before the device's share of a call: on every ``SAMPLE_EVERY``-th call of an adaptive share, the first of
-        two marks :meth:`harvest` times (:meth:`mark_end` the second)."""
-        if self._queued is not None:
-            return  # a queued step's calls may run inside graphs: nothing of theirs is timed
+        """Before the device's share of a call: on every ``SAMPLE_EVERY``-th call of an adaptive share (every call of
+        a timed step), the first of the marks :meth:`harvest` times (:meth:`mark_end` the second, :meth:`collect`
+        the third: the CPU's sums added)."""
+        if self._queued is not None:  # a queued step's calls run inside graphs (untimed), but a timed step's eagerly
+            if self._timed and self.adaptive and self._untimed == 0:  # queue_step counted its calls
+                call.timing = [self._mark(stream)]
+            return
         self._calls += 1
         if self._untimed > 0:
             self._untimed -= 1
@@ -414,9 +417,11 @@ class FedCpuShare:
         """Add the CPU's sums into ``out``: the stream waits for them (the host only where it cannot)."""
         if self._done is not None and self._done.wait_on(stream, 1, self._row[call.layer]):
             out.add_(call.inbox.out.to(out.device, non_blocking=True))
-            return
-        call.job.wait()
-        out.add_(call.inbox.out.to(out.device))
+        else:
+            call.job.wait()
+            out.add_(call.inbox.out.to(out.device))
+        if call.timing is not None and len(call.timing) == 2:
+            call.timing.append(self._mark(stream))  # the device's share ended at the second: the rest waited
 
     def abandon(self, call: FedCall) -> None:
         """A call that failed after :meth:`start`: wait until the worker is done with the inbox."""
@@ -436,8 +441,8 @@ class FedCpuShare:
                 self.broken = True
             if status == 0:
                 self._jobs_done.append((call.job.experts, seconds))
-            if call.timing is not None and len(call.timing) == 2 and status == 0:
-                self._sample(seconds, call.timing, call.job.experts)
+            if call.timing is not None and len(call.timing) >= 2 and status == 0:
+                self._sample(seconds, call.timing, call.job.experts, counters)
         if len(self._samples) >= BALANCE_SAMPLES:
             self._rebalance()
 
@@ -446,13 +451,22 @@ class FedCpuShare:
         marks_passed = not self.cuda or call.timing is None or all(e.query() for e in call.timing)
         return call.job.done() and marks_passed
 
-    def _sample(self, cpu_seconds: float, marks: list[Any], experts: int) -> None:
+    def _sample(self, cpu_seconds: float, marks: list[Any], experts: int, counters: Any) -> None:
+        """A timed call into the next rebalance, and into the layer's counters: the device's share and, with the
+        third mark, how long the device then went on before the CPU's sums were in (``fed_late_seconds``: the CPU's
+        job outlasting the device's share, its start and the hand-off of its sums; ~the add alone when the CPU
+        ended first)."""
         if self.cuda:
-            marks[1].synchronize()  # passed already (see _done_with); a flush waits here
-            device_seconds = marks[0].elapsed_time(marks[1]) / 1e3
+            marks[-1].synchronize()  # passed already (see _done_with); a flush waits here
+            spans = [marks[0].elapsed_time(m) / 1e3 for m in marks[1:]]
         else:
-            device_seconds = marks[1] - marks[0]
+            spans = [m - marks[0] for m in marks[1:]]
+        device_seconds = spans[0]
         self._samples.append((cpu_seconds, device_seconds, experts))
+        if len(spans) == 2:
+            counters.fed_timed += 1
+            counters.fed_device_seconds += device_seconds
+            counters.fed_late_seconds += max(0.0, spans[1] - device_seconds)
 
     def _rebalance(self) -> None:
         """A new share from the samples' totals (the fixed part of the CPU's jobs fitted over the recent ones): the

@@ -57,6 +57,11 @@ class LayerCounters:
     cpu_jobs_marked: int = 0
     cpu_team_start_seconds: float = 0.0
     cpu_threads_joined: int = 0
+    # The fed CPU tier's timed calls (mapped route): the device's share, and how long the device then went on until
+    # the CPU's sums were added (the CPU's job outlasting it, its start and the hand-off of its sums).
+    fed_timed: int = 0
+    fed_device_seconds: float = 0.0
+    fed_late_seconds: float = 0.0
     mapped_pairs: int = 0  # missed pairs the device's kernels computed from the home copy (mapped route)
     mapped_bytes: int = 0  # what their kernels read over PCIe (each pair reads its expert's block)
     hint_experts: int = 0
