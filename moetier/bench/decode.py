@@ -39,12 +39,6 @@ checkpoint's router (:mod:`moetier.bench.trace_routing`), rewound at the start o
 from __future__ import annotations
 
 import argparse
-import cProfile
-import gzip
-import io
-import pstats
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -66,11 +60,11 @@ from moetier.bench.common import (
     sync_device,
     write_receipt_files,
 )
+from moetier.bench.decode_passes import PROFILED_STEPS, clock_steps, profile_steps, python_profile
 from moetier.bench.environment import environment
 from moetier.errors import ConfigError
 from moetier.models.base import CausalLM
 from moetier.models.paged_kv import KV_LAYOUTS, PagedKVSpace, paged_kv
-from moetier.profiling import clocking
 from moetier.tiers.dispatcher import ExpertDispatcher, ResidentDispatcher
 from moetier.tiers.experts import ExpertStore
 from moetier.tiers.host_store import HostExpertArena
@@ -78,11 +72,6 @@ from moetier.tiers.tiered_config import TieredConfig
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
 from moetier.weights.loader import LoadedModel
 
-_PROFILED_STEPS = 4  # steps the torch profiler records per mode (after the settling steps)
-# Steps before a profiled or traced pass: a fresh run's first steps warm up and capture its graphs, and a tiered
-# route's variants (a fed step's timed eager one, its graphed one) capture later still: the profile is of the
-# steady state.
-_PROFILE_SETTLE_STEPS = 24
 MODES = (
     *("resident", "naive", "cpu", "copy", "tiered"),
     *("tiered-host", "tiered-nohint", "resident-host", "mapped", "mapped-cpu", "mapped-cpu-noahead"),
@@ -160,7 +149,7 @@ class _DecodeRun:
         self.model, self.streams, self.cfg = model, streams, cfg
         self.prompts = hf_baseline.bench_prompts(cfg.seed, streams, cfg.prompt_len, vocab)
         # Room for the timed steps, or for the clocked / profiled passes' steps (each on a fresh run).
-        steps = max(cfg.steps * cfg.repeats, cfg.host_steps, _PROFILED_STEPS)
+        steps = max(cfg.steps * cfg.repeats, cfg.host_steps, PROFILED_STEPS)
         capacity = cfg.prompt_len + cfg.warmup + _TRIAL_STEPS_CAP + steps + 2  # room for the split trial's warm-up
         space = PagedKVSpace(model.device) if cfg.kv_layout == "paged" else None
         with paged_kv(space):
@@ -195,19 +184,6 @@ class _DecodeRun:
 _TRIAL_STEPS_CAP = 160
 
 
-# Decode steps before a fresh run's measured pass: a layer's decode graph reads its sequences' own state, so a
-# sequence's first step warms it up and its second captures it (deepseek_v4_step).
-_SETTLE_STEPS = 2
-
-
-def _settled(run: _DecodeRun, steps: int = _SETTLE_STEPS) -> torch.Tensor:
-    """Prefill ``run``, then ``steps`` decode steps -> the next tokens."""
-    tokens = run.prefill()
-    for _ in range(steps):
-        tokens = run.step(tokens)
-    return tokens
-
-
 def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[float], list[int], int]:
     """Seconds per repeat of ``steps`` decode steps (after warm-up), the first stream's tokens from the same
     position in every mode, and the warm-up steps that waited for the dispatcher's split chooser to decide (the
@@ -237,89 +213,6 @@ def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[fl
         seconds.append(time.perf_counter() - start)
     flush()
     return seconds, [int(t) for t in first_stream[: run.cfg.steps * run.cfg.repeats]], trial_steps
-
-
-def _clock_steps(run: _DecodeRun, steps: int) -> dict[str, Any]:
-    """Host wall ms per decode step in each named phase (:func:`moetier.profiling.clocking`), over ``steps``
-    steps after the timed ones (no profiler: its per-op cost would skew the shares). ``step`` is the whole
-    step; ``tiers.wait`` the host's waits for the device's routing, ``tiers.cpu_wait`` for a CPU job."""
-    tokens = _settled(run)
-    sync_device(run.model.device)
-    with clocking() as clock:
-        start = time.perf_counter()
-        for _ in range(steps):
-            tokens = run.step(tokens)
-        sync_device(run.model.device)
-        elapsed = time.perf_counter() - start
-    phases = {name: 1e3 * seconds / steps for name, seconds in sorted(clock.seconds.items())}
-    return {"step": 1e3 * elapsed / steps, **phases}
-
-
-def _python_profile(run: _DecodeRun, steps: int, rows: int = 30) -> str:
-    """The host's Python functions by own time over ``steps`` decode steps (cProfile: where to cut host time)."""
-    tokens = _settled(run, _PROFILE_SETTLE_STEPS)
-    sync_device(run.model.device)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        tokens = run.step(tokens)
-    sync_device(run.model.device)
-    profiler.disable()
-    own, inclusive = io.StringIO(), io.StringIO()
-    pstats.Stats(profiler, stream=own).sort_stats("tottime").print_stats(rows)
-    # moetier's own functions by time including their callees: which of our calls a step's host time sits under.
-    pstats.Stats(profiler, stream=inclusive).sort_stats("cumulative").print_stats(r"moetier[/\\]", 2 * rows)
-    return (
-        f"cProfile of {steps} steps, by own time:\n{own.getvalue()}\n"
-        f"moetier's functions by cumulative time:\n{inclusive.getvalue()}"
-    )
-
-
-def _profile_steps(run: _DecodeRun, steps: int = _PROFILED_STEPS, trace_path: Path | None = None) -> str:
-    """Top ops by device and by host time over a few decode steps, and the kernel-launch count.
-
-    With ``trace_path`` the steps' timeline (host threads, compute and copy streams) is also written
-    there as a gzipped Chrome trace: where a step's time goes between the layers' phases."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.model.device.type == "cuda" else [])
-    tokens = _settled(run, _PROFILE_SETTLE_STEPS)
-    with profile(activities=activities, experimental_config=_trace_config(trace_path)) as prof:
-        for _ in range(steps):
-            tokens = run.step(tokens)
-        sync_device(run.model.device)
-    if trace_path is not None:
-        _write_trace(prof, trace_path)
-    events = prof.key_averages()
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
-    sort_device = "self_cuda_time_total" if run.model.device.type == "cuda" else "self_cpu_time_total"
-    return (
-        f"kernel launches per step: {launches / steps:.0f}\n"
-        + events.table(sort_by=sort_device, row_limit=15)
-        + "\n"
-        + events.table(sort_by="self_cpu_time_total", row_limit=12)
-    )
-
-
-def _trace_config(trace_path: Path | None) -> Any:
-    """Kineto options for a timeline: every thread (the CPU tier's worker too) and the host's CUDA syncs."""
-    if trace_path is None:
-        return None
-    from torch._C._profiler import _ExperimentalConfig
-
-    try:
-        return _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
-    except TypeError:  # an older torch: the worker's ops stay out of the trace
-        return _ExperimentalConfig(enable_cuda_sync_events=True)
-
-
-def _write_trace(prof: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(raw))
-        with raw.open("rb") as src, gzip.open(path, "wb") as dst:
-            shutil.copyfileobj(src, dst)
 
 
 def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: torch.device, slots: int):
@@ -466,12 +359,12 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
             if replay is not None:
                 traffic["routing_trace_wraps"] = max(replay.wraps.values())
             results.append(_result(mode, streams, seconds, traffic, cfg, bounds))
-            results[-1]["host_ms_per_step"] = _clock_steps(_DecodeRun(model, streams, cfg, vocab), cfg.host_steps)
+            results[-1]["host_ms_per_step"] = clock_steps(_DecodeRun(model, streams, cfg, vocab), cfg.host_steps)
             tokens_by_mode.setdefault(streams, {})[mode] = tokens
         if cfg.profile or mode in cfg.trace:
             trace_path = Path(cfg.trace_dir) / f"decode-trace-{mode}.json.gz" if mode in cfg.trace else None
-            profiles[mode] = _profile_steps(_DecodeRun(model, 1, cfg, vocab), trace_path=trace_path)
-            profiles[mode] += "\n" + _python_profile(_DecodeRun(model, 1, cfg, vocab), cfg.host_steps)
+            profiles[mode] = profile_steps(_DecodeRun(model, 1, cfg, vocab), trace_path=trace_path)
+            profiles[mode] += "\n" + python_profile(_DecodeRun(model, 1, cfg, vocab), cfg.host_steps)
         if choices := getattr(getattr(dispatcher, "metrics", None), "split_choices", dict)():
             notes.append(f"{mode}: decode split chosen by measured step time, per tokens per call: {choices}")
         if note := _cpu_team_note(mode, [r for r in results if r["mode"] == mode]):
