@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from moetier.bench.trace_phases import call_phases, device_events, main, summary
+from moetier.bench.trace_phases import call_phases, device_events, main, summary, trace_note
 
 
 def _event(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
@@ -50,3 +50,13 @@ def test_the_command_line_prints_the_calls_in_a_window_and_refuses_a_missing_tra
     with pytest.raises(SystemExit):
         main([str(tmp_path / "missing.json.gz")])
     assert "is not a file" in capsys.readouterr().err
+
+
+def test_a_receipt_notes_the_traced_fed_calls_and_nothing_for_a_trace_without_them(tmp_path):
+    path, empty = tmp_path / "fed.json.gz", tmp_path / "resident.json.gz"
+    for target, trace in ((path, TRACE), (empty, {"traceEvents": [_event("nvjet_attention", 0, 50)]})):
+        with gzip.open(target, "wt") as dst:
+            json.dump(trace, dst)
+    note = trace_note("tiered", path)
+    assert note.startswith("tiered: traced fed calls (1 stream, 2)") and "wait for them 36 us" in note
+    assert trace_note("resident", empty) is None

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from moetier.bench import hf_baseline, trace_routing
+from moetier.bench import hf_baseline, trace_phases, trace_routing
 from moetier.bench.bandwidth import measure_bounds
 from moetier.bench.common import (
     add_placement_arguments,
@@ -365,6 +365,8 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
             trace_path = Path(cfg.trace_dir) / f"decode-trace-{mode}.json.gz" if mode in cfg.trace else None
             profiles[mode] = profile_steps(_DecodeRun(model, 1, cfg, vocab), trace_path=trace_path)
             profiles[mode] += "\n" + python_profile(_DecodeRun(model, 1, cfg, vocab), cfg.host_steps)
+            if trace_path is not None and (note := trace_phases.trace_note(mode, trace_path)):
+                notes.append(note)
         if choices := getattr(getattr(dispatcher, "metrics", None), "split_choices", dict)():
             notes.append(f"{mode}: decode split chosen by measured step time, per tokens per call: {choices}")
         if note := _cpu_team_note(mode, [r for r in results if r["mode"] == mode]):

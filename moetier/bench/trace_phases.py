@@ -77,6 +77,25 @@ def summary(calls: list[CallPhase]) -> dict[str, float]:
     }
 
 
+def read_trace(path: Path) -> dict:
+    """A gzipped Chrome trace (``bench decode --trace``)."""
+    with gzip.open(path, "rt") as src:
+        return json.load(src)
+
+
+def trace_note(mode: str, path: Path) -> str | None:
+    """A receipt's note on the fed mapped calls of ``mode``'s trace at ``path`` (None: it has none)."""
+    calls = call_phases(device_events(read_trace(path)))
+    if not calls:
+        return None
+    means = summary(calls)
+    return (
+        f"{mode}: traced fed calls (1 stream, {len(calls)}): device share {means['device_us']:.0f} us, table kernel to "
+        f"the CPU's sums {means['phase_us']:.0f} us, the device's wait for them {means['late_us']:.0f} us (both sides "
+        f"ending together: {means['balanced_us']:.0f} us)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moetier.bench.trace_phases", description=__doc__.split("\n")[0])
     parser.add_argument("trace", type=Path, help="a gzipped Chrome trace from bench decode --trace")
@@ -85,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.trace.is_file():
         parser.error(f"{args.trace} is not a file: pass a decode-trace-*.json.gz from bench decode --trace")
-    with gzip.open(args.trace, "rt") as src:
-        calls = [c for c in call_phases(device_events(json.load(src))) if args.lo <= c.start <= args.hi]
+    calls = [c for c in call_phases(device_events(read_trace(args.trace))) if args.lo <= c.start <= args.hi]
     for c in calls:
         row = f"device {c.device:5.0f} phase {c.phase:5.0f} late {c.late:4.0f} balanced {c.balanced:5.0f}"
         print(f"{c.start:9.0f} {row}")
