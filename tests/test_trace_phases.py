@@ -50,6 +50,10 @@ def test_the_command_line_prints_the_calls_in_a_window_and_refuses_a_missing_tra
     with pytest.raises(SystemExit):
         main([str(tmp_path / "missing.json.gz")])
     assert "is not a file" in capsys.readouterr().err
+    (tmp_path / "plain.json").write_text("{not json")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "plain.json")])
+    assert "is not a gzipped JSON trace" in capsys.readouterr().err
 
 
 def test_a_receipt_notes_the_traced_fed_calls_and_nothing_for_a_trace_without_them(tmp_path):

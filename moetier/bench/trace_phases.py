@@ -104,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.trace.is_file():
         parser.error(f"{args.trace} is not a file: pass a decode-trace-*.json.gz from bench decode --trace")
-    calls = [c for c in call_phases(device_events(read_trace(args.trace))) if args.lo <= c.start <= args.hi]
+    try:
+        trace = read_trace(args.trace)
+    except (OSError, ValueError, EOFError) as exc:  # not gzip, not JSON, cut short
+        parser.error(f"{args.trace} is not a gzipped JSON trace ({exc}): pass one from bench decode --trace")
+    calls = [c for c in call_phases(device_events(trace)) if args.lo <= c.start <= args.hi]
     for c in calls:
         row = f"device {c.device:5.0f} phase {c.phase:5.0f} late {c.late:4.0f} balanced {c.balanced:5.0f}"
         print(f"{c.start:9.0f} {row}")

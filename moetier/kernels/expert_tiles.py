@@ -81,7 +81,7 @@ if triton is not None:
     def units(row_ptr, k0, width: tl.constexpr, UNIT: tl.constexpr, UNITS: tl.constexpr, upto):
         """The float32 inputs of a ``UNITS * UNIT`` column step from ``k0``, ``[UNITS, UNIT]`` (zeros from ``upto``)."""
         cols = k0 + tl.arange(0, UNITS)[:, None] * UNIT + tl.arange(0, UNIT)[None, :]
-        return tl.load(row_ptr + cols, mask=(cols < width) & (cols < upto), other=0.0).to(tl.float32)
+        return tl.load(row_ptr + cols, mask=cols < upto, other=0.0).to(tl.float32)  # upto <= width
 
     @triton.jit
     def e2m1(code):
@@ -159,7 +159,7 @@ if triton is not None:
         HALF: tl.constexpr = UNIT // 2
         cols = k0 + tl.arange(0, UNITS)[:, None, None] * UNIT + tl.arange(0, HALF)[None, :, None] * 2
         cols = cols + tl.arange(0, 2)[None, None, :]
-        pairs = tl.load(row_ptr + cols, mask=(cols < width) & (cols < upto), other=0.0).to(tl.float32)
+        pairs = tl.load(row_ptr + cols, mask=cols < upto, other=0.0).to(tl.float32)  # upto <= width
         return tl.split(pairs)
 
     @triton.jit

@@ -285,7 +285,7 @@ if triton is not None:
                                        TILE_R, TILE_C, UNIT, BLOCK_K // UNIT, upto)  # fmt: skip
                 else:
                     k = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = (k < inter) & (k < upto)
+                    k_ok = k < upto  # at most inter
                     a = tl.load(act_ptr + pair * inter + k, mask=k_ok, other=0.0).to(tl.float32)
                     w = dense_tile(weights, DOWN, h, k, h_ok[:, None] & k_ok[None, :], inter, dtype)
                     acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)

@@ -11,17 +11,19 @@ out (count 0, down row -1, not in the token's row: the kernels read none of thei
 :class:`FeedTarget` the same program writes them to the CPU tier's inbox in pinned host memory (the GPU
 addresses it directly): their ids (-1 for the device's pairs), the gates as float32 and the token's hidden row.
 
-With a :class:`CallSplit` the ``pick`` vector only says which experts the CPU *may* take (those not cached), and
-the kernel splits each call's eligible experts itself: ``floor(share * n + 0.5)`` of the call's ``n`` distinct
-eligible experts go to the CPU, the cheapest for it first (fewest tokens in the call, then a fixed per-expert
-priority), so both sides get their share of *this* call's misses. A fixed split of the expert ids (``pick``
-alone) gives them that share only on average: at one stream a layer misses ~4 experts, and which side gets how
-many of them is a coin toss per expert, so the slower side of each call waits for ~2.75 experts' time where an
-even split needs 2 (an H200 trace had the device waiting 0.07-0.50 ms a layer for the CPU's job). Measured on the
-H200 against the fixed split, runs interleaved: +7-12% at 2 streams, no sign beyond the spread at 1 and 4, where
-the step is bound by other things (results/h200-20261203-90b676f-fed-split). Each
-program decides for the whole call (a call has at most ``DEVICE_ROUTING_MAX_PAIRS`` pairs), so all agree.
-:func:`split_skip` is the same decision in torch (off CUDA, and the kernel's reference in the tests).
+With a :class:`CallSplit` the ``pick`` vector only says which experts the CPU *may* take (those not cached), and the
+kernel splits each call's eligible experts itself: ``floor(share * n + 0.5)`` of the call's ``n`` distinct eligible
+experts go to the CPU, the cheapest for it first (fewest tokens in the call, then a fixed per-expert priority), so
+both sides get their share of *this* call's misses. With ``CallSplit.unit_rows`` the share is met to a part of an
+expert: the CPU takes whole experts, then the last rows of the next one in its order, whose first rows the device
+computes (the table's rows per pair; the inbox ids carry that row, ``cpu_worker.fed_ids``). A fixed split of the
+expert ids (``pick`` alone) gives them that share only on average: at one stream a layer misses ~4 experts, and
+which side gets how many of them is a coin toss per expert, so the slower side of each call waits for ~2.75 experts'
+time where an even split needs 2 (an H200 trace had the device waiting 0.07-0.50 ms a layer for the CPU's job).
+Measured on the H200 against the fixed split, runs interleaved: +7-12% at 2 streams, no sign beyond the spread at 1
+and 4, where the step is bound by other things (results/h200-20261203-90b676f-fed-split). Each program decides for
+the whole call (a call has at most ``DEVICE_ROUTING_MAX_PAIRS`` pairs), so all agree. :func:`split_rows`
+(:func:`split_skip`) is the same decision in torch (off CUDA, and the kernel's reference in the tests).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moetier.kernels.cpu_worker import FED_FROM_SHIFT
 from moetier.kernels.rmsnorm import triton_usable
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs use device_tables' torch ops.
@@ -200,6 +203,7 @@ if triton is not None:
         UNITS: tl.constexpr,
         UNIT_ROWS: tl.constexpr,
         ROWS: tl.constexpr,
+        FROM_SHIFT: tl.constexpr,
     ):
         t = tl.program_id(0)
         k = tl.arange(0, WIDTH)
@@ -239,7 +243,7 @@ if triton is not None:
         if FEED:  # the CPU's pairs, a split expert's with its first row above FED_FROM_SHIFT (cpu_worker.fed_ids)
             cpu_ids = tl.where(skip, ids, none)
             if ROWS:
-                cpu_ids = tl.where(parted, ids | (rows.to(tl.int64) << 32), cpu_ids)
+                cpu_ids = tl.where(parted, ids | (rows.to(tl.int64) << FROM_SHIFT), cpu_ids)
             tl.store((base_ptr + feed_ids).to(tl.pointer_type(tl.int64), bitcast=True) + pair, cpu_ids, mask=k_ok)
             gates = tl.load(gates_ptr + pair, mask=k_ok, other=0.0).to(tl.float32)
             tl.store((base_ptr + feed_gates).to(tl.pointer_type(tl.float32), bitcast=True) + pair, gates, mask=k_ok)
@@ -300,6 +304,6 @@ def build_table(
         TOP_K=top_k, WIDTH=width, PAIRS=pairs, HIDDEN=hidden_size, BLOCK_H=1024, PICK=pick is not None,
         SPLIT=split is not None, COUNT=counts is not None, CALL=max(1 << (pairs - 1).bit_length(), 16),
         KEY_STRIDE=_KEY_STRIDE, FEED=fed, UNITS=split.units if split is not None else 1,
-        UNIT_ROWS=split.unit_rows if rows else 0, ROWS=rows,
+        UNIT_ROWS=split.unit_rows if rows else 0, ROWS=rows, FROM_SHIFT=FED_FROM_SHIFT,
     )  # fmt: skip
     return table[:size], table[size : size + pairs], table[size + pairs :] if rows else None

@@ -297,13 +297,12 @@ class MappedExperts:
         """After :meth:`begin_step`, for a step whose calls the model may run inside CUDA graphs (``hidden``: one
         call's rows, or an empty tensor shaped like them): what those calls do, ``("mapped", fed)``, or None when
         the step must run eagerly (a fed share's timed step). A fed step's jobs are queued here, since replayed
-        calls run no host code (:meth:`FedCpuShare.queue_step`); :meth:`end_step` closes the step."""
+        calls run no host code (:meth:`FedCpuShare.queue_step`), a timed step's too (its eager calls then take them,
+        with no submission among their launches); :meth:`end_step` closes the step."""
         fed = self.cpu is not None and self.cpu.usable(hidden)
         if not fed:
             return "mapped", False
         timed = self.cpu.timed_step()
-        # A timed step's jobs are queued up front too: its eager calls then start the CPU tier as a graphed step's
-        # do (submitted per call, the H200 traces had the device waiting ~0.35 ms a layer for a job still queuing).
         self.cpu.queue_step(hidden.shape[0])
         return None if timed else ("mapped", True)
 

@@ -5,9 +5,10 @@ never waits for the host. The split route adds the CPU tier, whose cores read th
 but there the host decides per layer, so it first waits for the router's ids. Here the device decides: every
 uncached expert may be the CPU's (:attr:`MappedExperts.pick`, a device tensor kept with the table, says so per
 (layer, expert)), and the table kernel gives the CPU ``share`` of each call's uncached experts, the cheapest for
-it first (:class:`~moetier.kernels.routing_table.CallSplit`). ``MOETIER_FED_SPLIT=static`` keeps the split this
-replaced: a fixed ``share`` of each layer's expert ids (:func:`cpu_picks`) is the CPU's whenever not cached, which
-gives both sides their share only on average over calls. Per MoE layer, on the compute stream:
+it first, met to a part of an expert (:class:`~moetier.kernels.routing_table.CallSplit`, ``SPLIT_UNIT_ROWS``;
+the device computes the cut expert's first rows; ``MOETIER_FED_SPLIT=whole``: whole experts). ``static`` keeps the
+split this replaced: a fixed ``share`` of each layer's expert ids (:func:`cpu_picks`) is the CPU's whenever not
+cached, which gives both sides their share only on average over calls. Per MoE layer, on the compute stream:
 
 1. the kernel that builds the call's launch table (:mod:`moetier.kernels.routing_table`) also writes the pairs'
    ids (-1 where the device keeps the pair), their gates and the hidden rows into a pinned inbox (the GPU
@@ -23,7 +24,8 @@ Every value is a constant, so a CUDA graph can replay the call: a *queued step* 
 before a mapped step whose calls run inside the model's decode graphs) queues every layer's job up front, and the
 calls (captured once, replayed after) only do device work. A step that fails midway cancels what it queued
 (:meth:`FedCpuShare.abort_step`: the device drained first, so no stream waits for a cancelled job). Graphed calls
-cannot be timed, so an adaptive share runs every ``TIMED_STEP_EVERY``-th mapped step eagerly, every call timed.
+cannot be timed, so an adaptive share runs every ``TIMED_STEP_EVERY``-th mapped step eagerly, every call timed
+(its jobs queued at the step's start too, so its CPU side starts as a graphed step's does).
 
 One inbox per batch size is enough: the stream orders each layer's copies into it after the previous layer's
 wait for the worker, so nothing overwrites an inbox the worker still reads. Off CUDA the host plays the device
@@ -146,10 +148,10 @@ def cpu_fixed_seconds(jobs: Sequence[tuple[int, float]]) -> float:
 
 
 FED_SPLITS = ("balanced", "whole", "static")
-# A call's share is met to a part of this many intermediate rows of an expert (on CUDA, where the experts' rows cut
-# in a power of two of such parts): at one stream a layer misses ~4 experts, and whole experts leave one side
-# waiting for up to one expert's time (an H200 trace of 12 layers: 0.69-0.80 ms a layer's experts, ~0.58-0.62 had
-# both sides ended together). 128 rows of V4-Flash's 2048 are 1/16 of an expert (~0.8 MB in fp4).
+# A call's share is met to a part of this many intermediate rows of an expert (where the experts' rows cut in a
+# power of two of such parts): at one stream a layer misses ~4 experts, and whole experts leave one side waiting
+# for up to one expert's time (H200 traces, results/h200-20261204-e3ff99d-row-cuts: a call's experts 666-691 us,
+# ~577-587 had both sides ended together). 128 rows of V4-Flash's 2048 are 1/16 of an expert (~0.8 MB in fp4).
 SPLIT_UNIT_ROWS = 128
 
 
