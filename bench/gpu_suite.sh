@@ -39,6 +39,8 @@
 # static split (MOETIER_FED_SPLIT=static: a fixed share of each layer's expert ids), the default balanced split (a
 # share of each call's uncached experts, to a part of an expert), static again: with the main run, balanced / static /
 # balanced / static. FED_SPLIT_AB="whole balanced whole" runs those MOETIER_FED_SPLIT values in that order instead.
+# ENV_AB="MOETIER_FED_STAMPS=0 MOETIER_FED_STAMPS=1" adds a decode run of ENV_AB_MODES (default tiered,mapped-cpu) per
+# VAR=VALUE named (that variable set for the run), in order (name one twice for an ABA).
 # CPU_THREADS_AB="10 12" adds a decode run of CPU_THREADS_AB_MODES (default tiered,mapped-cpu) per CPU-tier thread
 # count named (--cpu-threads), then one at the default count again.
 # TIERED_AB="mapped_bookkeeping_every=1 mapped_bookkeeping_every=4" adds a decode run of TIERED_AB_MODES (default
@@ -198,6 +200,15 @@ if [ -z "${SKIP_BENCH:-}" ]; then
             echo "=== decode with MOETIER_FED_SPLIT=$split" >> "$LOG"
             MOETIER_FED_SPLIT=$split bench decode 300 --streams 1,2,4 --cache-fraction 0.05 --policy lfu \
                 --modes "${FED_SPLIT_AB_MODES:-tiered,mapped-cpu}" --profile
+        done
+    fi
+    if [ -n "${ENV_AB:-}" ]; then  # one environment variable's values, run by run
+        for setting in $ENV_AB; do
+            echo "=== decode with $setting" >> "$LOG"
+            export "$setting"  # bench is a function of this shell: exported for its run, unset after it
+            bench decode 300 --streams "${ENV_AB_STREAMS:-1,2,4}" --cache-fraction 0.05 --policy lfu \
+                --modes "${ENV_AB_MODES:-tiered,mapped-cpu}" --profile
+            unset "${setting%%=*}"
         done
     fi
     if [ -n "${CPU_THREADS_AB:-}" ]; then  # CPU-tier thread counts: fewer cores busy, the launching thread faster?

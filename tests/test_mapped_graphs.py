@@ -231,6 +231,35 @@ def test_graphed_mapped_decode_on_cuda_matches_eager_and_resident(v4_checkpoint,
     assert sorted(errors)[len(errors) // 2] < BF16_STEP_MEDIAN
 
 
+@pytest.mark.gpu
+@needs_kernel
+def test_an_adaptive_share_times_graphed_calls_by_the_device_clock_with_no_eager_step(v4_checkpoint):
+    """The tiny V4 in bf16 on CUDA, the fed share adaptive: every mapped step replays graphs (none is kept eager to be
+    timed), the sampled steps' stamps give each call's device share and wait for the CPU, the share rebalances from
+    them, and the tokens stay the resident's within bf16 noise."""
+    config = json.loads((v4_checkpoint / "config.json").read_text())
+    prompt = torch.randint(0, config["vocab_size"], (12,), generator=torch.Generator().manual_seed(3))
+    resident = load_model(v4_checkpoint, ModelLoadConfig(dtype=torch.bfloat16, device="cuda"), progress=False)
+    ref_tokens, ref_logits = _greedy(resident, prompt, 40)
+    loaded, _ = load_tiered(v4_checkpoint, torch.bfloat16, "cuda", cache_slots=small_cache(resident),
+                            miss_route="mapped", mapped_cpu_share=None, policy="lfu")  # fmt: skip
+    dispatcher = loaded.model.dispatcher
+    fed, timed = dispatcher.mapped.cpu, []
+    real_timed = fed.timed_step
+    fed.timed_step = lambda real=real_timed: (lambda t: timed.append(t) or t)(real())
+    _greedy(loaded, prompt, 40)
+    _, forced = forced_logits(loaded, prompt, ref_tokens)
+    dispatcher.flush_metrics()
+    totals = dispatcher.metrics.snapshot()["totals"]
+    dispatcher.close()
+    assert fed.timing == "stamps" and timed and not any(timed)
+    assert loaded.model.graphs.replays > 0 and loaded.model.graphs.failures == {}
+    assert totals["fed_timed"] > 0 and totals["fed_device_seconds"] > 0 and totals["fed_late_seconds"] >= 0
+    assert len(fed.history) > 1 and fed.handoff.seconds >= 0.0  # rebalanced from the stamped samples
+    errors = [relative_error(a.cpu(), b) for a, b in zip(forced, ref_logits, strict=True)]
+    assert sorted(errors)[len(errors) // 2] < BF16_STEP_MEDIAN
+
+
 # The segment keys of the second MoE layer's call: V4's whole layer (contiguous caches), or a post segment.
 _SECOND_CALL = (("layer", 1), ("post", 1))
 
@@ -285,7 +314,7 @@ def test_the_timed_steps_thin_out_once_a_rebalance_barely_moves_the_share(monkey
     fed = tiered.mapped.cpu
     for move, every in ((0.005, mapped_cpu.TIMED_STEP_EVERY), (0.05, mapped_cpu.FAST_TIMED_STEP_EVERY)):
         monkeypatch.setattr(mapped_cpu, "balanced_share", lambda share, cpu, device, move=move, **_: share + move)
-        fed._samples = [(1e-3, 1e-3, 1)] * mapped_cpu.BALANCE_SAMPLES
+        fed._samples = [(1e-3, 1e-3, 1, 0.0)] * mapped_cpu.BALANCE_SAMPLES
         fed.harvest()  # a rebalance from the samples
         fed._mapped_steps = 0
         assert [fed.timed_step() for _ in range(48)] == [(i + 1) % every == 0 for i in range(48)]

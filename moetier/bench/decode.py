@@ -281,12 +281,21 @@ def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams
         # Its timed calls: the device's share, and the device's wait after it until the CPU's sums were added.
         "fed_device_ms_per_call": 1e3 * total.fed_device_seconds / max(1, total.fed_timed),
         "fed_late_ms_per_call": 1e3 * total.fed_late_seconds / max(1, total.fed_timed),
+        # How those calls were timed (graphed ones by device-clock stamps, or eager timed steps), and the CPU's
+        # hand-off per call the stamps measured (tiers.fed_clock.Handoff).
+        "fed_timing": getattr(_fed(dispatcher), "timing", None),
+        "fed_handoff_ms": _fed_handoff_ms(dispatcher),
         "timed_steps": steps,
     }
 
 
 def _fed(dispatcher: ExpertDispatcher) -> Any:
     return getattr(getattr(dispatcher, "mapped", None), "cpu", None)
+
+
+def _fed_handoff_ms(dispatcher: ExpertDispatcher) -> float | None:
+    handoff = getattr(_fed(dispatcher), "handoff", None)
+    return None if handoff is None else 1e3 * handoff.seconds
 
 
 def _fed_share(dispatcher: ExpertDispatcher) -> float | None:

@@ -315,7 +315,7 @@ class MappedExperts:
         if self.cpu is not None:
             if failed:
                 self.cpu.abort_step()
-            self.cpu.end_step()
+            self.cpu.end_step(self._stream_now())
 
     def _follow_share(self) -> None:
         """After the fed share moved: every entry's pick again (the new picks, where the entry points home)."""

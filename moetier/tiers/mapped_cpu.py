@@ -23,9 +23,13 @@ cached, which gives both sides their share only on average over calls. Per MoE l
 Every value is a constant, so a CUDA graph can replay the call: a *queued step* (:meth:`FedCpuShare.queue_step`,
 before a mapped step whose calls run inside the model's decode graphs) queues every layer's job up front, and the
 calls (captured once, replayed after) only do device work. A step that fails midway cancels what it queued
-(:meth:`FedCpuShare.abort_step`: the device drained first, so no stream waits for a cancelled job). Graphed calls
-cannot be timed, so an adaptive share runs every ``TIMED_STEP_EVERY``-th mapped step eagerly, every call timed
-(its jobs queued at the step's start too, so its CPU side starts as a graphed step's does).
+(:meth:`FedCpuShare.abort_step`: the device drained first, so no stream waits for a cancelled job). An adaptive
+share times graphed calls by the device's clock: each call stamps it after its start word, after the device's
+share and once the CPU's sums are in (:mod:`moetier.kernels.device_clock`), and every ``STAMP_EVERY``-th queued
+step copies the stamps back (:mod:`moetier.tiers.fed_clock` makes them samples, the CPU's hand-off included).
+Without stamps (no Triton, or ``MOETIER_FED_STAMPS=0``) it runs every ``TIMED_STEP_EVERY``-th mapped step eagerly
+instead, every call timed by events (its jobs queued at the step's start too, so its CPU side starts as a graphed
+step's does).
 
 One inbox per batch size is enough: the stream orders each layer's copies into it after the previous layer's
 wait for the worker, so nothing overwrites an inbox the worker still reads. Off CUDA the host plays the device
@@ -48,9 +52,11 @@ import torch
 from moetier.errors import ConfigError
 from moetier.kernels.cpu_experts import CheckedExperts
 from moetier.kernels.cpu_worker import ABANDONED, FedInbox, NativeJob, NativeWorker, fed_ids
+from moetier.kernels.device_clock import launch_stamp, stamps_usable
 from moetier.kernels.routing_table import CallSplit, FeedTarget, split_priorities
 from moetier.tiers.cpu_tier import CpuExpertTier
 from moetier.tiers.experts import ExpertStore
+from moetier.tiers.fed_clock import STAMPS, Handoff, stamped_call
 from moetier.tiers.gpu_wait import HostFlag
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.route_costs import RouteCosts
@@ -70,6 +76,9 @@ BALANCE_SAMPLES = 12
 # are the samples' noise, ~1-2 experts a layer on the H200, and an eager step costs the host ~2 ms more).
 TIMED_STEP_EVERY = 16
 FAST_TIMED_STEP_EVERY = 3
+# With device-clock stamps, every STAMP_EVERY-th queued step's stamps are copied back and sampled (each sampled step
+# costs the host a copy and an event; three MoE layers' calls a step are 12 samples in 4 sampled steps).
+STAMP_EVERY = 2
 SETTLED_MOVE = 0.02
 BALANCE_LIMITS = (0.05, 0.95)
 # A rebalance moves the share by at most this much, and the first SETTLE_STEPS steps after another route's are
@@ -155,6 +164,15 @@ FED_SPLITS = ("balanced", "whole", "static")
 SPLIT_UNIT_ROWS = 128
 
 
+def fed_stamps_enabled() -> bool:
+    """``MOETIER_FED_STAMPS``: unset or ``1`` times graphed fed calls by the device's clock where it can (CUDA with
+    Triton); ``0`` times eager steps instead (the way before stamps, kept for A/B runs)."""
+    value = os.environ.get("MOETIER_FED_STAMPS", "1").strip()
+    if value not in ("0", "1"):
+        raise ConfigError(f"MOETIER_FED_STAMPS={value!r}: use 1 (stamps, the default) or 0 (eager timed steps)")
+    return value == "1"
+
+
 def fed_split_mode() -> str:
     """``MOETIER_FED_SPLIT``: how the fed CPU tier's experts are chosen: ``balanced`` (the default: ``share`` of each
     call's uncached experts, to a part of an expert's rows), ``whole`` (the same in whole experts) or ``static``
@@ -193,6 +211,7 @@ class FedCall:
     job: NativeJob
     inbox: FedInbox
     timing: list[Any] | None = None  # a sampled call's device-share marks: CUDA events, or host clock readings
+    stamps: tuple[torch.Tensor, int, Any] | None = None  # a stamped call's: the step's stamps (pinned), row, event
 
 
 class FedCpuShare:
@@ -250,11 +269,17 @@ class FedCpuShare:
         # SHARE_HISTORY of them.
         self.history: deque[tuple[int, float, float]] = deque([(0, share, 0.0)], maxlen=SHARE_HISTORY)
         self._timed = False  # the step in progress times every call
+        # The device-clock stamps of queued calls (CUDA; a row of STAMPS per layer), and whether the queued step in
+        # progress is sampled (its stamps copied back at end_step).
+        self._stamps: torch.Tensor | None = None
+        self._stamped_step = False
+        self._queued_steps = 0
+        self.handoff = Handoff()
         self._inboxes: dict[int, FedInbox] = {}
         self._targets: dict[int, FeedTarget] = {}
         self._jobs: deque[FedCall] = deque()
-        # (CPU job seconds, device share seconds, experts the CPU computed) of sampled calls
-        self._samples: list[tuple[float, float, int]] = []
+        # (CPU seconds, device share seconds, experts the CPU computed, the CPU's hand-off in them) of sampled calls
+        self._samples: list[tuple[float, float, int, float]] = []
         self._jobs_done: deque[tuple[int, float]] = deque(maxlen=FIT_JOBS)  # (experts, seconds) of finished jobs
         self.cpu_fixed = 0.0  # the last rebalance's fitted fixed seconds of a CPU job (cpu_fixed_seconds)
         self._calls = 0
@@ -275,7 +300,17 @@ class FedCpuShare:
             if self._start is None or self._done is None or not self._start.writable:
                 return False
             self._words = (self._start.tensor, self._done.tensor)
+            if self.adaptive and fed_stamps_enabled() and stamps_usable(device):
+                self._stamps = torch.zeros((len(self.layers), len(STAMPS)), dtype=torch.int64, device=device)
         return True
+
+    @property
+    def timing(self) -> str:
+        """How the share's samples are timed: ``stamps`` (graphed calls, by the device's clock), ``timed steps``
+        (eager steps, by events or the host's clock) or ``fixed`` (not adaptive)."""
+        if not self.adaptive:
+            return "fixed"
+        return "stamps" if self._stamps is not None else "timed steps"
 
     def call_split(self, layer: int) -> CallSplit | None:
         """How the layer's calls split their uncached experts (None: by ``picks`` alone, the static split)."""
@@ -353,14 +388,35 @@ class FedCpuShare:
         """Before a mapped step of ``tokens`` tokens per call whose calls may replay a CUDA graph (no host code
         runs then): queue every layer's job now, in layer order (the order the step starts them in)."""
         self._queued = {layer: self._submit(layer, self.inbox(tokens)) for layer in self.layers}
-        # No call of a graphed step is timed: the settling after a change of route counts its calls all the same.
+        # No call of a graphed step is timed by events: the settling after a change of route counts its calls too.
         self._calls += len(self.layers)
         self._untimed = max(0, self._untimed - len(self.layers))
+        if self._stamps is not None:
+            self._stamped_step = self._untimed == 0 and self._queued_steps % STAMP_EVERY == 0
+            self._queued_steps += 1
+            if self._stamped_step:  # a call that does not run this step leaves zeros: not sampled
+                self._stamps.zero_()
 
-    def end_step(self) -> None:
-        """After a step: calls started from here on queue their own jobs again."""
+    def _stamp(self, call: FedCall, slot: int, stream: Any) -> None:
+        """A queued call's stamp ``slot`` (:data:`STAMPS`): always in a capture (the graph's replays stamp), in an
+        eager call only where the step is sampled."""
+        if self._stamped_step or torch.cuda.is_current_stream_capturing():
+            launch_stamp(self._stamps[self._row[call.layer]], slot, stream)
+
+    def end_step(self, stream: Any = None) -> None:
+        """After a step (its calls enqueued on ``stream``): a sampled queued step's stamps are copied back; calls
+        started from here on queue their own jobs again."""
+        if self._stamped_step and self._queued is not None and stream is not None:
+            with torch.cuda.stream(stream):
+                host = torch.empty(self._stamps.shape, dtype=torch.int64, pin_memory=True)
+                host.copy_(self._stamps, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            for call in self._queued.values():
+                call.stamps = (host, self._row[call.layer], event)
         self._queued = None
         self._timed = False
+        self._stamped_step = False
 
     def abort_step(self) -> None:
         """A queued step failed before all of its calls reached the device: the device drained (where it is not
@@ -374,6 +430,7 @@ class FedCpuShare:
         for call in self._queued.values():
             call.job.wait()
         self._queued = None
+        self._stamped_step = False
         for words in self._words:
             words.zero_()
 
@@ -382,7 +439,8 @@ class FedCpuShare:
         ``TIMED_STEP_EVERY``-th, more often while the share moves); otherwise it may run in graphs."""
         self._mapped_steps += 1
         every = FAST_TIMED_STEP_EVERY if self._moving else TIMED_STEP_EVERY
-        self._timed = self.adaptive and not self.broken and self._mapped_steps % every == 0
+        stamped = self._stamps is not None  # graphed calls time themselves
+        self._timed = self.adaptive and not self.broken and not stamped and self._mapped_steps % every == 0
         return self._timed
 
     def settle(self) -> None:
@@ -393,8 +451,10 @@ class FedCpuShare:
         """Before the device's share of a call: on every ``SAMPLE_EVERY``-th call of an adaptive share (every call of
         a timed step), the first of the marks :meth:`harvest` times (:meth:`mark_end` the second, :meth:`collect`
         the third: the CPU's sums added)."""
-        if self._queued is not None:  # a queued step's calls run inside graphs (untimed), but a timed step's eagerly
-            if self._timed and self.adaptive and self._untimed == 0:  # queue_step counted its calls
+        if self._queued is not None:  # a queued step's calls run inside graphs (stamped), but a timed step's eagerly
+            if self._stamps is not None:
+                self._stamp(call, 0, stream)
+            elif self._timed and self.adaptive and self._untimed == 0:  # queue_step counted its calls
                 call.timing = [self._mark(stream)]
             return
         self._calls += 1
@@ -405,6 +465,8 @@ class FedCpuShare:
 
     def mark_end(self, call: FedCall, stream: Any) -> None:
         """After the device's share of a call (its kernels enqueued, off CUDA run)."""
+        if self._queued is not None and self._stamps is not None:
+            self._stamp(call, 1, stream)
         if call.timing is not None:
             call.timing.append(self._mark(stream))
 
@@ -418,6 +480,8 @@ class FedCpuShare:
     def collect(self, call: FedCall, out: torch.Tensor, stream: Any) -> None:
         """Add the CPU's sums into ``out``: the stream waits for them (the host only where it cannot)."""
         if self._done is not None and self._done.wait_on(stream, 1, self._row[call.layer]):
+            if self._queued is not None and self._stamps is not None:
+                self._stamp(call, 2, stream)
             out.add_(call.inbox.out.to(out.device, non_blocking=True))
         else:
             call.job.wait()
@@ -445,13 +509,16 @@ class FedCpuShare:
                 self._jobs_done.append((call.job.experts, seconds))
             if call.timing is not None and len(call.timing) >= 2 and status == 0:
                 self._sample(seconds, call.timing, call.job.experts, counters)
+            if call.stamps is not None and status == 0:
+                self._sample_stamps(seconds, call, counters)
         if len(self._samples) >= BALANCE_SAMPLES:
             self._rebalance()
 
     def _done_with(self, call: FedCall) -> bool:
         """Whether the call's job ran and its marks (if any) have passed on the device (never waits)."""
         marks_passed = not self.cuda or call.timing is None or all(e.query() for e in call.timing)
-        return call.job.done() and marks_passed
+        stamps_back = call.stamps is None or call.stamps[2].query()
+        return call.job.done() and marks_passed and stamps_back
 
     def _sample(self, cpu_seconds: float, marks: list[Any], experts: int, counters: Any) -> None:
         """A timed call into the next rebalance, and into the layer's counters: the device's share and, with the
@@ -464,20 +531,36 @@ class FedCpuShare:
         else:
             spans = [m - marks[0] for m in marks[1:]]
         device_seconds = spans[0]
-        self._samples.append((cpu_seconds, device_seconds, experts))
+        self._samples.append((cpu_seconds, device_seconds, experts, 0.0))
         if len(spans) == 2:
             counters.fed_timed += 1
             counters.fed_device_seconds += device_seconds
             counters.fed_late_seconds += max(0.0, spans[1] - device_seconds)
 
+    def _sample_stamps(self, job_seconds: float, call: FedCall, counters: Any) -> None:
+        """A stamped call into the next rebalance (the CPU's time as the device saw it, its hand-off counted as fixed
+        time) and into the layer's counters."""
+        host, row, event = call.stamps
+        event.synchronize()  # passed already (see _done_with); a flush waits here
+        timing = stamped_call(host[row].tolist())
+        if timing is None:
+            return
+        self.handoff.observe(timing, job_seconds)
+        cpu_seconds = self.handoff.cpu_seconds(timing, job_seconds)
+        self._samples.append((cpu_seconds, timing.device, call.job.experts, max(0.0, cpu_seconds - job_seconds)))
+        counters.fed_timed += 1
+        counters.fed_device_seconds += timing.device
+        counters.fed_late_seconds += timing.late
+
     def _rebalance(self) -> None:
         """A new share from the samples' totals (the fixed part of the CPU's jobs fitted over the recent ones): the
         device's share value (balanced split), or new picks where it moved by a step of the picks (1/E, static)."""
-        cpu_total = sum(cpu for cpu, _, _ in self._samples)
-        device_total = sum(device for _, device, _ in self._samples)
-        worked = sum(1 for _, _, experts in self._samples if experts > 0)
+        cpu_total = sum(sample[0] for sample in self._samples)
+        device_total = sum(sample[1] for sample in self._samples)
+        worked = sum(1 for sample in self._samples if sample[2] > 0)
+        handoff = sum(sample[3] for sample in self._samples)
         self._samples, self.cpu_fixed = [], cpu_fixed_seconds(self._jobs_done)
-        share = balanced_share(self.share, cpu_total, device_total, cpu_fixed=self.cpu_fixed * worked)
+        share = balanced_share(self.share, cpu_total, device_total, cpu_fixed=self.cpu_fixed * worked + handoff)
         before = self.share
         self.share, experts = share, self.store.layout.num_experts
         self._moving = abs(share - before) >= SETTLED_MOVE
