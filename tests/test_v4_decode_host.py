@@ -35,8 +35,9 @@ OP_CEILINGS = {
 }
 # The most torch calls made from Python per call (functions, methods, operators, indexing, attribute reads
 # of tensors), the host's share beyond the ops (paged stores; on contiguous ones they were 25 / 60 / 42 / 125).
-# Closing CSA calls: 151 -> 155 with the poolings' transposes.
-CALL_CEILINGS = {(HCA, False): 29, (HCA, True): 72, (CSA, False): 49, (CSA, True): 157}
+# Closing CSA calls: 151 -> 155 with the poolings' transposes. A closing call's rotations (one an HCA call, two a CSA
+# one) each read ``x.is_cuda`` once more since the rotation kernel (kernels/rope_rotate.py): 72 -> 73, 155 -> 157.
+CALL_CEILINGS = {(HCA, False): 29, (HCA, True): 73, (CSA, False): 49, (CSA, True): 159}
 
 
 @pytest.fixture(scope="module")

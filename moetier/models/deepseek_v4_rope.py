@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moetier.kernels.rope_rotate import rotate
 from moetier.models.deepseek_v4_decode import MaskCache, ZeroRows, host_ints
 
 # The rope tables of a V4 model, in the order their tensors are flattened.
@@ -83,15 +84,10 @@ def rotate_(x: torch.Tensor, rotation: Rotation, inverse: bool = False) -> torch
 
     ``x`` is ``[N, D]`` or ``[N, heads, D]`` (``rotation`` of the same ``N``) and must own its storage:
     callers pass fresh projections/outputs. The rotation runs in float32 (``x * cos + pair_swap(x) * sin``,
-    the same products as ``(even * cos - odd * sin, odd * cos + even * sin)``) and rounds into ``x``.
+    the same products as ``(even * cos - odd * sin, odd * cos + even * sin)``) and rounds into ``x``: one kernel
+    where Triton runs (:mod:`moetier.kernels.rope_rotate`).
     """
-    cos, sin = rotation.cos, rotation.sin_inverse if inverse else rotation.sin
-    if x.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    rope = x[..., -cos.shape[-1] :]
-    swapped = rope.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    rope.copy_(torch.addcmul(rope * cos, swapped, sin))
-    return x
+    return rotate(x, rotation.cos, rotation.sin_inverse if inverse else rotation.sin)
 
 
 @dataclass

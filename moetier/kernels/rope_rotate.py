@@ -1,0 +1,103 @@
+"""DeepSeek-V4's rotation of interleaved channel pairs in one kernel (:func:`moetier.models.deepseek_v4_rope.rotate_`).
+
+In torch the rotation is four kernels (the pair swap, ``x * cos``, ``addcmul`` and the copy back into ``x``), and a
+decode step rotates ~6 times a layer: on the H200 those were ~24 of a layer's ~110 kernels, 5-13 us a rotation
+of a 1-token step (results/h200-20261204-e3ff99d-row-cuts/2d299e4-steady-traces). Here one program rotates a few
+rows in place with the same arithmetic: ``fl32(x * cos)`` then one fused multiply-add of the swapped pair by
+``sin`` (as torch's CUDA ``addcmul`` computes ``a + b * c``), rounded once into ``x``'s dtype; on CUDA the bits
+are torch's (tested). Off CUDA :func:`rotate_reference` (the torch ops) runs; Triton's interpreter runs the kernel
+in the CPU tests, with its own bf16 truncation and unfused multiply-add.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from moetier.kernels.rmsnorm import triton_usable
+
+log = logging.getLogger(__name__)
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch ops.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+# Rows (token x head) per program: a decode step's query has 64 heads of one token, a prefill chunk thousands.
+ROWS_PER_PROGRAM = 16
+
+_BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on with the torch ops
+
+
+def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing ``cos.shape[-1]`` channels of ``x`` (``[N, D]`` or ``[N, heads, D]``) in place by
+    ``cos``/``sin`` (``[N, R]``, float32): ``x * cos + pair_swap(x) * sin`` in float32, rounded into ``x``."""
+    if x.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    rope = x[..., -cos.shape[-1] :]
+    swapped = rope.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    rope.copy_(torch.addcmul(rope * cos, swapped, sin))
+    return x
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate_kernel(
+        x, cos, sin, rows, heads, stride_xn, stride_xh, offset, stride_cn, stride_sn,
+        R: tl.constexpr, ROWS: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]  # token * heads + head
+        j = tl.arange(0, R)[None, :]
+        keep = row < rows
+        n, h = row // heads, row % heads
+        at = x + n * stride_xn + h * stride_xh + offset
+        value = tl.load(at + j, mask=keep).to(tl.float32)
+        pair = tl.load(at + (j ^ 1), mask=keep).to(tl.float32)  # the other channel of the pair
+        c = tl.load(cos + n * stride_cn + j, mask=keep)
+        s = tl.load(sin + n * stride_sn + j, mask=keep)
+        tl.store(at + j, tl.fma(pair, s, value * c).to(x.dtype.element_ty), mask=keep)
+
+
+def _kernel_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    width = cos.shape[-1]
+    return (
+        x.dim() in (2, 3)
+        and x.stride(-1) == 1
+        and width >= 2
+        and width & (width - 1) == 0  # a power of two: one block of channels
+        and width <= x.shape[-1]
+        and cos.dtype == sin.dtype == torch.float32
+        and cos.stride(-1) == sin.stride(-1) == 1
+        and cos.shape[0] == sin.shape[0] == x.shape[0]
+        and cos.device == x.device == sin.device
+    )
+
+
+def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The kernel over ``x`` (see :func:`rotate_reference`; the caller checked :func:`_kernel_fits`)."""
+    heads = x.shape[1] if x.dim() == 3 else 1
+    rows = x.shape[0] * heads
+    if rows == 0:
+        return x
+    stride_h = x.stride(1) if x.dim() == 3 else 0
+    width = cos.shape[-1]
+    grid = (triton.cdiv(rows, ROWS_PER_PROGRAM),)
+    _rotate_kernel[grid](
+        x, cos, sin, rows, heads, x.stride(0), stride_h, x.shape[-1] - width, cos.stride(0), sin.stride(0),
+        R=width, ROWS=ROWS_PER_PROGRAM, num_warps=1,
+    )  # fmt: skip
+    return x
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate_reference`, in one kernel where Triton runs on ``x``'s device."""
+    if not _BROKEN and triton_usable(x) and _kernel_fits(x, cos, sin):
+        try:
+            return rotate_triton(x, cos, sin)
+        except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
+            _BROKEN.append(str(exc))
+            log.warning("Triton rotation kernel failed (%s); using the torch ops from now on", exc)
+    return rotate_reference(x, cos, sin)
