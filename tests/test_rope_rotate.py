@@ -1,5 +1,6 @@
-"""The V4 rotation kernel (moetier.kernels.rope_rotate) against the torch ops it replaces: bit for bit on CUDA,
-within the interpreter's own bf16 truncation and unfused multiply-add under Triton's interpreter."""
+"""The V4 rotation and angle kernels (moetier.kernels.rope_rotate) against the torch ops they replace: bit for bit
+on CUDA, within the interpreter's own bf16 truncation, unfused multiply-add and numpy's cos/sin under Triton's
+interpreter."""
 
 from __future__ import annotations
 
@@ -43,6 +44,22 @@ for dtype in (torch.bfloat16, torch.float32):
         results.append({"case": name, "dtype": str(dtype), "fits": fits, "equal": bool(torch.equal(ours, ref)),
                         "within": bool((diff <= bound).all()), "kept": bool(torch.equal(ours[..., :-width],
                         x[..., :-width])), "strided": ours.stride(0) != ours.shape[-1]})
+
+inv_freq = (1.0 / 10000 ** (torch.arange(0, 32, dtype=torch.float32) / 32)).to(device)
+for dtype in (torch.bfloat16, torch.float32):
+    for name, positions in (("steps", torch.arange(0, 300)), ("far", torch.tensor([70_000, 131_071, 1_000_003])),
+                            ("none", torch.zeros(0, dtype=torch.int64))):
+        positions = positions.to(device)
+        for factor in (1.0, 0.8125):
+            ours = k.angles(positions, inv_freq, factor, dtype)
+            ref = k.angles_reference(positions, inv_freq, factor, dtype)
+            tol = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
+            results.append({"case": "angles-" + name, "dtype": str(dtype), "fits": True,
+                            "equal": all(torch.equal(a, b) for a, b in zip(ours, ref)),
+                            "within": all(bool(((a - b).abs() <= tol * b.abs() + 1e-5).all())
+                                          for a, b in zip(ours, ref)),
+                            "kept": all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(ours, ref)),
+                            "strided": False})
 print(json.dumps(results))
 """
 
@@ -55,7 +72,7 @@ def run_check(device: str) -> list[dict]:
 
 
 def _assert_results(results: list[dict], exact: bool) -> None:
-    assert len(results) == 10
+    assert len(results) == 10 + 12
     for r in results:
         assert r["fits"] and r["within"] and r["kept"], r  # the channels before the rope ones untouched
         assert r["equal"] or not exact, r

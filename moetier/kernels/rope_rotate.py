@@ -1,4 +1,5 @@
-"""DeepSeek-V4's rotation of interleaved channel pairs in one kernel (:func:`moetier.models.deepseek_v4_rope.rotate_`).
+"""DeepSeek-V4's rotation of interleaved channel pairs in one kernel (:func:`moetier.models.deepseek_v4_rope.rotate_`),
+and a step's rotation angles in another (:func:`angles`).
 
 In torch the rotation is four kernels (the pair swap, ``x * cos``, ``addcmul`` and the copy back into ``x``), and a
 decode step rotates ~6 times a layer: on the H200 those were ~24 of a layer's ~110 kernels, 5-13 us a rotation
@@ -7,6 +8,10 @@ rows in place with the same arithmetic: ``fl32(x * cos)`` then one fused multipl
 ``sin`` (as torch's CUDA ``addcmul`` computes ``a + b * c``), rounded once into ``x``'s dtype; on CUDA the bits
 are torch's (tested). Off CUDA :func:`rotate_reference` (the torch ops) runs; Triton's interpreter runs the kernel
 in the CPU tests, with its own bf16 truncation and unfused multiply-add.
+
+A decode step's angles (``cos(p * f) * factor`` and ``sin``, rounded to the model's dtype, laid out for the
+rotation) were ~14 kernels a rope kind at the step's start (~30 us of the H200's 1-token step); :func:`angles` is
+one, with CUDA's own ``cosf``/``sinf`` (libdevice), so the bits are torch's there too (tested).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ log = logging.getLogger(__name__)
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch ops.
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import libdevice
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
@@ -59,6 +65,64 @@ if triton is not None:
         c = tl.load(cos + n * stride_cn + j, mask=keep)
         s = tl.load(sin + n * stride_sn + j, mask=keep)
         tl.store(at + j, tl.fma(pair, s, value * c).to(x.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _angles_kernel(positions, inv_freq, factor, cos, sin, sin_inverse, n, R: tl.constexpr, ROUND: tl.constexpr):
+        row = tl.program_id(0) * 16 + tl.arange(0, 16)[:, None]
+        j = tl.arange(0, R)[None, :]
+        keep = row < n
+        at = row * R + j
+        freq = tl.load(positions + row, mask=row < n).to(tl.float32) * tl.load(inv_freq + j // 2)
+        c = libdevice.cos(freq) * factor
+        s = libdevice.sin(freq) * factor
+        if ROUND == 1:  # to the model's dtype and back, as the reference's .to(dtype).float()
+            c, s = c.to(tl.bfloat16).to(tl.float32), s.to(tl.bfloat16).to(tl.float32)
+        elif ROUND == 2:
+            c, s = c.to(tl.float16).to(tl.float32), s.to(tl.float16).to(tl.float32)
+        signed = tl.where(j % 2 == 1, s, -s)
+        tl.store(cos + at, c, mask=keep)
+        tl.store(sin + at, signed, mask=keep)
+        tl.store(sin_inverse + at, -signed, mask=keep)
+
+
+_ROUNDINGS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def angles_reference(
+    positions: torch.Tensor, inv_freq: torch.Tensor, factor: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RoPE's ``cos``, ``sin`` and ``sin_inverse`` (``[N, 2 * len(inv_freq)]``, float32) at ``positions``, laid out
+    for :func:`rotate_reference`: ``cos`` ``[c0, c0, c1, c1, ...]``, ``sin`` ``[-s0, s0, -s1, s1, ...]``, each
+    ``cos(p * f) * factor`` rounded to ``dtype`` (the model's) as the reference does, ``sin_inverse = -sin``."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    cos = (freqs.cos() * factor).to(dtype).float()
+    sin = (freqs.sin() * factor).to(dtype).float()
+    signed = torch.stack((-sin, sin), dim=-1).flatten(-2)
+    return cos.repeat_interleave(2, dim=-1), signed, -signed
+
+
+def angles(
+    positions: torch.Tensor, inv_freq: torch.Tensor, factor: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`angles_reference`, in one kernel where Triton runs on ``positions``' device (~14 torch kernels)."""
+    width = 2 * inv_freq.shape[0]
+    fits = (
+        inv_freq.dtype == torch.float32 and inv_freq.device == positions.device and inv_freq.is_contiguous()
+        and positions.dim() == 1 and positions.is_contiguous() and width & (width - 1) == 0 and dtype in _ROUNDINGS
+    )  # fmt: skip
+    if not _BROKEN and fits and triton_usable(positions):
+        try:
+            out = torch.empty((3, positions.shape[0], width), dtype=torch.float32, device=positions.device)
+            if positions.shape[0]:
+                _angles_kernel[(triton.cdiv(positions.shape[0], 16),)](
+                    positions, inv_freq, factor, out[0], out[1], out[2], positions.shape[0],
+                    R=width, ROUND=_ROUNDINGS[dtype], num_warps=1,
+                )  # fmt: skip
+            return out[0], out[1], out[2]
+        except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
+            _BROKEN.append(str(exc))
+            log.warning("Triton RoPE angles kernel failed (%s); using the torch ops from now on", exc)
+    return angles_reference(positions, inv_freq, factor, dtype)
 
 
 def _kernel_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moetier.kernels.rope_rotate import rotate
+from moetier.kernels.rope_rotate import angles, rotate
 from moetier.models.deepseek_v4_decode import MaskCache, ZeroRows, host_ints
 
 # The rope tables of a V4 model, in the order their tensors are flattened.
@@ -54,11 +54,7 @@ class RotaryTable:
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
         """The rotation at ``positions``; cos/sin are rounded to ``dtype`` (the model's) as the reference does."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        cos = (freqs.cos() * self.factor).to(dtype).float()
-        sin = (freqs.sin() * self.factor).to(dtype).float()
-        signed = torch.stack((-sin, sin), dim=-1).flatten(-2)
-        return Rotation(cos.repeat_interleave(2, dim=-1), signed, -signed)
+        return Rotation(*angles(positions, self.inv_freq, self.factor, dtype))
 
     def entries(self, first: int, count: int, rate: int, dtype: torch.dtype) -> Rotation:
         """The rotation of entries ``first .. first + count - 1`` (positions ``w * rate``): views of the table."""
