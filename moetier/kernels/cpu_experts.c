@@ -71,6 +71,9 @@ enum { MOETIER_OK = 0, MOETIER_BAD_ARGS = -1, MOETIER_NO_MEMORY = -2, MOETIER_AB
 /* How a job's weights are stored (the `quant` argument of moetier_cpu_experts_quantised). */
 /* QUANT_E2M1_E8M0: packed e2m1 whose scales are e8m0 exponent bytes (2^(e - 127), e = 0 the subnormal 2^-127). */
 enum { QUANT_NONE = 0, QUANT_E4M3 = 1, QUANT_E2M1 = 2, QUANT_E2M1_E8M0 = 3 };
+/* OR'ed into an e2m1 `quant`: the caller checked that every tile scale of the job's experts is exact for the
+ * fused fp4 path (moetier_scales_exact), so its dot products skip their scan of each row's scales. */
+enum { QUANT_EXACT_SCALES = 0x100 };
 
 /* ------------------------------------------------------------------------------------------------------- */
 /* bf16 <-> fp32                                                                                          */
@@ -465,6 +468,7 @@ typedef struct {
     const float *s[MAX_ROWS];
     const xval_t *xs[TOKEN_BLOCK]; /* E2M1_SHUFFLED builds: the token vectors in the shuffled order */
     int packed;
+    int exact; /* packed rows whose every tile scale is exact (QUANT_EXACT_SCALES): no scan of them */
 } rows_t;
 
 /* AVX512-BF16 builds with VBMI read fp4 tiles in a shuffled order (cpu_experts_fp4.c), the token vectors too. */

@@ -57,6 +57,10 @@ _ERRORS = {
 }
 # The C kernel's QUANT_* codes: how a quantised job's weights are stored.
 QUANT_E4M3, QUANT_E2M1, QUANT_E2M1_E8M0 = 1, 2, 3
+# OR'ed into an e2m1 job's quant code where every expert's scales were found exact for the fused fp4 path (all
+# powers of two the e2m1 products keep exact: checked once per expert, moetier_scales_exact): its dot products then
+# skip their scan of each row's scales (H200, 1-token fp4 jobs: +5-12% GB/s at 14 threads, +17-27% at 8).
+QUANT_EXACT_SCALES = 0x100
 
 
 class QuantExpert(Protocol):
@@ -103,10 +107,18 @@ class CheckedExperts:
     key: tuple[Any, ...]
     inter: int
     pointers: list[tuple[int, ...]]
+    exact: list[bool] = field(default_factory=list)  # per expert (fp4): every scale exact (scales_exact); else []
     table: array = field(init=False)
 
     def __post_init__(self) -> None:
         self.table = array("Q", itertools.chain.from_iterable(zip(*self.pointers, strict=True))) or array("Q", (0,))
+
+    @property
+    def quant_code(self) -> int:
+        """The C entry points' ``quant``: the format's code, with QUANT_EXACT_SCALES where every expert's scales are
+        exact (the experts' scales never change once checked: the home copy's do not)."""
+        exact = len(self.exact) == len(self.pointers) > 0 and all(self.exact)
+        return self.key[0] | (QUANT_EXACT_SCALES if exact else 0)
 
 
 def job_key(name: str | None, hidden_size: int, tile: tuple[int, int] | None) -> tuple[Any, ...]:
@@ -121,15 +133,30 @@ def check_experts(
     :data:`QUANT_PARTS` ("fp8", "fp4" on ``tile``), as :meth:`~CpuExpertsLibrary.run` and ``run_fp8``/``run_fp4``
     do: ValueError for any dtype, shape or layout they refuse."""
     hidden_size = _check(hidden, torch.bfloat16, "hidden", ndim=2).shape[1]
+    exact: list[bool] = []
     if name is None:
         inter = _check_experts(tensors, hidden_size)
     else:
         fmt = _FORMATS[_quant_name(name)]
         tile = _check_tile(tile, fmt)  # type: ignore[arg-type]
         inter = _check_quant_experts(tensors, hidden_size, tile, fmt)
-    return CheckedExperts(
-        job_key(name, hidden_size, tile), inter, [tuple(map(torch.Tensor.data_ptr, t)) for t in tensors]
-    )
+        if fmt.code in (QUANT_E2M1, QUANT_E2M1_E8M0) and tile[1] == 32:  # the fused path's tiles
+            exact = [all(scales_exact(parts[i]) for i in (3, 4, 5)) for parts in tensors]
+    pointers = [tuple(map(torch.Tensor.data_ptr, t)) for t in tensors]
+    return CheckedExperts(job_key(name, hidden_size, tile), inter, pointers, exact)
+
+
+def scales_exact(scales: torch.Tensor) -> bool:
+    """Whether every scale of a contiguous CPU grid (float32, or uint8 e8m0 exponent bytes) keeps the e2m1 products
+    exact, as the fused fp4 path needs (a power of two in [2^-125, 2^125]): the C kernel's check (False without it)."""
+    lib = _load(())
+    fn = None if lib is None else getattr(lib.cdll, "moetier_scales_exact", None)
+    if fn is None or not scales.is_contiguous() or scales.device.type != "cpu":
+        return False
+    if scales.dtype not in (torch.float32, torch.uint8):
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int], ctypes.c_int
+    return bool(fn(scales.data_ptr(), scales.numel(), int(scales.dtype == torch.uint8)))
 
 
 _lock = threading.Lock()
@@ -288,7 +315,7 @@ class CpuExpertsLibrary:
         """:meth:`run` (or ``run_fp8``/``run_fp4``) on experts :func:`check_experts` passed, whose tensors live on
         unmoved (the CPU tier remembers which did): only ``hidden``, ``rows``, ``gates`` and ``out`` are checked."""
         job = checked_job(experts, hidden, rows, gates, swiglu_limit, threads, out)
-        code, n, table = experts.key[0], len(experts.pointers), experts.table.buffer_info()[0]
+        code, n, table = experts.quant_code, len(experts.pointers), experts.table.buffer_info()[0]
         stride = 8 * n  # each part's run of n pointers
         if code == 0:
             status = self._run(n, table, table + stride, *job.tail)

@@ -324,7 +324,10 @@ ALWAYS_INLINE void dot_rows_e2m1(const rows_t *rows, int R, const xval_t *const 
     const float *s[MAX_ROWS];
     for (int r = 0; r < R; ++r) q[r] = rows->q[r], s[r] = rows->s[r];
     int64_t tiles = k / 32;
-    for (int r = 0; r < R; ++r) tiles = e2m1_exact_tiles(s[r], tiles);
+    /* The scan's first reads of the scales wait on DRAM before any code is read: skipped where the job's experts
+     * were checked whole (H200, 1-token jobs: +5-12% GB/s at 14 threads, +17-27% at 8; nothing clear at 4 tokens). */
+    if (!rows->exact)
+        for (int r = 0; r < R; ++r) tiles = e2m1_exact_tiles(s[r], tiles);
 #if defined(E2M1_SHUFFLED)
     const xval_t *const *xt = rows->xs;
 #else
@@ -354,3 +357,21 @@ ALWAYS_INLINE void dot_rows_e2m1(const rows_t *rows, int R, const xval_t *const 
 }
 
 #endif
+
+/* Whether all n float32 scales are exact (e2m1_exact_scale), or (bytes) all n e8m0 exponent bytes stand for such
+ * scales (2^(e - 127) with e in [2, 252]): what QUANT_EXACT_SCALES promises, checked once per expert. */
+int moetier_scales_exact(const void *scales, int64_t n, int bytes) {
+    if (bytes) {
+        const uint8_t *e = scales;
+        uint8_t bad = 0;
+        for (int64_t i = 0; i < n; ++i) bad |= (uint8_t)(e[i] < 2) | (uint8_t)(e[i] > 252);
+        return !bad;
+    }
+#if defined(VLEN)
+    return e2m1_exact_tiles(scales, n) == n;
+#else
+    int64_t i = 0;
+    while (i < n && e2m1_exact_scale((const float *)scales + i)) ++i;
+    return i == n;
+#endif
+}

@@ -54,6 +54,7 @@ typedef struct job {
      * tile_rows x tile_cols tile of values (partial edge tiles allowed): float32, or for QUANT_E2M1_E8M0 uint8
      * exponent bytes behind the same pointers (row_scales reads them). */
     int quant;
+    int exact_scales; /* e2m1: every tile scale exact (QUANT_EXACT_SCALES, checked by the caller) */
     const uint8_t *const *codes[3];
     const float *const *scales[3];
     int64_t tile_rows, tile_cols;
@@ -86,6 +87,15 @@ ALWAYS_INLINE bf16_t *thread_rows(const job_t *job, int tid) {
 
 /* Packed e2m1, with float32 or e8m0 scales. */
 ALWAYS_INLINE int is_e2m1(const job_t *job) { return job->quant == QUANT_E2M1 || job->quant == QUANT_E2M1_E8M0; }
+
+/* A job's `quant` argument into its fields: the format, and QUANT_EXACT_SCALES (e2m1 formats only). 0 for a
+ * format it does not know or the flag on another. */
+static int set_quant(job_t *job, int quant) {
+    job->quant = quant & ~QUANT_EXACT_SCALES;
+    job->exact_scales = (quant & QUANT_EXACT_SCALES) != 0;
+    if (job->quant < QUANT_NONE || job->quant > QUANT_E2M1_E8M0) return 0;
+    return !job->exact_scales || is_e2m1(job);
+}
 
 /* Whether this job's packed rows read their tiles shuffled (E2M1_SHUFFLED builds, the release's 32-value tiles). */
 ALWAYS_INLINE int shuffled_job(const job_t *job) {
@@ -200,7 +210,7 @@ static void gate_up_rows(const job_t *job, int64_t e, int64_t j0, int64_t j1, bf
     for (int64_t i = 0; i < half; ++i) {
         const int64_t j[2] = {j0 + i, j0 + half + i};
         const int units = j[1] < j1 ? 2 : 1;
-        rows_t w = {.packed = packed_rows(job, count)};
+        rows_t w = {.packed = packed_rows(job, count), .exact = job->exact_scales};
         for (int u = 0; u < units; ++u) {
             weight_row(job, GATE, e, j[u], bufs, 2 * u, &w);
             weight_row(job, UP, e, j[u], bufs, 2 * u + 1, &w);
@@ -246,7 +256,7 @@ static void down_rows(const job_t *job, int64_t e, int64_t h0, int64_t h1, bf16_
     const int64_t from = job->from != NULL ? job->from[e] : 0; /* a split expert: its columns from here on */
     for (int64_t i = 0; i < part; ++i) {
         int64_t h[MAX_ROWS];
-        rows_t w = {.packed = packed_rows(job, count)};
+        rows_t w = {.packed = packed_rows(job, count), .exact = job->exact_scales};
         int r = 0;
         for (; r < MAX_ROWS && h0 + r * part + i < h1; ++r) {
             h[r] = h0 + r * part + i;
@@ -447,8 +457,9 @@ int moetier_cpu_experts_quantised(int quant, int64_t n_experts, const uint8_t *c
                                   int has_limit, float limit, float *out, int threads) {
     job_t job = {.n_experts = n_experts, .offsets = offsets, .rows = rows, .gates = gates, .hidden = hidden,
                  .out_rows = out_rows, .hidden_size = hidden_size, .inter = inter, .has_limit = has_limit,
-                 .limit = limit, .out = out, .quant = quant, .codes = {gate, up, down},
+                 .limit = limit, .out = out, .codes = {gate, up, down},
                  .scales = {gate_scale, up_scale, down_scale}, .tile_rows = tile_rows, .tile_cols = tile_cols};
-    if (quant == QUANT_NONE || gate == NULL || up == NULL || down == NULL) return MOETIER_BAD_ARGS;
+    if (!set_quant(&job, quant) || quant == QUANT_NONE || gate == NULL || up == NULL || down == NULL)
+        return MOETIER_BAD_ARGS;
     return run_job(&job, threads);
 }

@@ -269,11 +269,13 @@ void *moetier_worker_submit(void *handle, int quant, int64_t n_experts, const ui
                             int *status) {
     worker_t *w = handle;
     *status = MOETIER_BAD_ARGS;
-    if (w == NULL || n_experts < 0 || threads < 1 || quant < QUANT_NONE || quant > QUANT_E2M1_E8M0 || offsets[0] != 0)
-        return NULL;
+    job_t job = {.n_experts = n_experts, .hidden = hidden, .out_rows = out_rows, .hidden_size = hidden_size,
+                 .inter = inter, .has_limit = has_limit, .limit = limit, .out = out, .tile_rows = tile_rows,
+                 .tile_cols = tile_cols};
+    if (w == NULL || n_experts < 0 || threads < 1 || !set_quant(&job, quant) || offsets[0] != 0) return NULL;
     for (int64_t e = 0; e < n_experts; ++e)
         if (offsets[e + 1] < offsets[e]) return NULL;
-    const int64_t pairs = offsets[n_experts], parts = quant == QUANT_NONE ? 2 : 6;
+    const int64_t pairs = offsets[n_experts], parts = job.quant == QUANT_NONE ? 2 : 6;
     const size_t table_bytes = (size_t)(parts * n_experts) * sizeof(uint64_t);
     const size_t offsets_bytes = (size_t)(n_experts + 1) * sizeof(int64_t);
     const size_t rows_bytes = (size_t)pairs * sizeof(int64_t), gates_bytes = (size_t)pairs * sizeof(float);
@@ -297,9 +299,7 @@ void *moetier_worker_submit(void *handle, int quant, int64_t n_experts, const ui
     q->threads = threads;
     q->flag = flag;
     q->flag_value = flag_value;
-    job_t job = {.n_experts = n_experts, .offsets = o, .rows = r, .gates = g, .hidden = hidden,
-                 .out_rows = out_rows, .hidden_size = hidden_size, .inter = inter, .has_limit = has_limit,
-                 .limit = limit, .out = out, .quant = quant, .tile_rows = tile_rows, .tile_cols = tile_cols};
+    job.offsets = o, job.rows = r, job.gates = g;
     point_experts(&job, t, n_experts);
     q->job = job;
     enqueue(w, q);
@@ -321,10 +321,12 @@ void *moetier_worker_submit_fed(void *handle, int quant, int64_t n_layer, const 
                                 int threads, int32_t *flag, int32_t flag_value, int *status) {
     worker_t *w = handle;
     *status = MOETIER_BAD_ARGS;
-    if (w == NULL || n_layer < 1 || tokens < 1 || top_k < 1 || threads < 1 || quant < QUANT_NONE ||
-        quant > QUANT_E2M1_E8M0 || start == NULL || ids == NULL || weights == NULL || table == NULL)
+    job_t job = {.hidden = hidden, .out_rows = tokens, .hidden_size = hidden_size, .inter = inter,
+                 .has_limit = has_limit, .limit = limit, .out = out, .tile_rows = tile_rows, .tile_cols = tile_cols};
+    if (w == NULL || n_layer < 1 || tokens < 1 || top_k < 1 || threads < 1 || !set_quant(&job, quant) ||
+        start == NULL || ids == NULL || weights == NULL || table == NULL)
         return NULL;
-    const int64_t pairs = tokens * top_k, parts = quant == QUANT_NONE ? 2 : 6;
+    const int64_t pairs = tokens * top_k, parts = job.quant == QUANT_NONE ? 2 : 6;
     /* 8-byte arrays first, the 4-byte gates last: every part stays aligned. */
     const size_t table_bytes = (size_t)(parts * pairs) * sizeof(uint64_t);
     const size_t offsets_bytes = (size_t)(pairs + 1) * sizeof(int64_t), rows_bytes = (size_t)pairs * sizeof(int64_t);
@@ -342,11 +344,8 @@ void *moetier_worker_submit_fed(void *handle, int quant, int64_t n_layer, const 
                   .top_k = top_k, .table = table, .n_layer = n_layer, .parts = parts};
     uint64_t *t = (uint64_t *)owned;
     int64_t *o = (int64_t *)(owned + table_bytes), *r = (int64_t *)(owned + table_bytes + offsets_bytes);
-    job_t job = {.n_experts = 0, .offsets = o, .rows = r, .from = r + 2 * pairs,
-                 .gates = (float *)(owned + table_bytes + offsets_bytes + 3 * rows_bytes),
-                 .hidden = hidden, .out_rows = tokens, .hidden_size = hidden_size, .inter = inter,
-                 .has_limit = has_limit, .limit = limit, .out = out, .quant = quant, .tile_rows = tile_rows,
-                 .tile_cols = tile_cols};
+    job.offsets = o, job.rows = r, job.from = r + 2 * pairs;
+    job.gates = (float *)(owned + table_bytes + offsets_bytes + 3 * rows_bytes);
     point_experts(&job, t, pairs);
     q->job = job;
     q->feed = f;

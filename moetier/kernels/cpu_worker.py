@@ -219,7 +219,7 @@ class NativeWorker:
         if self._handle is None:
             raise RuntimeError("cpu_experts: the native worker is closed")
         job = checked_job(experts, hidden, rows, gates, swiglu_limit, threads, out)
-        code, n, table = experts.key[0], len(experts.pointers), experts.table.buffer_info()[0]
+        code, n, table = experts.quant_code, len(experts.pointers), experts.table.buffer_info()[0]
         tile = experts.key[2] if code else (0, 0)
         address, value = flag if flag is not None else (0, 0)
         status = ctypes.c_int(0)
@@ -249,7 +249,7 @@ class NativeWorker:
         if self._handle is None:
             raise RuntimeError("cpu_experts: the native worker is closed")
         inbox.check(experts)
-        code, n, table = experts.key[0], len(experts.pointers), experts.table.buffer_info()[0]
+        code, n, table = experts.quant_code, len(experts.pointers), experts.table.buffer_info()[0]
         tile = experts.key[2] if code else (0, 0)
         address, value = flag if flag is not None else (0, 0)
         limit = 0.0 if swiglu_limit is None else float(swiglu_limit)

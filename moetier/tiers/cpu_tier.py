@@ -378,9 +378,10 @@ def _cpu_contiguous(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
 
 # Experts whose tensors passed the kernel's checks: the ids of an expert's tensors -> (what they were checked for
 # (cpu_experts.job_key), I, their data pointers, weakrefs whose callback forgets the entry when one of those
-# tensors dies, so an id never names another tensor). A tensor's dtype and device never change; a set_ or a
-# reallocation moves its data, which _passed_before compares. Single dict operations: threads may share it.
-_passed: dict[tuple[int, ...], tuple[tuple[Any, ...], int, tuple[int, ...], list[weakref.ref]]] = {}
+# tensors dies, so an id never names another tensor, and (fp4) whether its scales were exact, else None). A tensor's
+# dtype and device never change; a set_ or a reallocation moves its data, which _passed_before compares. Single dict
+# operations: threads may share it.
+_passed: dict[tuple[int, ...], tuple[tuple[Any, ...], int, tuple[int, ...], list[weakref.ref], bool | None]] = {}
 _PASSED_LIMIT = 1 << 16
 _data_ptr = torch.Tensor.data_ptr
 
@@ -392,7 +393,7 @@ def _passed_before(
     and tile before and still sits where it did (all of one I); else None."""
     if not tensors or hidden.dim() != 2:
         return None
-    key, inter, pointers = cpu_experts.job_key(name, hidden.shape[1], tile), 0, []
+    key, inter, pointers, exact = cpu_experts.job_key(name, hidden.shape[1], tile), 0, [], []
     for parts in tensors:
         entry = _passed.get(tuple(map(id, parts)))
         if entry is None or entry[0] != key or (pointers and entry[1] != inter):
@@ -402,14 +403,16 @@ def _passed_before(
             return None
         inter = entry[1]
         pointers.append(here)
-    return cpu_experts.CheckedExperts(key, inter, pointers)
+        exact.append(entry[4])
+    return cpu_experts.CheckedExperts(key, inter, pointers, exact if all(e is not None for e in exact) else [])
 
 
 def _remember(tensors: list[tuple[Any, ...]], checked: cpu_experts.CheckedExperts) -> None:
     """Note that each expert's tensors passed as ``checked`` says (forgotten when one of them dies)."""
     if len(_passed) + len(tensors) > _PASSED_LIMIT:
         _passed.clear()
-    for parts, here in zip(tensors, checked.pointers, strict=True):
+    exact = checked.exact if len(checked.exact) == len(checked.pointers) else [None] * len(checked.pointers)
+    for parts, here, fine in zip(tensors, checked.pointers, exact, strict=True):
         ids = tuple(map(id, parts))
 
         def forget(dead: weakref.ref, ids: tuple[int, ...] = ids) -> None:
@@ -417,7 +420,7 @@ def _remember(tensors: list[tuple[Any, ...]], checked: cpu_experts.CheckedExpert
             if entry is not None and any(ref is dead for ref in entry[3]):
                 _passed.pop(ids, None)
 
-        _passed[ids] = (checked.key, checked.inter, here, [weakref.ref(t, forget) for t in parts])
+        _passed[ids] = (checked.key, checked.inter, here, [weakref.ref(t, forget) for t in parts], fine)
 
 
 _dense_tensors = operator.attrgetter("gate_up", "down")
