@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,3 +142,13 @@ def greedy_groups(
             tokens[g].extend(next_tokens.tolist())
             runs[g] = (caches, step_logits.argmax(-1))
     return tokens, logits
+
+
+def run_kernel_check(script: str, device: str) -> list[dict]:
+    """Run a kernel check ``script`` (Python source taking the device as its first argument and printing a JSON list
+    last) in a fresh interpreter: on ``device`` "cpu" under Triton's interpreter (which must be set before Triton is
+    imported, hence the subprocess)."""
+    env = {**os.environ, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
+    done = subprocess.run([sys.executable, "-c", script, device], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from reference import run_kernel_check
 
 pytest.importorskip("triton")
 
@@ -60,10 +61,7 @@ print(json.dumps(results))
 
 
 def run_check(device: str) -> list[dict]:
-    env = {**os.environ, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
-    done = subprocess.run([sys.executable, "-c", _CHECK, device], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_kernel_check(_CHECK, device)
 
 
 def assert_matches(results: list[dict], interpreted: bool) -> None:

@@ -4,13 +4,9 @@ interpreter."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from reference import run_kernel_check
 
 _CHECK = """
 import json, sys, torch
@@ -65,10 +61,7 @@ print(json.dumps(results))
 
 
 def run_check(device: str) -> list[dict]:
-    env = {**os.environ, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
-    done = subprocess.run([sys.executable, "-c", _CHECK, device], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_kernel_check(_CHECK, device)
 
 
 def _assert_results(results: list[dict], exact: bool) -> None:
