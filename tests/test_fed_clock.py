@@ -3,13 +3,19 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from test_mapped_cpu import LAYOUT
+from test_tiers_fidelity import _random_store
 
 from moetier.errors import ConfigError
+from moetier.kernels import cpu_experts
 from moetier.kernels.device_clock import launch_stamp, stamps_usable
 from moetier.tiers import mapped_cpu
 from moetier.tiers.fed_clock import HANDOFF_SAMPLES, LATE_FLOOR, Handoff, StampedCall, stamped_call
+from moetier.tiers.tiered_dispatcher import TieredDispatcher
 
 US = 1000  # ns
 
@@ -82,3 +88,37 @@ def test_stamps_in_a_replayed_graph_time_each_replay_in_stream_order():
     assert all(0 < a < b for a, b in spans)
     assert spans[0][1] <= spans[1][0] and spans[1][1] <= spans[2][0]  # each replay's own, in order
     assert all(b - a >= 20 * US for a, b in spans)  # the spin is inside the span (its clock rate is not known)
+
+
+@pytest.mark.skipif(not cpu_experts.available(), reason="no C compiler for the CPU tier's kernel")
+def test_stamped_calls_become_samples_with_the_cpu_handoff_as_fixed_time(monkeypatch):
+    """The fed share's wiring of stamps (off CUDA no kernel stamps, so the copied-back stamps are given): a call the
+    device waited 100 us for, whose job took 520 of its 600 us, is a sample of 600 us for the CPU with 80 us of
+    hand-off counted as fixed; a call whose row the step did not write is none."""
+    tiered = TieredDispatcher(_random_store(LAYOUT, torch.bfloat16), cache_slots=2, miss_route="mapped")  # adaptive
+    tiered.prepare("cpu")
+    fed = tiered.mapped.cpu
+    assert fed.timing == "timed steps"  # off CUDA: the host plays the device and times eager steps
+    seen = {}
+
+    def record(share, cpu_seconds, device_seconds, cpu_fixed=0.0):
+        seen.update(cpu=cpu_seconds, device=device_seconds, fixed=cpu_fixed)
+        return share
+
+    monkeypatch.setattr(mapped_cpu, "balanced_share", record)
+    stamps = torch.tensor([[1_000, 1_000 + 500 * US, 1_000 + 600 * US], [0, 0, 0]], dtype=torch.int64)
+    counters = fed.metrics.layer(LAYOUT.moe_layers[0])
+    passed = SimpleNamespace(query=lambda: True, synchronize=lambda: None)
+    unwritten = mapped_cpu.FedCall(1, SimpleNamespace(experts=2), None, stamps=(stamps, 1, passed))
+    fed._sample_stamps(300e-6, unwritten, counters)
+    assert fed._samples == [] and counters.fed_timed == 0
+    samples = mapped_cpu.BALANCE_SAMPLES
+    for _ in range(samples):
+        call = mapped_cpu.FedCall(0, SimpleNamespace(experts=2), None, stamps=(stamps, 0, passed))
+        fed._sample_stamps(520e-6, call, counters)
+    assert fed.handoff.seconds == pytest.approx(80e-6)
+    assert counters.fed_timed == samples and counters.fed_late_seconds == pytest.approx(samples * 100e-6)
+    fed._rebalance()
+    tiered.close()
+    assert seen["cpu"] == pytest.approx(samples * 600e-6) and seen["device"] == pytest.approx(samples * 500e-6)
+    assert seen["fixed"] == pytest.approx(samples * 80e-6)  # no jobs finished: the fitted fixed part is 0
