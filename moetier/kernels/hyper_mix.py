@@ -20,15 +20,13 @@ after the kernels once failed, the eager reference runs.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from moetier.kernels import rmsnorm
+from moetier.kernels.guard import kernel_or_reference
 from moetier.kernels.sinkhorn import sinkhorn
-
-log = logging.getLogger(__name__)
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the eager path.
     import triton
@@ -344,10 +342,8 @@ def hyper_mix(
 ) -> Mixed:
     """``streams`` ``[T, hc, H]`` (with ``merge``, first merged with a sublayer's output) -> :class:`Mixed`: the
     streams, the next sublayer's ``post`` and ``comb`` and its input collapsed and RMS-normed by ``norm_weight``."""
-    if not _BROKEN and triton_usable(streams, mixing):
-        try:
-            return mix_triton(streams, mixing, norm_weight, norm_eps, merge)
-        except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
-            _BROKEN.append(str(exc))
-            log.warning("Triton mHC kernels failed (%s); using the eager mixing from now on", exc)
-    return mix_reference(streams, mixing, norm_weight, norm_eps, merge)
+    return kernel_or_reference(
+        _BROKEN, "mHC kernels", triton_usable(streams, mixing),
+        lambda: mix_triton(streams, mixing, norm_weight, norm_eps, merge),
+        lambda: mix_reference(streams, mixing, norm_weight, norm_eps, merge),
+    )  # fmt: skip

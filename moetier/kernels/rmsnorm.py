@@ -9,12 +9,11 @@ turns it off); everywhere else, or after the kernel once failed, the eager refer
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
-log = logging.getLogger(__name__)
+from moetier.kernels.guard import kernel_or_reference
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the eager path.
     import triton
@@ -113,10 +112,8 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """RMS-normalise the last dim of ``x`` (see :func:`rms_norm_reference`), in one kernel where possible."""
-    if not _BROKEN and triton_usable(x):
-        try:
-            return rms_norm_triton(x, weight, eps, out_dtype).view(x.shape)
-        except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
-            _BROKEN.append(str(exc))
-            log.warning("Triton RMSNorm kernel failed (%s); using the eager norm from now on", exc)
-    return rms_norm_reference(x, weight, eps, out_dtype)
+    return kernel_or_reference(
+        _BROKEN, "RMSNorm kernel", triton_usable(x),
+        lambda: rms_norm_triton(x, weight, eps, out_dtype).view(x.shape),
+        lambda: rms_norm_reference(x, weight, eps, out_dtype),
+    )  # fmt: skip

@@ -16,13 +16,10 @@ one, with CUDA's own ``cosf``/``sinf`` (libdevice), so the bits are torch's ther
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
+from moetier.kernels.guard import kernel_or_reference
 from moetier.kernels.rmsnorm import triton_usable
-
-log = logging.getLogger(__name__)
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch ops.
     import triton
@@ -34,7 +31,9 @@ except ImportError:  # pragma: no cover - depends on the installation
 # Rows (token x head) per program: a decode step's query has 64 heads of one token, a prefill chunk thousands.
 ROWS_PER_PROGRAM = 16
 
-_BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on with the torch ops
+# Set once when a kernel fails, so serving carries on with the torch ops: the rotation's, the angles'.
+_BROKEN: list[str] = []
+_ANGLES_BROKEN: list[str] = []
 
 
 def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,12 +66,15 @@ if triton is not None:
         tl.store(at + j, tl.fma(pair, s, value * c).to(x.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _angles_kernel(positions, inv_freq, factor, cos, sin, sin_inverse, n, R: tl.constexpr, ROUND: tl.constexpr):
-        row = tl.program_id(0) * 16 + tl.arange(0, 16)[:, None]
+    def _angles_kernel(
+        positions, inv_freq, factor, cos, sin, sin_inverse, n,
+        R: tl.constexpr, ROUND: tl.constexpr, ROWS: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
         j = tl.arange(0, R)[None, :]
         keep = row < n
         at = row * R + j
-        freq = tl.load(positions + row, mask=row < n).to(tl.float32) * tl.load(inv_freq + j // 2)
+        freq = tl.load(positions + row, mask=keep).to(tl.float32) * tl.load(inv_freq + j // 2)
         c = libdevice.cos(freq) * factor
         s = libdevice.sin(freq) * factor
         if ROUND == 1:  # to the model's dtype and back, as the reference's .to(dtype).float()
@@ -110,19 +112,25 @@ def angles(
         inv_freq.dtype == torch.float32 and inv_freq.device == positions.device and inv_freq.is_contiguous()
         and positions.dim() == 1 and positions.is_contiguous() and width & (width - 1) == 0 and dtype in _ROUNDINGS
     )  # fmt: skip
-    if not _BROKEN and fits and triton_usable(positions):
-        try:
-            out = torch.empty((3, positions.shape[0], width), dtype=torch.float32, device=positions.device)
-            if positions.shape[0]:
-                _angles_kernel[(triton.cdiv(positions.shape[0], 16),)](
-                    positions, inv_freq, factor, out[0], out[1], out[2], positions.shape[0],
-                    R=width, ROUND=_ROUNDINGS[dtype], num_warps=1,
-                )  # fmt: skip
-            return out[0], out[1], out[2]
-        except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
-            _BROKEN.append(str(exc))
-            log.warning("Triton RoPE angles kernel failed (%s); using the torch ops from now on", exc)
-    return angles_reference(positions, inv_freq, factor, dtype)
+    return kernel_or_reference(
+        _ANGLES_BROKEN, "RoPE angles kernel", fits and triton_usable(positions),
+        lambda: angles_triton(positions, inv_freq, factor, dtype),
+        lambda: angles_reference(positions, inv_freq, factor, dtype),
+    )  # fmt: skip
+
+
+def angles_triton(
+    positions: torch.Tensor, inv_freq: torch.Tensor, factor: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The angles kernel (the caller checked its inputs fit, see :func:`angles`)."""
+    width = 2 * inv_freq.shape[0]
+    out = torch.empty((3, positions.shape[0], width), dtype=torch.float32, device=positions.device)
+    if positions.shape[0]:
+        _angles_kernel[(triton.cdiv(positions.shape[0], ROWS_PER_PROGRAM),)](
+            positions, inv_freq, factor, out[0], out[1], out[2], positions.shape[0],
+            R=width, ROUND=_ROUNDINGS[dtype], ROWS=ROWS_PER_PROGRAM, num_warps=1,
+        )  # fmt: skip
+    return out[0], out[1], out[2]
 
 
 def _kernel_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -158,10 +166,10 @@ def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """:func:`rotate_reference`, in one kernel where Triton runs on ``x``'s device."""
-    if not _BROKEN and triton_usable(x) and _kernel_fits(x, cos, sin):
-        try:
-            return rotate_triton(x, cos, sin)
-        except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
-            _BROKEN.append(str(exc))
-            log.warning("Triton rotation kernel failed (%s); using the torch ops from now on", exc)
-    return rotate_reference(x, cos, sin)
+    return kernel_or_reference(
+        _BROKEN,
+        "rotation kernel",
+        triton_usable(x) and _kernel_fits(x, cos, sin),
+        lambda: rotate_triton(x, cos, sin),
+        lambda: rotate_reference(x, cos, sin),
+    )

@@ -9,12 +9,11 @@ of two (``MOETIER_TRITON=0`` turns it off); everywhere else the eager reference 
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
-log = logging.getLogger(__name__)
+from moetier.kernels.guard import kernel_or_reference
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs run the eager path.
     import triton
@@ -77,10 +76,7 @@ _BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Project ``[..., n, n]`` logits towards a doubly-stochastic matrix (float32)."""
-    if not _BROKEN and triton_usable(logits):
-        try:
-            return sinkhorn_triton(logits, iters, eps)
-        except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
-            _BROKEN.append(str(exc))
-            log.warning("Triton Sinkhorn kernel failed (%s); using the eager projection from now on", exc)
-    return sinkhorn_reference(logits, iters, eps)
+    return kernel_or_reference(
+        _BROKEN, "Sinkhorn kernel", triton_usable(logits),
+        lambda: sinkhorn_triton(logits, iters, eps), lambda: sinkhorn_reference(logits, iters, eps),
+    )  # fmt: skip
