@@ -59,7 +59,8 @@ _ERRORS = {
 QUANT_E4M3, QUANT_E2M1, QUANT_E2M1_E8M0 = 1, 2, 3
 # OR'ed into an e2m1 job's quant code where every expert's scales were found exact for the fused fp4 path (all
 # powers of two the e2m1 products keep exact: checked once per expert, moetier_scales_exact): its dot products then
-# skip their scan of each row's scales (H200, 1-token fp4 jobs: +5-12% GB/s at 14 threads, +17-27% at 8).
+# skip their scan of each row's scales (H200, 1-token fp4 jobs at 14 threads: 72.6 -> 78.3 GB/s, medians of an
+# ABAB; nothing clear at 4 tokens: results/h200-20261204-eb488f1-stamps-rope-exact/31f88d7-exact).
 QUANT_EXACT_SCALES = 0x100
 
 
@@ -150,13 +151,11 @@ def scales_exact(scales: torch.Tensor) -> bool:
     """Whether every scale of a contiguous CPU grid (float32, or uint8 e8m0 exponent bytes) keeps the e2m1 products
     exact, as the fused fp4 path needs (a power of two in [2^-125, 2^125]): the C kernel's check (False without it)."""
     lib = _load(())
-    fn = None if lib is None else getattr(lib.cdll, "moetier_scales_exact", None)
-    if fn is None or not scales.is_contiguous() or scales.device.type != "cpu":
+    if lib is None or lib.scales_exact is None or not scales.is_contiguous() or scales.device.type != "cpu":
         return False
     if scales.dtype not in (torch.float32, torch.uint8):
         return False
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int], ctypes.c_int
-    return bool(fn(scales.data_ptr(), scales.numel(), int(scales.dtype == torch.uint8)))
+    return bool(lib.scales_exact(scales.data_ptr(), scales.numel(), int(scales.dtype == torch.uint8)))
 
 
 _lock = threading.Lock()
@@ -179,6 +178,10 @@ class CpuExpertsLibrary:
         self._lib.moetier_cpu_experts_isa.restype = ctypes.c_char_p
         self.isa: str = self._lib.moetier_cpu_experts_isa().decode()
         self._run_quantised = self._bind_quantised()
+        # moetier_scales_exact(scales, n, bytes) (cpu_experts_fp4.c), or None in a build from a source without it
+        self.scales_exact = getattr(self._lib, "moetier_scales_exact", None)
+        if self.scales_exact is not None:
+            self.scales_exact.argtypes, self.scales_exact.restype = [ptr, i64, ctypes.c_int], ctypes.c_int
 
     def _bind_quantised(self) -> Any:
         """The quantised (fp8 and fp4) entry point, or None for a library built from a source without it."""

@@ -242,7 +242,7 @@ class FedCpuShare:
         self.adaptive, self.picks_version = adaptive, 0
         self.store, self.tier, self.metrics, self.share = store, tier, metrics, share
         self.layers, self.top_k, self.hidden_size = layers, layout.top_k, layout.hidden_size
-        mode = fed_split_mode()
+        mode, stamps = fed_split_mode(), fed_stamps_enabled()  # both read (and validated) on every machine
         self.balanced = mode != "static"
         experts = layout.num_experts
         self.picks = [True] * (len(layers) * experts) if self.balanced else cpu_picks(len(layers), experts, share)
@@ -284,11 +284,12 @@ class FedCpuShare:
         self.cpu_fixed = 0.0  # the last rebalance's fitted fixed seconds of a CPU job (cpu_fixed_seconds)
         self._calls = 0
         self._untimed = 0  # calls left untimed after a change of route (settle)
-        self.broken = share <= 0.0 or not self._set_up(device)
+        self.broken = share <= 0.0 or not self._set_up(device, stamps)
 
-    def _set_up(self, device: torch.device) -> bool:
-        """Check every layer's home copy with the C kernel, start the worker, make the flags; False where any of
-        it cannot be had (then the mapped route runs alone)."""
+    def _set_up(self, device: torch.device, stamps: bool) -> bool:
+        """Check every layer's home copy with the C kernel, start the worker, make the flags (and, ``stamps``, the
+        device-clock stamps of an adaptive share); False where any of it cannot be had (then the mapped route runs
+        alone)."""
         experts = self.store.layout.num_experts
         for layer in self.layers:
             plan = self.tier.fed_plan([self.store.expert(layer, e) for e in range(experts)], self.hidden_size)
@@ -300,7 +301,7 @@ class FedCpuShare:
             if self._start is None or self._done is None or not self._start.writable:
                 return False
             self._words = (self._start.tensor, self._done.tensor)
-            if self.adaptive and fed_stamps_enabled() and stamps_usable(device):
+            if self.adaptive and stamps and stamps_usable(device):
                 self._stamps = torch.zeros((len(self.layers), len(STAMPS)), dtype=torch.int64, device=device)
         return True
 
