@@ -25,6 +25,7 @@ from moetier.kernels.routing_table import (
     FeedTarget,
     build_table,
     row_width,
+    split_rows,
     split_skip,
     table_kernel_usable,
 )
@@ -141,7 +142,7 @@ def routed_table(
             raise ValueError("device_routing: feeding the CPU tier's inbox needs the table kernel")
         if split is not None and split.unit_rows:
             raise ValueError("device_routing: splitting an expert's rows needs the table kernel")
-        skip = None if pick is None else left_to_cpu(topk_ids, pick, split, cpu_counts)
+        skip = None if pick is None else left_to_cpu(topk_ids, pick, split, cpu_counts)[0]
         return (*device_tables(blocks.offsets, topk_ids, blocks.align, skip), None)
     table, pair_tokens, rows = build_table(blocks.offsets, topk_ids, pick, feed, gates, hidden, split, cpu_counts)
     return table, routed_layout(tokens, top_k, blocks.align), pair_tokens, rows
@@ -149,14 +150,21 @@ def routed_table(
 
 def left_to_cpu(
     topk_ids: torch.Tensor, pick: torch.Tensor, split: CallSplit | None, cpu_counts: torch.Tensor | None
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The pairs (bool ``[T, K]``) the table kernel would leave out for ``pick`` and ``split``, counted into
-    ``cpu_counts`` as it counts them (torch ops: where the kernel does not run)."""
-    skip = pick[topk_ids].bool() if split is None else split_skip(topk_ids, pick, split)
+    ``cpu_counts`` as it counts them, and (a split in parts of an expert's rows) each pair's rows on the device
+    (:func:`~moetier.kernels.routing_table.split_rows`; else None). Torch ops: where the kernel does not run."""
+    rows = None
+    if split is None:
+        skip = pick[topk_ids].bool()
+    elif split.unit_rows:
+        skip, rows = split_rows(topk_ids, pick, split)
+    else:
+        skip = split_skip(topk_ids, pick, split)
     if cpu_counts is not None:
         taken = topk_ids.reshape(-1)[skip.reshape(-1)]
         cpu_counts.index_add_(0, taken, torch.ones_like(taken, dtype=cpu_counts.dtype))
-    return skip
+    return skip, rows
 
 
 def routed_layout(tokens: int, top_k: int, align: int) -> LaunchLayout:

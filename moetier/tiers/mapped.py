@@ -46,7 +46,6 @@ from moetier.kernels.device_routing import (
     left_to_cpu,
     routed_table,
 )
-from moetier.kernels.routing_table import split_rows
 from moetier.tiers.dispatcher import run_host_sorted
 from moetier.tiers.expert_cache import ExpertCache, Slot
 from moetier.tiers.experts import ExpertStore, ExpertWeights, swiglu_expert
@@ -177,10 +176,8 @@ class MappedExperts:
             return
         call, skip, rows = None, None, None
         if fed:  # the host plays the device: it fills the inbox, stores the start word, runs the device's share
-            split = self.cpu.call_split(layer)
-            skip = left_to_cpu(topk_ids, pick, split, self._cpu_count_rows[layer])
-            if split is not None and split.unit_rows:  # a cut expert's first rows are the device's
-                rows = split_rows(topk_ids, pick, split)[1]
+            # with a split in parts, a cut expert's first rows are the device's
+            skip, rows = left_to_cpu(topk_ids, pick, self.cpu.call_split(layer), self._cpu_count_rows[layer])
             inbox = self.cpu.inbox(hidden.shape[0])
             self.cpu.fill(inbox, hidden, topk_ids, topk_weights, skip, rows)
             call = self.cpu.start(layer, inbox, stream)
