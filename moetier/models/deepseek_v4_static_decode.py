@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from moetier.kernels import v4_attention as attn_kernel
 from moetier.models.cache import KVRows
 from moetier.models.deepseek_v4_cache import CompressorState, LayerCache
 from moetier.models.deepseek_v4_decode import SCORE_DTYPES
@@ -81,7 +82,10 @@ def attend(
 ) -> torch.Tensor:
     """One token per sequence (``positions`` ``[B]`` on the device) appended to ``states`` and attended ->
     ``[B, heads, head_dim]`` (still rotated). Capturable for fixed ``states`` and ``bucket``; call
-    :func:`advance` after (outside any graph)."""
+    :func:`advance` after (outside any graph). Where the attention kernel runs (:mod:`moetier.kernels.v4_attention`),
+    the window's write, the masks and the sink attention are one launch a sequence."""
+    if _kernel_fits(attn, q, inputs, positions, states):
+        return _attend_kernel(attn, q, index_q, inputs, positions, table, states, bucket)
     keys, valid = _window_step([s.window for s in states], inputs.kv, positions)
     if attn.compressor is not None:
         entries, visible = _compressed_keys(attn, index_q, inputs, positions, table, states, bucket)
@@ -90,6 +94,50 @@ def attend(
     logits = torch.bmm(q, keys.transpose(1, 2)).mul_(attn.scale).masked_fill_(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(torch.cat([logits, attn.sink_logits(len(states))], dim=-1), dim=-1).to(q.dtype)
     return torch.bmm(probs[..., :-1], keys)
+
+
+def _kernel_fits(
+    attn: DeepseekV4Attention, q: torch.Tensor, inputs: Projections, positions: torch.Tensor, states: list[LayerCache]
+) -> bool:
+    """Whether every sequence's attention suits the kernel: entries stored in the model's dtype (fp8 stores keep
+    the torch ops, which convert only the rows they read)."""
+    if not attn_kernel.usable(q):
+        return False
+    sinks = attn.sink_logits(1)[0, :, 0]
+    for b, state in enumerate(states):
+        entries = None
+        if attn.compressor is not None:
+            store = state.compressor.entries
+            if store.scales is not None:
+                return False
+            entries = store.data
+        if not attn_kernel.fits(q[b], state.window.buffer, inputs.kv[b], positions[b : b + 1], entries, None, sinks):
+            return False
+    return True
+
+
+def _attend_kernel(
+    attn: DeepseekV4Attention,
+    q: torch.Tensor,
+    index_q: torch.Tensor | None,
+    inputs: Projections,
+    positions: torch.Tensor,
+    table: RotaryTable,
+    states: list[LayerCache],
+    bucket: int,
+) -> torch.Tensor:
+    """:func:`attend` with the attention kernel: the compressors' steps and CSA's top-k as the torch path takes
+    them, then one kernel a sequence over its ring and its entries (all ``bucket`` of them, or the top-k rows)."""
+    ids, rate = None, 1
+    if attn.compressor is not None:
+        ids, rate = _step_compressors(attn, index_q, inputs, positions, table, states, bucket), attn.compressor.rate
+    sinks, out = attn.sink_logits(1)[0, :, 0], torch.empty_like(q)
+    for b, state in enumerate(states):
+        entries = None if attn.compressor is None else state.compressor.entries.data
+        picks = None if ids is None else ids[b]
+        ring, key, position = state.window.buffer, inputs.kv[b], positions[b : b + 1]
+        attn_kernel.attend(q[b], ring, key, position, entries, picks, bucket, rate, sinks, attn.scale, out[b])
+    return out
 
 
 def advance(states: list[LayerCache]) -> None:
@@ -164,20 +212,40 @@ def _compressed_keys(
     bucket: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed keys this step attends per sequence and whether each may be ``[B, n, D]``, ``[B, n]``."""
+    ids = _step_compressors(attn, index_q, inputs, positions, table, states, bucket)
+    visible = _visible(positions, attn.compressor.rate, bucket)
+    if ids is None:  # every entry so far (CSA: the top-k of all of them)
+        return _stack([_read_padded(s.compressor.entries, bucket) for s in states]), visible
+    picked = _stack([_read_picked(s.compressor.entries, ids[b]) for b, s in enumerate(states)])
+    return picked, visible.gather(1, ids)
+
+
+def _visible(positions: torch.Tensor, rate: int, bucket: int) -> torch.Tensor:
+    """``[B, bucket]``: which of the first ``bucket`` entries are complete for each sequence's query."""
+    return torch.arange(bucket, device=positions.device)[None, :] < ((positions + 1) // rate)[:, None]
+
+
+def _step_compressors(
+    attn: DeepseekV4Attention,
+    index_q: torch.Tensor | None,
+    inputs: Projections,
+    positions: torch.Tensor,
+    table: RotaryTable,
+    states: list[LayerCache],
+    bucket: int,
+) -> torch.Tensor | None:
+    """Each compressor's step (the indexer's too); CSA with more than ``index_topk`` entries in the bucket: the
+    indexer's ``[B, topk]`` picks among them, else None (every entry of the bucket is attended)."""
     compressor, indexer = attn.compressor, attn.indexer
     _compress_step(compressor, [s.compressor for s in states], inputs.kv_gate, positions, table)
     if indexer is not None:
         _compress_step(indexer.compressor, [s.indexer for s in states], inputs.index_kv_gate, positions, table)
-    ready = (positions + 1) // compressor.rate
-    visible = torch.arange(bucket, device=positions.device)[None, :] < ready[:, None]
-    if indexer is None or bucket <= indexer.topk:  # every entry so far (CSA: the top-k of all of them)
-        return _stack([_read_padded(s.compressor.entries, bucket) for s in states]), visible
+    if indexer is None or bucket <= indexer.topk:
+        return None
     keys = _stack([_read_padded(s.indexer.entries, bucket) for s in states])
     if keys.dtype not in SCORE_DTYPES:
         keys = keys.float()
-    ids = select(indexer, index_q, inputs.index_weights, keys, visible)
-    picked = _stack([_read_picked(s.compressor.entries, ids[b]) for b, s in enumerate(states)])
-    return picked, visible.gather(1, ids)
+    return select(indexer, index_q, inputs.index_weights, keys, _visible(positions, compressor.rate, bucket))
 
 
 def _read_padded(entries: KVRows, bucket: int) -> torch.Tensor:

@@ -1,0 +1,237 @@
+"""DeepSeek-V4's fixed-shape decode attention (:mod:`moetier.models.deepseek_v4_static_decode`), one kernel a sequence.
+
+In torch a V4 decode layer's attention core is ~20 kernels a step (the window key into its ring, the rows' masks,
+zeroing masked keys, the logits' product, scale and mask, the sink's concatenation, the softmax, the cast and the
+values' product): ~35 us of a 1-token step on the H200 for ~2 us of work, in every layer
+(results/h200-20261204-eb488f1-stamps-rope-exact/ad9776c-angles). Here one launch per sequence does all of it: the
+new key is written to ring row ``p % window`` (and used in place of that row), window rows past ``p`` are masked
+while the ring fills, compressed entries ``w`` are masked unless ``w < (p + 1) // rate`` (for CSA's top-k, the
+entries at ``ids``), and the softmax joins the per-head sink logit, all from the position on the device.
+
+The arithmetic keeps torch's roundings where they are cheap to keep: the logits are rounded to the model's dtype,
+scaled, rounded again (as ``bmm`` then ``mul_`` in that dtype), and two passes over the keys give each key's
+probability ``exp(l - m) / sum`` rounded to the dtype before the values' product (not an online softmax's
+rescaled sums). What differs is the order of the float32 sums and the exponential, so bf16 outputs match the
+torch ops to a rounding (tested), not bit for bit. Off CUDA the torch ops run (:func:`attend_reference`);
+Triton's interpreter runs the kernel in the CPU tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moetier.kernels.guard import kernel_or_reference
+from moetier.kernels.rmsnorm import triton_usable
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch ops.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+HEADS_PER_PROGRAM = 16  # tl.dot's smallest row block: V4-Flash's 64 heads are 4 programs a sequence
+KEYS_PER_BLOCK = 32
+
+_BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on with the torch ops
+
+
+def attend_reference(
+    q: torch.Tensor,
+    ring: torch.Tensor,
+    new_key: torch.Tensor,
+    position: torch.Tensor,
+    entries: torch.Tensor | None,
+    ids: torch.Tensor | None,
+    slots: int,
+    rate: int,
+    sinks: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One sequence's decode attention with the torch ops -> ``[H, D]`` (see :func:`attend`)."""
+    size = ring.shape[0]
+    ring.index_copy_(0, position % size, new_key[None])
+    keys, valid = ring, torch.arange(size, device=ring.device) <= position
+    if entries is not None and slots:
+        rows = torch.arange(slots, device=ring.device) if ids is None else ids
+        at = rows.clamp(max=max(entries.shape[0] - 1, 0))
+        picked = entries.index_select(0, at) if entries.shape[0] else entries.new_zeros(slots, entries.shape[1])
+        seen = (rows < (position + 1) // rate) & (rows < entries.shape[0])
+        keys, valid = torch.cat([keys, picked]), torch.cat([valid, seen])
+    keys = keys.masked_fill(~valid[:, None], 0)
+    logits = (q @ keys.T).mul_(scale).masked_fill_(~valid[None, :], float("-inf"))
+    probs = torch.softmax(torch.cat([logits, sinks.float()[:, None]], dim=-1), dim=-1).to(q.dtype)
+    result = probs[:, :-1] @ keys
+    return result if out is None else out.copy_(result)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """``a @ b`` with float32 sums: exact float32 products for float32 inputs and under the interpreter (whose
+        bf16 dot is wrong), the tensor cores' bf16 products (exact too, in float32) otherwise."""
+        if IEEE:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _logits(q, keys, valid, scale, ROUND: tl.constexpr, IEEE: tl.constexpr):
+        """The block's logits ``[heads, keys]`` rounded as torch's ``bmm`` then ``mul_`` in the model's dtype."""
+        s = _dot(q, tl.trans(keys), IEEE)
+        if ROUND:
+            s = s.to(q.dtype).to(tl.float32)
+            s = (s * scale).to(q.dtype).to(tl.float32)
+        else:
+            s = s * scale
+        return tl.where(valid[None, :], s, float("-inf"))
+
+    @triton.jit
+    def _window_keys(ring, new_key, d, start, p, W: tl.constexpr, S: tl.constexpr, D: tl.constexpr):
+        """Ring rows ``start .. start + S``: zeros where masked (past ``p`` while the ring fills), the new key at
+        its row."""
+        r = start + tl.arange(0, S)
+        valid = (r < W) & (r <= p)
+        keys = tl.load(ring + r[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        keys = tl.where((r == p % W)[:, None], new_key[None, :], keys)
+        return keys, valid
+
+    @triton.jit
+    def _entry_keys(
+        entries, ids, start, count, ready, capacity, d, S: tl.constexpr, D: tl.constexpr, PICKED: tl.constexpr
+    ):  # fmt: skip
+        """Entry slots ``start .. start + S`` (rows ``ids`` for CSA's top-k): zeros where not yet complete."""
+        j = start + tl.arange(0, S)
+        inside = j < count
+        row = tl.load(ids + j, mask=inside, other=0) if PICKED else j
+        valid = inside & (row < ready) & (row < capacity)
+        keys = tl.load(entries + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        return keys, valid
+
+    @triton.jit
+    def _attend_kernel(
+        q, ring, new_key, position, entries, ids, sinks, out, heads, capacity, rate, scale,
+        SLOTS: tl.constexpr, W: tl.constexpr, D: tl.constexpr, H: tl.constexpr, S: tl.constexpr, PICKED: tl.constexpr,
+        ROUND: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        h = tl.program_id(0) * H + tl.arange(0, H)
+        d = tl.arange(0, D)
+        live = h < heads
+        p = tl.load(position)
+        ready = (p + 1) // rate
+        queries = tl.load(q + h[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        fresh = tl.load(new_key + d)
+        if tl.program_id(0) == 0:  # the ring row this step owns; every program reads the new key in its place
+            tl.store(ring + (p % W) * D + d, fresh)
+        sink = tl.load(sinks + h, mask=live, other=0.0)
+        # Pass 1: each head's largest logit and the softmax's denominator (the sink included).
+        m, total = sink, tl.full([H], 1.0, tl.float32)
+        for start in range(0, W, S):
+            keys, valid = _window_keys(ring, fresh, d, start, p, W, S, D)
+            s = _logits(queries, keys, valid, scale, ROUND, IEEE)
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+            m = m_new
+        for start in range(0, SLOTS, S):
+            keys, valid = _entry_keys(entries, ids, start, SLOTS, ready, capacity, d, S, D, PICKED)
+            s = _logits(queries, keys, valid, scale, ROUND, IEEE)
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+            m = m_new
+        # ``total`` counted the sink as exp(sink - sink); rescaled above to exp(sink - m) with the rest.
+        # Pass 2: the probabilities, rounded to the model's dtype as torch's ``.to(q.dtype)``, times the keys.
+        acc = tl.zeros([H, D], tl.float32)
+        for start in range(0, W, S):
+            keys, valid = _window_keys(ring, fresh, d, start, p, W, S, D)
+            s = _logits(queries, keys, valid, scale, ROUND, IEEE)
+            probs = (tl.exp(s - m[:, None]) / total[:, None]).to(keys.dtype)
+            acc += _dot(probs, keys, IEEE)
+        for start in range(0, SLOTS, S):
+            keys, valid = _entry_keys(entries, ids, start, SLOTS, ready, capacity, d, S, D, PICKED)
+            s = _logits(queries, keys, valid, scale, ROUND, IEEE)
+            probs = (tl.exp(s - m[:, None]) / total[:, None]).to(keys.dtype)
+            acc += _dot(probs, keys, IEEE)
+        tl.store(out + h[:, None] * D + d[None, :], acc.to(out.dtype.element_ty), mask=live[:, None])
+
+
+def usable(q: torch.Tensor) -> bool:
+    """Whether the kernel runs for queries like ``q`` (Triton on its device, and the kernel never failed)."""
+    return triton_usable(q) and not _BROKEN
+
+
+def fits(q, ring, new_key, position, entries, ids, sinks) -> bool:
+    """Whether :func:`attend`'s arguments suit the kernel (else it runs the torch ops)."""
+    heads, dim = q.shape
+    tensors = [q, ring, new_key] + ([] if entries is None else [entries])
+    return (
+        q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and all(t.dtype == q.dtype and t.is_contiguous() and t.device == q.device for t in tensors)
+        and dim >= 16 and dim & (dim - 1) == 0 and dim <= 1024
+        and ring.shape[1] == dim and new_key.shape == (dim,) and (entries is None or entries.shape[1] == dim)
+        and position.dtype == torch.int64 and position.numel() == 1 and position.device == q.device
+        and sinks.dtype == torch.float32 and sinks.shape == (heads,) and sinks.is_contiguous()
+        and (ids is None or (ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_contiguous()))
+    )  # fmt: skip
+
+
+def attend_triton(
+    q: torch.Tensor,
+    ring: torch.Tensor,
+    new_key: torch.Tensor,
+    position: torch.Tensor,
+    entries: torch.Tensor | None,
+    ids: torch.Tensor | None,
+    slots: int,
+    rate: int,
+    sinks: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The kernel (the caller checked :func:`fits`; see :func:`attend`)."""
+    heads, dim = q.shape
+    out = torch.empty_like(q) if out is None else out
+    slots = 0 if entries is None else (ids.shape[0] if ids is not None else slots)
+    capacity = 0 if entries is None else entries.shape[0]
+    table = entries if entries is not None and capacity else ring  # never read where no entry is (masked)
+    grid = (triton.cdiv(heads, HEADS_PER_PROGRAM),)
+    _attend_kernel[grid](
+        q, ring, new_key, position, table, ids if ids is not None else position, sinks, out, heads, capacity,
+        max(rate, 1), scale, SLOTS=slots, W=ring.shape[0], D=dim, H=HEADS_PER_PROGRAM, S=KEYS_PER_BLOCK,
+        PICKED=ids is not None, ROUND=q.dtype != torch.float32,
+        IEEE=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", num_warps=8 if dim >= 256 else 4,
+    )  # fmt: skip
+    return out
+
+
+def attend(
+    q: torch.Tensor,
+    ring: torch.Tensor,
+    new_key: torch.Tensor,
+    position: torch.Tensor,
+    entries: torch.Tensor | None,
+    ids: torch.Tensor | None,
+    slots: int,
+    rate: int,
+    sinks: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One sequence's decode attention -> ``[H, D]`` (into ``out``, contiguous, when given).
+
+    ``q`` ``[H, D]`` attends its sliding window (``ring`` ``[W, D]``, the ring of
+    :class:`~moetier.models.deepseek_v4_cache.SlidingWindowKV`, into which ``new_key`` ``[D]`` goes at row
+    ``position % W`` first) and compressed entries (``entries`` ``[E, D]`` in the model's dtype, or None):
+    entry slots ``0 .. slots - 1``, or the rows ``ids`` (``[k]`` int64, CSA's top-k), each masked unless its row
+    is below ``(position + 1) // rate`` and ``E``. Per-head ``sinks`` (float32 ``[H]``) join the softmax; K = V.
+    ``position`` is an int64 ``[1]`` on the device: nothing waits for the host, and a CUDA graph replays it. One
+    kernel where Triton runs on ``q``'s device, else :func:`attend_reference`."""
+    args = (q, ring, new_key, position, entries, ids, slots, rate, sinks, scale, out)
+    return kernel_or_reference(
+        _BROKEN,
+        "V4 decode attention kernel",
+        triton_usable(q) and fits(q, ring, new_key, position, entries, ids, sinks),
+        lambda: attend_triton(*args),
+        lambda: attend_reference(*args),
+    )
