@@ -79,7 +79,8 @@ def test_the_attention_kernel_matches_the_torch_ops_on_cuda():
 def test_the_attention_falls_back_where_the_kernel_does_not_fit():
     from moetier.kernels import v4_attention as k
 
-    q, ring, new, pos, sinks = torch.randn(4, 24), torch.randn(8, 24), torch.randn(24), torch.tensor([3]), torch.randn(4)
+    q, ring, new, sinks = torch.randn(4, 24), torch.randn(8, 24), torch.randn(24), torch.randn(4)
+    pos = torch.tensor([3])
     assert not k.fits(q, ring, new, pos, None, None, sinks)  # 24 channels: not a power of two
     assert not k.fits(q.double(), ring.double(), new.double(), pos, None, None, sinks)
     q, ring, new = torch.randn(4, 32), torch.randn(8, 32), torch.randn(32)
@@ -131,8 +132,9 @@ def test_the_step_on_cuda_with_the_kernel_matches_the_torch_ops(checkpoint, monk
     """bf16 on CUDA: the same decode with and without the kernel, every step's logits within bf16 rounding."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    from moetier.config import ModelLoadConfig
     from moetier.kernels import v4_attention as k
-    from moetier.models.loader import ModelLoadConfig, load_model
+    from moetier.weights.loader import load_model
 
     model = load_model(checkpoint, ModelLoadConfig(dtype=torch.bfloat16, device="cuda"), progress=False).model
     generator = torch.Generator().manual_seed(4)
