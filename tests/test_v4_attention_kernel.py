@@ -101,20 +101,25 @@ def checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("capacities", [(128, 128, 128), (96, 64, 80)], ids=["equal", "mixed"])
 @torch.no_grad()
-def test_the_step_through_the_kernel_path_matches_the_eager_core(checkpoint, capacities, monkeypatch):
-    """Every sequence's attention through ``_attend_kernel`` (the kernel's torch reference standing in for it on
-    the CPU): rings wrap, CSA / HCA windows close, CSA picks among more entries than its top-k."""
+def test_the_step_through_the_kernels_path_matches_the_eager_core(checkpoint, capacities, monkeypatch):
+    """Every sequence's attention through ``_attend_kernel`` and each compressor's step through the compressor
+    kernel's per-sequence call (the kernels' torch references standing in for them on the CPU): rings wrap, CSA /
+    HCA windows close, CSA picks among more entries than its top-k."""
     from moetier.kernels import v4_attention as k
+    from moetier.kernels import v4_compress
 
-    calls = []
+    calls, compressed = [], []
     monkeypatch.setattr(k, "usable", lambda q: True)
+    monkeypatch.setattr(v4_compress, "usable", lambda x: True)
     monkeypatch.setattr(static_decode, "_attend_kernel", _counted(static_decode._attend_kernel, calls))
+    monkeypatch.setattr(v4_compress, "compress_decode", _counted(v4_compress.compress_decode, compressed))
     model = tiny_model(checkpoint)
     generator = torch.Generator().manual_seed(9)
     vocab = model.embed.num_embeddings
     prompts = [torch.randint(0, vocab, (n,), generator=generator) for n in PROMPTS]
     worst, _, _ = _decode_both(model, prompts, capacities, 40, generator, 1e-5)
     assert len(calls) >= 40 * len(model.layers)  # every layer of every decode step (and of short prefills)
+    assert len(compressed) >= 40 * len(prompts)  # each sequence's compressors, every step
     print(f"worst relative error, the kernel path vs the eager core: {worst:.2e}")
 
 
@@ -129,11 +134,13 @@ def _counted(fn, calls: list):
 @pytest.mark.gpu
 @torch.no_grad()
 def test_the_step_on_cuda_with_the_kernel_matches_the_torch_ops(checkpoint, monkeypatch):
-    """bf16 on CUDA: the same decode with and without the kernel, every step's logits within bf16 rounding."""
+    """bf16 on CUDA: the same decode with and without the kernels (attention, compressors), every step's logits
+    within bf16 rounding."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from moetier.config import ModelLoadConfig
     from moetier.kernels import v4_attention as k
+    from moetier.kernels import v4_compress
     from moetier.weights.loader import load_model
 
     model = load_model(checkpoint, ModelLoadConfig(dtype=torch.bfloat16, device="cuda"), progress=False).model
@@ -143,6 +150,7 @@ def test_the_step_on_cuda_with_the_kernel_matches_the_torch_ops(checkpoint, monk
     runs = {}
     for name, usable in (("kernel", k.usable), ("torch", lambda q: False)):
         monkeypatch.setattr(k, "usable", usable)
+        monkeypatch.setattr(v4_compress, "usable", usable)
         caches = [model.new_cache(128) for _ in prompts]
         for prompt, cache in zip(prompts, caches, strict=True):
             model(prompt, cache)
@@ -151,7 +159,7 @@ def test_the_step_on_cuda_with_the_kernel_matches_the_torch_ops(checkpoint, monk
         for _ in range(40):
             tokens = torch.randint(0, vocab, (len(prompts),), generator=step_gen).cuda()
             runs[name].append(model.compute_logits(model(tokens, caches, [1] * len(prompts))).float())
-    assert not k._BROKEN
+    assert not k._BROKEN and not v4_compress._BROKEN
     errors = [relative_error(a, b) for a, b in zip(runs["kernel"], runs["torch"], strict=True)]
     print(f"bf16 logits, kernel vs torch ops: worst relative error {max(errors):.2e}")
     assert max(errors) < 2e-2

@@ -3,7 +3,8 @@
 In torch a V4 decode layer's attention core is ~20 kernels a step (the window key into its ring, the rows' masks,
 zeroing masked keys, the logits' product, scale and mask, the sink's concatenation, the softmax, the cast and the
 values' product): ~35 us of a 1-token step on the H200 for ~2 us of work, in every layer
-(results/h200-20261204-eb488f1-stamps-rope-exact/ad9776c-angles). Here one launch per sequence does all of it: the
+(results/h200-20261204-eb488f1-stamps-rope-exact/ad9776c-angles). Here one launch per sequence, one program a head,
+does all of it: the
 new key is written to ring row ``p % window`` (and used in place of that row), window rows past ``p`` are masked
 while the ring fills, compressed entries ``w`` are masked unless ``w < (p + 1) // rate`` (for CSA's top-k, the
 entries at ``ids``), and the softmax joins the per-head sink logit, all from the position on the device.
@@ -18,8 +19,6 @@ Triton's interpreter runs the kernel in the CPU tests.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from moetier.kernels.guard import kernel_or_reference
@@ -30,9 +29,6 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch 
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
-
-HEADS_PER_PROGRAM = 16  # tl.dot's smallest row block: V4-Flash's 64 heads are 4 programs a sequence
-KEYS_PER_BLOCK = 32
 
 _BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on with the torch ops
 
@@ -70,23 +66,16 @@ def attend_reference(
 if triton is not None:
 
     @triton.jit
-    def _dot(a, b, IEEE: tl.constexpr):
-        """``a @ b`` with float32 sums: exact float32 products for float32 inputs and under the interpreter (whose
-        bf16 dot is wrong), the tensor cores' bf16 products (exact too, in float32) otherwise."""
-        if IEEE:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        return tl.dot(a, b)
-
-    @triton.jit
-    def _logits(q, keys, valid, scale, ROUND: tl.constexpr, IEEE: tl.constexpr):
-        """The block's logits ``[heads, keys]`` rounded as torch's ``bmm`` then ``mul_`` in the model's dtype."""
-        s = _dot(q, tl.trans(keys), IEEE)
+    def _logits(q, keys, valid, scale, ROUND: tl.constexpr):
+        """One head's logits over a block of keys ``[S]`` (float32 sums of exact products), rounded as torch's
+        ``bmm`` then ``mul_`` in the model's dtype."""
+        s = tl.sum(keys.to(tl.float32) * q[None, :], axis=1)
         if ROUND:
-            s = s.to(q.dtype).to(tl.float32)
-            s = (s * scale).to(q.dtype).to(tl.float32)
+            s = s.to(keys.dtype).to(tl.float32)
+            s = (s * scale).to(keys.dtype).to(tl.float32)
         else:
             s = s * scale
-        return tl.where(valid[None, :], s, float("-inf"))
+        return tl.where(valid, s, float("-inf"))
 
     @triton.jit
     def _window_keys(ring, new_key, d, start, p, W: tl.constexpr, S: tl.constexpr, D: tl.constexpr):
@@ -112,48 +101,48 @@ if triton is not None:
 
     @triton.jit
     def _attend_kernel(
-        q, ring, new_key, position, entries, ids, sinks, out, heads, capacity, rate, scale,
-        SLOTS: tl.constexpr, W: tl.constexpr, D: tl.constexpr, H: tl.constexpr, S: tl.constexpr, PICKED: tl.constexpr,
-        ROUND: tl.constexpr, IEEE: tl.constexpr,
+        q, ring, new_key, position, entries, ids, sinks, out, capacity, rate, scale,
+        SLOTS: tl.constexpr, W: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PICKED: tl.constexpr,
+        ROUND: tl.constexpr,
     ):  # fmt: skip
-        h = tl.program_id(0) * H + tl.arange(0, H)
+        # One program a head: a decode step's few keys (window + entries) are read by every head from L2, and
+        # ~64 programs keep as many SMs busy where a [16-head] tensor-core tile kept 4 (20-25 us a call, H200).
+        h = tl.program_id(0)
         d = tl.arange(0, D)
-        live = h < heads
         p = tl.load(position)
         ready = (p + 1) // rate
-        queries = tl.load(q + h[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        query = tl.load(q + h * D + d).to(tl.float32)
         fresh = tl.load(new_key + d)
-        if tl.program_id(0) == 0:  # the ring row this step owns; every program reads the new key in its place
+        if h == 0:  # the ring row this step owns; every program reads the new key in its place
             tl.store(ring + (p % W) * D + d, fresh)
-        sink = tl.load(sinks + h, mask=live, other=0.0)
-        # Pass 1: each head's largest logit and the softmax's denominator (the sink included).
-        m, total = sink, tl.full([H], 1.0, tl.float32)
+        # Pass 1: the head's largest logit and the softmax's denominator (the sink included, as exp(sink - m)).
+        m = tl.load(sinks + h)
+        total = m * 0.0 + 1.0  # exp(sink - sink); a float32 tensor, as the loop carries it
         for start in range(0, W, S):
             keys, valid = _window_keys(ring, fresh, d, start, p, W, S, D)
-            s = _logits(queries, keys, valid, scale, ROUND, IEEE)
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+            s = _logits(query, keys, valid, scale, ROUND)
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
             m = m_new
         for start in range(0, SLOTS, S):
             keys, valid = _entry_keys(entries, ids, start, SLOTS, ready, capacity, d, S, D, PICKED)
-            s = _logits(queries, keys, valid, scale, ROUND, IEEE)
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+            s = _logits(query, keys, valid, scale, ROUND)
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
             m = m_new
-        # ``total`` counted the sink as exp(sink - sink); rescaled above to exp(sink - m) with the rest.
         # Pass 2: the probabilities, rounded to the model's dtype as torch's ``.to(q.dtype)``, times the keys.
-        acc = tl.zeros([H, D], tl.float32)
+        acc = tl.zeros([D], tl.float32)
         for start in range(0, W, S):
             keys, valid = _window_keys(ring, fresh, d, start, p, W, S, D)
-            s = _logits(queries, keys, valid, scale, ROUND, IEEE)
-            probs = (tl.exp(s - m[:, None]) / total[:, None]).to(keys.dtype)
-            acc += _dot(probs, keys, IEEE)
+            s = _logits(query, keys, valid, scale, ROUND)
+            probs = (tl.exp(s - m) / total).to(keys.dtype).to(tl.float32)
+            acc += tl.sum(probs[:, None] * keys.to(tl.float32), axis=0)
         for start in range(0, SLOTS, S):
             keys, valid = _entry_keys(entries, ids, start, SLOTS, ready, capacity, d, S, D, PICKED)
-            s = _logits(queries, keys, valid, scale, ROUND, IEEE)
-            probs = (tl.exp(s - m[:, None]) / total[:, None]).to(keys.dtype)
-            acc += _dot(probs, keys, IEEE)
-        tl.store(out + h[:, None] * D + d[None, :], acc.to(out.dtype.element_ty), mask=live[:, None])
+            s = _logits(query, keys, valid, scale, ROUND)
+            probs = (tl.exp(s - m) / total).to(keys.dtype).to(tl.float32)
+            acc += tl.sum(probs[:, None] * keys.to(tl.float32), axis=0)
+        tl.store(out + h * D + d, acc.to(out.dtype.element_ty))
 
 
 def usable(q: torch.Tensor) -> bool:
@@ -195,12 +184,10 @@ def attend_triton(
     slots = 0 if entries is None else (ids.shape[0] if ids is not None else slots)
     capacity = 0 if entries is None else entries.shape[0]
     table = entries if entries is not None and capacity else ring  # never read where no entry is (masked)
-    grid = (triton.cdiv(heads, HEADS_PER_PROGRAM),)
-    _attend_kernel[grid](
-        q, ring, new_key, position, table, ids if ids is not None else position, sinks, out, heads, capacity,
-        max(rate, 1), scale, SLOTS=slots, W=ring.shape[0], D=dim, H=HEADS_PER_PROGRAM, S=KEYS_PER_BLOCK,
-        PICKED=ids is not None, ROUND=q.dtype != torch.float32,
-        IEEE=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", num_warps=8 if dim >= 256 else 4,
+    _attend_kernel[(heads,)](
+        q, ring, new_key, position, table, ids if ids is not None else position, sinks, out, capacity,
+        max(rate, 1), scale, SLOTS=slots, W=ring.shape[0], D=dim, S=max(1, min(64, 8192 // dim)),
+        PICKED=ids is not None, ROUND=q.dtype != torch.float32, num_warps=4,
     )  # fmt: skip
     return out
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier.kernels import v4_attention as attn_kernel
+from moetier.kernels import v4_compress as compress_kernel
 from moetier.models.cache import KVRows
 from moetier.models.deepseek_v4_cache import CompressorState, LayerCache
 from moetier.models.deepseek_v4_decode import SCORE_DTYPES
@@ -167,10 +168,20 @@ def _compress_step(
     compressor: Compressor, states: list[CompressorState], kv_gate: torch.Tensor, positions: torch.Tensor, table
 ) -> None:
     """Each sequence's row into its open window; the window pooled (masked to its rows so far), rotated at
-    its entry's position, and written as entry ``p // rate`` where it closes."""
+    its entry's position, and written as entry ``p // rate`` where it closes. Where the compressor kernel runs
+    (:mod:`moetier.kernels.v4_compress`), one launch a sequence."""
     rate, width, dim = compressor.rate, states[0].width, compressor.dim
     capacities = [state.entries.capacity for state in states]
     largest = max(capacities)
+    if compress_kernel.usable(kv_gate):
+        rows = table.entry_table(max(largest, 1), rate, kv_gate.dtype)
+        norm = compressor.norm
+        for b, state in enumerate(states):
+            compress_kernel.compress_decode(
+                state.open, state.prev_kv, state.prev_gate, compressor.ape, norm.weight, norm.eps, kv_gate[b : b + 1],
+                positions[b : b + 1], rows, state.entries, compressor.overlap, rate, width, dim,
+            )  # fmt: skip
+        return
     slot = positions % rate
     for b, state in enumerate(states):
         state.open.index_copy_(0, slot[b : b + 1], kv_gate[b : b + 1])
