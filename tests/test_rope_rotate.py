@@ -47,7 +47,7 @@ for dtype in (torch.bfloat16, torch.float32):
                             ("none", torch.zeros(0, dtype=torch.int64))):
         positions = positions.to(device)
         for factor in (1.0, 0.8125):
-            ours = k.angles(positions, inv_freq, factor, dtype)
+            ours = k.angles_triton(positions, inv_freq, factor, dtype)  # the kernel itself, never the fallback
             ref = k.angles_reference(positions, inv_freq, factor, dtype)
             tol = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
             results.append({"case": "angles-" + name, "dtype": str(dtype), "fits": True,

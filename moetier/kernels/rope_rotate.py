@@ -68,15 +68,17 @@ if triton is not None:
     @triton.jit
     def _angles_kernel(
         positions, inv_freq, factor, cos, sin, sin_inverse, n,
-        R: tl.constexpr, ROUND: tl.constexpr, ROWS: tl.constexpr,
+        R: tl.constexpr, ROUND: tl.constexpr, ROWS: tl.constexpr, LIBDEVICE: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
         j = tl.arange(0, R)[None, :]
         keep = row < n
         at = row * R + j
         freq = tl.load(positions + row, mask=keep).to(tl.float32) * tl.load(inv_freq + j // 2)
-        c = libdevice.cos(freq) * factor
-        s = libdevice.sin(freq) * factor
+        if LIBDEVICE:  # CUDA's cosf/sinf, as torch's; Triton's interpreter has no libdevice (numpy's instead)
+            c, s = libdevice.cos(freq) * factor, libdevice.sin(freq) * factor
+        else:
+            c, s = tl.cos(freq) * factor, tl.sin(freq) * factor
         if ROUND == 1:  # to the model's dtype and back, as the reference's .to(dtype).float()
             c, s = c.to(tl.bfloat16).to(tl.float32), s.to(tl.bfloat16).to(tl.float32)
         elif ROUND == 2:
@@ -128,7 +130,7 @@ def angles_triton(
     if positions.shape[0]:
         _angles_kernel[(triton.cdiv(positions.shape[0], ROWS_PER_PROGRAM),)](
             positions, inv_freq, factor, out[0], out[1], out[2], positions.shape[0],
-            R=width, ROUND=_ROUNDINGS[dtype], ROWS=ROWS_PER_PROGRAM, num_warps=1,
+            R=width, ROUND=_ROUNDINGS[dtype], ROWS=ROWS_PER_PROGRAM, LIBDEVICE=positions.is_cuda, num_warps=1,
         )  # fmt: skip
     return out[0], out[1], out[2]
 
