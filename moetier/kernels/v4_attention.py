@@ -186,8 +186,8 @@ def attend_triton(
     table = entries if entries is not None and capacity else ring  # never read where no entry is (masked)
     _attend_kernel[(heads,)](
         q, ring, new_key, position, table, ids if ids is not None else position, sinks, out, capacity,
-        max(rate, 1), scale, SLOTS=slots, W=ring.shape[0], D=dim, S=max(1, min(64, 8192 // dim)),
-        PICKED=ids is not None, ROUND=q.dtype != torch.float32, num_warps=4,
+        max(rate, 1), scale, SLOTS=slots, W=ring.shape[0], D=dim, S=max(1, min(64, 16384 // dim)),
+        PICKED=ids is not None, ROUND=q.dtype != torch.float32, num_warps=8 if dim >= 256 else 4,
     )  # fmt: skip
     return out
 
