@@ -128,13 +128,14 @@ def run(name, rate, dim, overlap, capacity, rope, dtype, kv_dtype, block, steps)
                     "rtne": rtne, "row": worst, "rel": worst_rel, **found})
 
 
-cases = [  # name, rate, dim, overlap, capacity, rotated channels, elements a block of rows
-    ("hca", 8, 64, False, 3, 16, 4096),  # rows in one block
-    ("hca-blocks", 8, 64, False, 3, 16, 256),
+cases = [  # name, rate, dim, overlap, capacity, rotated channels, elements a program's block of rows x channels
+    ("hca", 8, 64, False, 3, 16, 4096),  # one program, the rows in one block
+    ("hca-programs", 8, 64, False, 3, 16, 256),  # 2 programs of 32 channels
+    ("hca-blocks", 8, 16, False, 3, 16, 8),  # 8 programs of 2 channels, the rows in 2 blocks of 4
     ("csa", 4, 64, True, 4, 32, 256),
     ("short", 4, 64, True, 1, 16, 256),  # one entry: the second window's close rewrites it (at capacity - 1)
     ("none", 4, 64, True, 0, 16, 256),
-    ("ragged", 6, 32, True, 2, 32, 256),  # blocks of 8 over 12 rows; every channel rotated
+    ("ragged", 6, 32, True, 2, 32, 256),  # 12 rows in a block of 16, 2 programs; every channel rotated
 ]
 for dtype in (torch.bfloat16, torch.float32):
     for kv_dtype in (None, "fp8") if dtype == torch.bfloat16 else (None, "fp8", "bf16"):
@@ -152,7 +153,7 @@ def run_check(device: str) -> list[dict]:
 
 
 def _assert_results(results: list[dict]) -> None:
-    assert len(results) == 6 * 5 + 2
+    assert len(results) == 7 * 5 + 2
     for r in results:
         assert r["open"] and r["prev"] and r["kept"] and r["within"] and not r["broken"], r
         assert r["fits"] == (r["case"] not in ("float64", "rope-12")), r

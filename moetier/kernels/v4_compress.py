@@ -1,15 +1,16 @@
-"""One DeepSeek-V4 compressor's fixed-shape decode step for one sequence in one kernel (:func:`compress_decode`).
+"""One DeepSeek-V4 compressor's fixed-shape decode step for one sequence in two launches (:func:`compress_decode`).
 
 The fixed-shape decode step (:func:`moetier.models.deepseek_v4_static_decode._compress_step`) pools each
 compressor's open window every step, masked to its rows so far, and writes the entry only where the window
 closes, so that the device decides everything from the position. In torch that is ~25 tiny kernels a
 compressor (the row copy, the masks, the bias, the overlap's concatenations and predecessor update, the softmax
 and its transposes, the weighted sum, the norm's ~6, the rotation's 4, the masked write's 3), and a CSA layer has
-two compressors (its own and the indexer's). Here one program does a sequence's whole step: the row stored at
-``p % rate``, the window read in blocks of rows (the softmax over rows per channel in three passes: max, sum of
-exponentials, weighted sum), the weighted RMS norm, the rotation of the trailing channels at the entry's
-position, the entry stored where the window closes, and a closing CSA window's first half made the next one's
-predecessor (in place, after it was read).
+two compressors (its own and the indexer's). Here two launches do a sequence's whole step: the first stores the row
+at ``p % rate`` and pools the window, its programs splitting the channels (the softmax runs over rows per channel:
+three passes, max, sum of exponentials, weighted sum; HCA's 128-row window is 16 programs of 32 channels, each
+reading its columns once a pass), and makes a closing CSA window's first half the next one's predecessor (each
+program its own channels, after it read them); the second norms the pooled row (weighted RMS), rotates its
+trailing channels at the entry's position and stores the entry where the window closes.
 
 Roundings are the torch ops' (:func:`compress_decode_reference`): the softmax in float32, its weights and each
 ``kv * weight`` rounded to the kv dtype, their sum taken in float32 and rounded once, the norm as
@@ -101,11 +102,19 @@ if triton is not None:
         return libdevice.exp(x) if LIBDEVICE else tl.exp(x)
 
     @triton.jit
+    def _open_rows(open, row, r, at, slot, stride_open, keep):
+        """Open rows ``r`` at channel offsets ``at``: the step's own row (``r == slot``) from ``row`` itself, as the
+        row store into ``open`` by another program may not have landed yet."""
+        stored = tl.load(open + r * stride_open + at, mask=keep & (r != slot), other=0.0)
+        fresh = tl.load(row + at + r * 0, mask=keep & (r == slot), other=0.0)
+        return tl.where(r == slot, fresh, stored)
+
+    @triton.jit
     def _window_rows(
-        open, ape, prev_kv, prev_gate, r, c, slot, stride_open, stride_ape, stride_prev_kv, stride_prev_gate,
+        open, row, ape, prev_kv, prev_gate, r, c, slot, stride_open, stride_ape, stride_prev_kv, stride_prev_gate,
         RATE: tl.constexpr, WIDTH: tl.constexpr, DIM: tl.constexpr, OVERLAP: tl.constexpr,
     ):  # fmt: skip
-        """Rows ``r`` (``[ROWS, 1]``) of the pooled window, channels ``c`` (``[1, DIM]``): kv (its dtype) and the
+        """Rows ``r`` (``[ROWS, 1]``) of the pooled window, channels ``c`` (``[1, CB]``): kv (its dtype) and the
         biased gate (float32); an empty row (past the slot, or past the window) is kv 0 and gate -inf."""
         if OVERLAP:  # rows 0 .. RATE - 1 are the predecessor's, then the own rows' second halves
             before = r < RATE
@@ -113,95 +122,106 @@ if triton is not None:
             keep = (own >= 0) & (own <= slot)
             kv = tl.load(prev_kv + r * stride_prev_kv + c, mask=before, other=0.0)
             gate = tl.load(prev_gate + r * stride_prev_gate + c, mask=before, other=float("-inf"))
-            at = own * stride_open + DIM + c
-            kv = tl.where(before, kv, tl.load(open + at, mask=keep, other=0.0))
+            kv = tl.where(before, kv, _open_rows(open, row, own, DIM + c, slot, stride_open, keep))
             bias = tl.load(ape + own * stride_ape + DIM + c, mask=keep, other=0.0).to(tl.float32)
-            biased = tl.load(open + at + WIDTH, mask=keep, other=0.0).to(tl.float32) + bias
+            biased = _open_rows(open, row, own, WIDTH + DIM + c, slot, stride_open, keep).to(tl.float32) + bias
             gate = tl.where(before, gate, tl.where(keep, biased, float("-inf")))
         else:
             keep = r <= slot
-            kv = tl.load(open + r * stride_open + c, mask=keep, other=0.0)
+            kv = _open_rows(open, row, r, c, slot, stride_open, keep)
             bias = tl.load(ape + r * stride_ape + c, mask=keep, other=0.0).to(tl.float32)
-            biased = tl.load(open + r * stride_open + WIDTH + c, mask=keep, other=0.0).to(tl.float32) + bias
+            biased = _open_rows(open, row, r, WIDTH + c, slot, stride_open, keep).to(tl.float32) + bias
             gate = tl.where(keep, biased, float("-inf"))
         return kv, gate
 
     @triton.jit
-    def _compress_kernel(
-        open, row, prev_kv, prev_gate, ape, weight, position, table, entries, out, at_out, closing_out,
-        stride_open, stride_ape, stride_prev_kv, stride_prev_gate, stride_table, stride_part, stride_entries,
-        capacity, eps,
-        RATE: tl.constexpr, WIDTH: tl.constexpr, DIM: tl.constexpr, R: tl.constexpr, OVERLAP: tl.constexpr,
-        POOL: tl.constexpr, STORE: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr,
-        LIBDEVICE: tl.constexpr,
+    def _pool_kernel(
+        open, row, prev_kv, prev_gate, ape, position, pooled,
+        stride_open, stride_ape, stride_prev_kv, stride_prev_gate,
+        RATE: tl.constexpr, WIDTH: tl.constexpr, DIM: tl.constexpr, OVERLAP: tl.constexpr, POOL: tl.constexpr,
+        WINDOW: tl.constexpr, ROWS: tl.constexpr, CB: tl.constexpr, ROW_BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
     ):  # fmt: skip
+        # Channels ``CB`` a program: the softmax runs over rows per channel, so a long window (HCA's 128 rows)
+        # splits over programs by channels, each reading its columns once a pass (one program over all channels
+        # looped over blocks of rows, ~50 serial reads a step at rate 128).
         p = tl.load(position)
         slot = p % RATE
-        k = tl.arange(0, ROW_BLOCK)
-        fill = k < 2 * WIDTH
-        tl.store(open + slot * stride_open + k, tl.load(row + k, mask=fill), mask=fill)
+        block = tl.program_id(0)
+        if block == 0:  # the step's row into the open window (the other programs read it from ``row``)
+            k = tl.arange(0, ROW_BLOCK)
+            fill = k < 2 * WIDTH
+            tl.store(open + slot * stride_open + k, tl.load(row + k, mask=fill), mask=fill)
         if POOL:
-            tl.debug_barrier()  # the row just stored is read back below
             dtype = open.dtype.element_ty
             i = tl.arange(0, ROWS)[:, None]
-            c = tl.arange(0, DIM)[None, :]
-            top = tl.full((DIM,), float("-inf"), tl.float32)
+            c = block * CB + tl.arange(0, CB)[None, :]
+            top = tl.full((CB,), float("-inf"), tl.float32)
             for first in range(0, WINDOW, ROWS):
                 _, gate = _window_rows(
-                    open, ape, prev_kv, prev_gate, first + i, c, slot, stride_open, stride_ape, stride_prev_kv,
+                    open, row, ape, prev_kv, prev_gate, first + i, c, slot, stride_open, stride_ape, stride_prev_kv,
                     stride_prev_gate, RATE, WIDTH, DIM, OVERLAP,
                 )  # fmt: skip
                 top = tl.maximum(top, tl.max(gate, axis=0))
-            total = tl.zeros((DIM,), tl.float32)
+            total = tl.zeros((CB,), tl.float32)
             for first in range(0, WINDOW, ROWS):
                 _, gate = _window_rows(
-                    open, ape, prev_kv, prev_gate, first + i, c, slot, stride_open, stride_ape, stride_prev_kv,
+                    open, row, ape, prev_kv, prev_gate, first + i, c, slot, stride_open, stride_ape, stride_prev_kv,
                     stride_prev_gate, RATE, WIDTH, DIM, OVERLAP,
                 )  # fmt: skip
                 total += tl.sum(_exp(gate - top[None, :], LIBDEVICE), axis=0)
-            acc = tl.zeros((DIM,), tl.float32)
+            acc = tl.zeros((CB,), tl.float32)
             for first in range(0, WINDOW, ROWS):
                 kv, gate = _window_rows(
-                    open, ape, prev_kv, prev_gate, first + i, c, slot, stride_open, stride_ape, stride_prev_kv,
+                    open, row, ape, prev_kv, prev_gate, first + i, c, slot, stride_open, stride_ape, stride_prev_kv,
                     stride_prev_gate, RATE, WIDTH, DIM, OVERLAP,
                 )  # fmt: skip
-                w = tl.div_rn(_exp(gate - top[None, :], LIBDEVICE), tl.broadcast_to(total[None, :], (ROWS, DIM)))
+                w = tl.div_rn(_exp(gate - top[None, :], LIBDEVICE), tl.broadcast_to(total[None, :], (ROWS, CB)))
                 w = w.to(dtype).to(tl.float32)  # the weights in the kv dtype, as the reference rounds them
                 acc += tl.sum((kv.to(tl.float32) * w).to(dtype).to(tl.float32), axis=0)
-            closing = slot == RATE - 1
+            tl.store(pooled + block * CB + tl.arange(0, CB), acc.to(dtype))
             if OVERLAP:  # a closing window's first half becomes the next one's predecessor, after it was read
-                tl.debug_barrier()
+                tl.debug_barrier()  # this program's channels of the predecessor only: no other program reads them
+                closing = slot == RATE - 1
                 for first in range(0, RATE, ROWS):
                     r = first + i
                     keep = (r < RATE) & closing
-                    kv = tl.load(open + r * stride_open + c, mask=keep)
+                    kv = _open_rows(open, row, r, c, slot, stride_open, keep)
                     bias = tl.load(ape + r * stride_ape + c, mask=keep).to(tl.float32)
-                    biased = tl.load(open + r * stride_open + WIDTH + c, mask=keep).to(tl.float32) + bias
+                    biased = _open_rows(open, row, r, WIDTH + c, slot, stride_open, keep).to(tl.float32) + bias
                     tl.store(prev_kv + r * stride_prev_kv + c, kv, mask=keep)
                     tl.store(prev_gate + r * stride_prev_gate + c, biased, mask=keep)
-            # The weighted RMS norm of the rounded sum, as the norm kernel computes it.
-            x = acc.to(dtype).to(tl.float32)
-            scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DIM + eps)
-            j = tl.arange(0, DIM)
-            normed = (x * scale).to(dtype).to(tl.float32)
-            y = (tl.load(weight + j).to(tl.float32) * normed).to(dtype)
-            # The trailing R channels rotated at the entry's position, as the rotation kernel does.
-            tl.store(out + j, y)
+
+    @triton.jit
+    def _finish_kernel(
+        pooled, weight, position, table, entries, out, at_out, closing_out, stride_table, stride_part, stride_entries,
+        capacity, eps, RATE: tl.constexpr, DIM: tl.constexpr, R: tl.constexpr, STORE: tl.constexpr,
+    ):  # fmt: skip
+        p = tl.load(position)
+        closing = p % RATE == RATE - 1
+        dtype = pooled.dtype.element_ty
+        j = tl.arange(0, DIM)
+        # The weighted RMS norm of the rounded sum, as the norm kernel computes it.
+        x = tl.load(pooled + j).to(tl.float32)
+        scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DIM + eps)
+        normed = (x * scale).to(dtype).to(tl.float32)
+        y = (tl.load(weight + j).to(tl.float32) * normed).to(dtype)
+        # The trailing R channels rotated at the entry's position, as the rotation kernel does.
+        tl.store(out + j, y)
+        tl.debug_barrier()
+        at = tl.minimum(p // RATE, capacity - 1)
+        rope = j >= DIM - R
+        angle = table + at * stride_table + j - (DIM - R)
+        pair = tl.load(out + (j ^ 1), mask=rope).to(tl.float32)  # the other channel of the pair
+        cos = tl.load(angle, mask=rope)
+        sin = tl.load(angle + stride_part, mask=rope)
+        y = tl.where(rope, tl.fma(pair, sin, y.to(tl.float32) * cos).to(dtype), y)
+        if STORE:  # the entry row, only where the window closes
+            tl.store(entries + at * stride_entries + j, y.to(entries.dtype.element_ty), mask=(j < DIM) & closing)
+        else:  # the row, its index and whether it closes, for the caller's write
             tl.debug_barrier()
-            at = tl.minimum(p // RATE, capacity - 1)
-            rope = j >= DIM - R
-            angle = table + at * stride_table + j - (DIM - R)
-            pair = tl.load(out + (j ^ 1), mask=rope).to(tl.float32)  # the other channel of the pair
-            cos = tl.load(angle, mask=rope)
-            sin = tl.load(angle + stride_part, mask=rope)
-            y = tl.where(rope, tl.fma(pair, sin, y.to(tl.float32) * cos).to(dtype), y)
-            if STORE:  # the entry row, only where the window closes
-                tl.store(entries + at * stride_entries + j, y.to(entries.dtype.element_ty), mask=(j < DIM) & closing)
-            else:  # the row, its index and whether it closes, for the caller's write
-                tl.debug_barrier()
-                tl.store(out + j, y)
-                tl.store(at_out, at)
-                tl.store(closing_out, closing.to(tl.uint8))
+            tl.store(out + j, y)
+            tl.store(at_out, at)
+            tl.store(closing_out, closing.to(tl.uint8))
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -284,15 +304,20 @@ def compress_decode_triton(
     prev_kv = open_rows if prev_kv is None else prev_kv[0]
     prev_gate = open_rows if prev_gate is None else prev_gate[0]
     window = 2 * rate if overlap else rate  # rows pooled
-    rows = max(1, min(triton.next_power_of_2(window), BLOCK_ELEMENTS // dim))
-    _compress_kernel[(1,)](
-        open_rows, row, prev_kv, prev_gate, ape, norm_weight, position, table, data, out, at, flags,
-        open_rows.stride(0), ape.stride(0), prev_kv.stride(0), prev_gate.stride(0), table.stride(0), table.stride(1),
-        data.stride(0), capacity, eps,
-        RATE=rate, WIDTH=width, DIM=dim, R=table.shape[-1], OVERLAP=overlap, POOL=capacity > 0, STORE=store,
-        WINDOW=window, ROWS=rows, ROW_BLOCK=triton.next_power_of_2(2 * width), LIBDEVICE=open_rows.is_cuda,
-        num_warps=4 if dim <= 256 else 8,
+    rows = min(triton.next_power_of_2(window), max(1, BLOCK_ELEMENTS // 2))
+    channels = max(2, min(dim, BLOCK_ELEMENTS // rows))  # a power of two: dim's a power of two too
+    raw = torch.empty(dim, dtype=open_rows.dtype, device=device)  # the pooled sum, before the norm
+    _pool_kernel[(dim // channels if capacity > 0 else 1,)](
+        open_rows, row, prev_kv, prev_gate, ape, position, raw,
+        open_rows.stride(0), ape.stride(0), prev_kv.stride(0), prev_gate.stride(0),
+        RATE=rate, WIDTH=width, DIM=dim, OVERLAP=overlap, POOL=capacity > 0, WINDOW=window, ROWS=rows, CB=channels,
+        ROW_BLOCK=triton.next_power_of_2(2 * width), LIBDEVICE=open_rows.is_cuda, num_warps=4,
     )  # fmt: skip
+    if capacity > 0:
+        _finish_kernel[(1,)](
+            raw, norm_weight, position, table, data, out, at, flags, table.stride(0), table.stride(1), data.stride(0),
+            capacity, eps, RATE=rate, DIM=dim, R=table.shape[-1], STORE=store, num_warps=4 if dim <= 256 else 8,
+        )  # fmt: skip
     if not store and capacity > 0:
         entries.write_where(at, out[None], closing)
 
