@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetier.kernels import v4_router
 from moetier.kernels.hyper_mix import (
     Merge,
     Mixed,
@@ -29,6 +30,7 @@ from moetier.kernels.hyper_mix import (
     merge_reference,
     weights_reference,
 )
+from moetier.kernels.swiglu import swiglu
 from moetier.models.base import (
     CausalLM,
     ExpertTarget,
@@ -128,11 +130,13 @@ _SCORE_FUNCS = {
 class Router(nn.Module):
     """Scores every expert; picks top-k of ``score + bias`` (``bias``: the load-balancing correction) or,
     when ``hashed``, the fixed ``tid2eid[token]`` experts. Weights are the picked scores, renormalised
-    and times ``routed_scaling_factor``. Routing runs in float32."""
+    and times ``routed_scaling_factor``. Routing runs in float32: for decode-sized batches on CUDA in two
+    Triton kernels (:mod:`moetier.kernels.v4_router`; learned ids in descending ``score + bias``), else the torch ops
+    (:meth:`_forward_torch`)."""
 
     def __init__(self, cfg: DeepseekV4Config, hashed: bool) -> None:
         super().__init__()
-        self.hashed, self.top_k = hashed, cfg.num_experts_per_tok
+        self.hashed, self.top_k, self.scoring = hashed, cfg.num_experts_per_tok, cfg.scoring_func
         self.score_fn, self.scaling = _SCORE_FUNCS[cfg.scoring_func], cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         if hashed:
@@ -141,6 +145,11 @@ class Router(nn.Module):
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bias, table = (None, self.tid2eid) if self.hashed else (self.bias, None)
+        return v4_router.route(x, self.weight, bias, table, input_ids, self.top_k, self.scaling, self.scoring,
+                               lambda: self._forward_torch(x, input_ids))  # fmt: skip
+
+    def _forward_torch(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = self._scores(x)
         ids = self._pick(scores, input_ids)
         weights = scores.gather(1, ids)
@@ -150,7 +159,10 @@ class Router(nn.Module):
     def select(self, x: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
         """The expert ids ``[T, k]`` (int64) :meth:`forward` picks, without their weights; a hashed router
         reads only ``input_ids`` (``x`` may be None)."""
-        return self._pick(None if self.hashed else self._scores(x), input_ids)
+        if self.hashed:
+            return self._pick(None, input_ids)
+        return v4_router.select(x, self.weight, self.bias, self.top_k, self.scoring,
+                                lambda: self._pick(self._scores(x), input_ids))  # fmt: skip
 
     def _scores(self, x: torch.Tensor) -> torch.Tensor:
         return self.score_fn(F.linear(x.float(), self.weight.float()))
@@ -169,11 +181,8 @@ class SharedExpert(DenseMLP):
         self.gate_up = FusedLinears([[self.gate_proj], [self.up_proj]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x)
-        if self.swiglu_limit is not None:
-            gate = gate.clamp(max=self.swiglu_limit)
-            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up(x)  # views of one GEMM's output, read in place by the fused SwiGLU
+        return self.down_proj(swiglu(gate, up, self.swiglu_limit))
 
 
 class DeepseekV4MoE(nn.Module):

@@ -6,8 +6,9 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from moetier.kernels.swiglu import swiglu
 
 
 class RMSNorm(nn.Module):
@@ -71,11 +72,7 @@ class DenseMLP(nn.Module):
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.swiglu_limit is not None:
-            gate = gate.clamp(max=self.swiglu_limit)
-            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
 
 
 def _yarn_correction_dim(rotations: float, dim: int, base: float, max_pos: int) -> float:
