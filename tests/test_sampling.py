@@ -266,3 +266,25 @@ def test_child_params_for_parallel_sampling():
     assert all(c.temperature == 0.5 and c.logprobs == 2 for c in children)
     assert SamplingParams(n=2).child(1).seed is None
     assert params.n == 4  # the parent is untouched
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_greedy_tokens_are_the_argmax_in_two_reductions_with_its_first_index(device):
+    from moetier.engine.sampling import ARGMAX_CHUNKS, greedy_tokens
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator().manual_seed(0)
+    vocab = 129_280  # V4's: 128 chunks of 1010
+    logits = torch.randn(5, vocab, generator=g)
+    logits[1, [7, 500, 90_000]] = 50.0  # equal maxima in one chunk and in two others: the first index wins
+    logits[2, [1010 * 3 + 4, 1010 * 3]] = 60.0  # two in one chunk, the later one written first
+    logits[3] = 1.0  # every logit equal
+    logits[4, 128_000] = float("inf")
+    logits = logits.to(device)
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert greedy_tokens(logits).tolist()[1:4] == [7, 3030, 0]
+    small = torch.randn(3, 500 * ARGMAX_CHUNKS, generator=g).to(device)  # too short to split: torch's argmax itself
+    assert torch.equal(greedy_tokens(small), small.argmax(dim=-1))
+    bf16 = logits.bfloat16()  # many equal logits after rounding
+    assert torch.equal(greedy_tokens(bf16), bf16.argmax(dim=-1))

@@ -62,6 +62,7 @@ from moetier.bench.common import (
 )
 from moetier.bench.decode_passes import PROFILED_STEPS, clock_steps, profile_steps, python_profile
 from moetier.bench.environment import environment
+from moetier.engine.sampling import greedy_tokens
 from moetier.errors import ConfigError
 from moetier.models.base import CausalLM
 from moetier.models.paged_kv import KV_LAYOUTS, PagedKVSpace, paged_kv
@@ -163,19 +164,19 @@ class _DecodeRun:
         if length <= chunk:
             ids = torch.cat(self.prompts).to(self.model.device)
             hidden = self.model(ids, self.caches, [length] * self.streams)
-            return self.model.compute_logits(hidden.view(self.streams, length, -1)[:, -1]).argmax(-1)
+            return greedy_tokens(self.model.compute_logits(hidden.view(self.streams, length, -1)[:, -1]))
         last = []
         for prompt, cache in zip(self.prompts, self.caches, strict=True):
             for start in range(0, length, chunk):
                 part = prompt[start : start + chunk].to(self.model.device)
                 hidden = self.model(part, [cache], [part.shape[0]])
             last.append(hidden[-1])
-        return self.model.compute_logits(torch.stack(last)).argmax(-1)
+        return greedy_tokens(self.model.compute_logits(torch.stack(last)))
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         hidden = self.model(tokens, self.caches, [1] * self.streams)
-        return self.model.compute_logits(hidden).argmax(-1)
+        return greedy_tokens(self.model.compute_logits(hidden))
 
 
 # Warm-up steps a decode run may add while the split chooser decides: its trial (3 routes x 2 rounds x 4 steps

@@ -218,6 +218,23 @@ def filtered_probabilities(logits: torch.Tensor, params: SamplingParams | Sequen
     return result.reshape(logits.shape)
 
 
+# A long row's argmax in two reductions: torch's reduction of one [1, V] row runs in few blocks (27 us on the H200
+# for a 129,280-token vocabulary, every decode step); chunks of the row reduce in parallel first.
+ARGMAX_CHUNKS = 128
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of ``[B, V]`` logits (int64 ``[B]``), the first index among equal maxima as torch's,
+    through each chunk's maximum first where ``V`` splits into :data:`ARGMAX_CHUNKS` chunks of at least 512."""
+    rows, vocab = logits.shape
+    if vocab % ARGMAX_CHUNKS or vocab < 512 * ARGMAX_CHUNKS or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    size = vocab // ARGMAX_CHUNKS
+    best, at = logits.view(rows, ARGMAX_CHUNKS, size).max(dim=-1)  # each chunk's first maximum
+    chunk = best.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
+    return (chunk * size + at.gather(-1, chunk)).squeeze(-1)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     params: SamplingParams | Sequence[SamplingParams],
@@ -234,7 +251,7 @@ def sample_tokens(
         generators = [generators] * batch.shape[0]
     if len(generators) != batch.shape[0]:
         raise ValueError(f"{len(generators)} generators for {batch.shape[0]} rows of logits")
-    tokens = batch.argmax(dim=-1)
+    tokens = greedy_tokens(batch)
     if not all(p.greedy for p in rows):
         probs = filtered_probabilities(batch, rows)
         for i, (row, generator) in enumerate(zip(rows, generators, strict=True)):
