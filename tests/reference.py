@@ -148,7 +148,9 @@ def run_kernel_check(script: str, device: str) -> list[dict]:
     """Run a kernel check ``script`` (Python source taking the device as its first argument and printing a JSON list
     last) in a fresh interpreter: on ``device`` "cpu" under Triton's interpreter (which must be set before Triton is
     imported, hence the subprocess)."""
-    env = {**os.environ, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
+    here = os.path.dirname(os.path.abspath(__file__))  # the scripts import helpers from here (interpreted.py)
+    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
     done = subprocess.run([sys.executable, "-c", script, device], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

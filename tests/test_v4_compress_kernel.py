@@ -19,7 +19,6 @@ from reference import run_kernel_check
 
 _CHECK = """
 import json, sys
-import numpy as np
 import torch
 from moetier.kernels import v4_compress as k
 from moetier.kernels.rope_rotate import angles_reference
@@ -28,20 +27,9 @@ from moetier.models.deepseek_v4_cache import CompressorState
 device = sys.argv[1]
 rtne = device == "cuda"
 if device == "cpu":  # the interpreter truncates float32 to bf16: round to nearest even, as CUDA does
-    import triton.language as tl
-    from triton.runtime import interpreter
+    from interpreted import nearest_bf16
 
-    convert = getattr(interpreter, "_convert_float", None)
-
-    def nearest(values, src, dst, rounding):
-        if src == tl.float32 and dst == tl.bfloat16:
-            wide = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(values.shape)
-        return convert(values, src, dst, rounding)
-
-    if convert is not None:
-        interpreter._convert_float = nearest
-        rtne = True
+    rtne = nearest_bf16()
 g = torch.Generator().manual_seed(0)
 results = []
 
@@ -95,8 +83,8 @@ def run(name, rate, dim, overlap, capacity, rope, dtype, kv_dtype, block, steps)
     table = table.to(device)
     rows = randn(steps, 4 * width, dtype=dtype)[:, 2 * width :]  # row views of a bigger projection
     first = torch.zeros(1, dtype=torch.int64, device=device)
-    fits = k._fits(ours.open, ours.prev_kv, ours.prev_gate, ape, weight, eps, rows[:1], first, table, ours.entries,
-                   overlap, rate, width, dim)
+    fits = k._fits(k.CompressorStep(ours.open, ours.prev_kv, ours.prev_gate, ape, weight, eps, rows[:1], first, table,
+                                    ours.entries, overlap, rate, width, dim))
     found = {"open": True, "prev": True, "kept": True, "within": True, "equal": True}
     worst, worst_rel = 0.0, 0.0
     stored_dtype = dtype if ours.entries.scales is not None else ours.entries.data.dtype  # fp8: its scales' rows
@@ -106,8 +94,8 @@ def run(name, rate, dim, overlap, capacity, rope, dtype, kv_dtype, block, steps)
         position = torch.tensor([p], device=device)
         before = stored(ours.entries).clone()
         for state, step in ((ours, k.compress_decode), (ref, k.compress_decode_reference)):
-            step(state.open, state.prev_kv, state.prev_gate, ape, weight, eps, rows[p : p + 1], position, table,
-                 state.entries, overlap, rate, width, dim)
+            step(k.CompressorStep(state.open, state.prev_kv, state.prev_gate, ape, weight, eps, rows[p : p + 1],
+                                  position, table, state.entries, overlap, rate, width, dim))
         found["open"] &= same(ours.open, ref.open)
         found["prev"] &= same(ours.prev_kv, ref.prev_kv) and same(ours.prev_gate, ref.prev_gate)
         changed = (stored(ours.entries) != before).any(dim=1).nonzero().flatten().tolist()
@@ -174,6 +162,7 @@ def test_the_compressor_kernel_matches_the_torch_ops_on_cuda():
 
 def _steps(step, dtype: torch.dtype, kv_dtype: str | None, overlap: bool, table_rope: int = 16):
     """Ten steps of ``step`` over a fresh seeded state; the state after them."""
+    from moetier.kernels.v4_compress import CompressorStep
     from moetier.models.deepseek_v4_cache import CompressorState
 
     g = torch.Generator().manual_seed(3)
@@ -189,8 +178,8 @@ def _steps(step, dtype: torch.dtype, kv_dtype: str | None, overlap: bool, table_
     table = torch.randn(4, 3, table_rope, generator=g)
     rows = torch.randn(10, 2 * width, generator=g).to(dtype)
     for p in range(10):
-        step(state.open, state.prev_kv, state.prev_gate, ape, weight, 1e-6, rows[p : p + 1], torch.tensor([p]), table,
-             state.entries, overlap, rate, width, dim)  # fmt: skip
+        step(CompressorStep(state.open, state.prev_kv, state.prev_gate, ape, weight, 1e-6, rows[p : p + 1],
+                            torch.tensor([p]), table, state.entries, overlap, rate, width, dim))  # fmt: skip
     return state, (ape, weight, table, rows)
 
 
@@ -220,8 +209,8 @@ def test_the_compressor_step_stays_in_torch_where_the_kernel_does_not_fit():
         ape, weight = torch.zeros(4, width, dtype=dtype), torch.ones(dim, dtype=dtype)
         row, table = torch.zeros(1, 2 * width, dtype=dtype), torch.zeros(4, 3, rope)
         position = torch.zeros(1, dtype=torch.int64)
-        return k._fits(state.open, state.prev_kv, state.prev_gate, ape, weight, 1e-6, row, position, table,
-                       state.entries, overlap, 4, width, dim)  # fmt: skip
+        return k._fits(k.CompressorStep(state.open, state.prev_kv, state.prev_gate, ape, weight, 1e-6, row, position,
+                                        table, state.entries, overlap, 4, width, dim))  # fmt: skip
 
     assert fits() and fits(torch.float32, overlap=False) and fits(rope=32) and fits(capacity=0)
     assert not fits(torch.float64)

@@ -26,7 +26,6 @@ from reference import run_kernel_check
 _CHECK = """
 import json, sys
 from types import SimpleNamespace
-import numpy as np
 import torch
 import torch.nn.functional as F
 from moetier.kernels import v4_router as k
@@ -34,19 +33,9 @@ from moetier.models.deepseek_v4 import Router
 
 device = sys.argv[1]
 if device == "cpu":  # the interpreter truncates float32 to bf16: round to nearest even, as CUDA does
-    import triton.language as tl
-    from triton.runtime import interpreter
+    from interpreted import nearest_bf16
 
-    convert = getattr(interpreter, "_convert_float", None)
-
-    def nearest(values, src, dst, rounding):
-        if src == tl.float32 and dst == tl.bfloat16:
-            wide = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(values.shape)
-        return convert(values, src, dst, rounding)
-
-    if convert is not None:
-        interpreter._convert_float = nearest
+    nearest_bf16()
 g = torch.Generator().manual_seed(0)
 results = []
 VOCAB = 50

@@ -19,6 +19,8 @@ Triton's interpreter runs the kernel in the CPU tests.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 
 from moetier.kernels.guard import kernel_or_reference
@@ -33,20 +35,34 @@ except ImportError:  # pragma: no cover - depends on the installation
 _BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on with the torch ops
 
 
-def attend_reference(
-    q: torch.Tensor,
-    ring: torch.Tensor,
-    new_key: torch.Tensor,
-    position: torch.Tensor,
-    entries: torch.Tensor | None,
-    ids: torch.Tensor | None,
-    slots: int,
-    rate: int,
-    sinks: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class AttentionStep:
+    """One sequence's decode attention (:func:`attend`): its queries ``q`` ``[H, D]``, its window's ring ``ring``
+    ``[W, D]`` and this step's key ``new_key`` ``[D]``, the position (int64 ``[1]`` on the device), its compressed
+    entries (``entries`` ``[E, D]`` in the model's dtype, or None: ``slots`` of them, or the rows ``ids``), the
+    compression ``rate``, the per-head ``sinks`` (float32 ``[H]``), the softmax ``scale`` and where the output goes
+    (``out`` ``[H, D]``, contiguous, or None: a fresh tensor)."""
+
+    q: torch.Tensor
+    ring: torch.Tensor
+    new_key: torch.Tensor
+    position: torch.Tensor
+    entries: torch.Tensor | None
+    ids: torch.Tensor | None
+    slots: int
+    rate: int
+    sinks: torch.Tensor
+    scale: float
+    out: torch.Tensor | None = None
+
+    def parts(self) -> tuple:
+        """The fields in their order (no copies: ``dataclasses.astuple`` would deep-copy the tensors)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+
+def attend_reference(step: AttentionStep) -> torch.Tensor:
     """One sequence's decode attention with the torch ops -> ``[H, D]`` (see :func:`attend`)."""
+    q, ring, new_key, position, entries, ids, slots, rate, sinks, scale, out = step.parts()
     size = ring.shape[0]
     ring.index_copy_(0, position % size, new_key[None])
     keys, valid = ring, torch.arange(size, device=ring.device) <= position
@@ -150,8 +166,9 @@ def usable(q: torch.Tensor) -> bool:
     return triton_usable(q) and not _BROKEN
 
 
-def fits(q, ring, new_key, position, entries, ids, sinks) -> bool:
+def fits(step: AttentionStep) -> bool:
     """Whether :func:`attend`'s arguments suit the kernel (else it runs the torch ops)."""
+    q, ring, new_key, position, entries, ids, _, _, sinks, _, _ = step.parts()
     heads, dim = q.shape
     tensors = [q, ring, new_key] + ([] if entries is None else [entries])
     return (
@@ -165,20 +182,9 @@ def fits(q, ring, new_key, position, entries, ids, sinks) -> bool:
     )  # fmt: skip
 
 
-def attend_triton(
-    q: torch.Tensor,
-    ring: torch.Tensor,
-    new_key: torch.Tensor,
-    position: torch.Tensor,
-    entries: torch.Tensor | None,
-    ids: torch.Tensor | None,
-    slots: int,
-    rate: int,
-    sinks: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def attend_triton(step: AttentionStep) -> torch.Tensor:
     """The kernel (the caller checked :func:`fits`; see :func:`attend`)."""
+    q, ring, new_key, position, entries, ids, slots, rate, sinks, scale, out = step.parts()
     heads, dim = q.shape
     out = torch.empty_like(q) if out is None else out
     slots = 0 if entries is None else (ids.shape[0] if ids is not None else slots)
@@ -192,20 +198,8 @@ def attend_triton(
     return out
 
 
-def attend(
-    q: torch.Tensor,
-    ring: torch.Tensor,
-    new_key: torch.Tensor,
-    position: torch.Tensor,
-    entries: torch.Tensor | None,
-    ids: torch.Tensor | None,
-    slots: int,
-    rate: int,
-    sinks: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One sequence's decode attention -> ``[H, D]`` (into ``out``, contiguous, when given).
+def attend(step: AttentionStep) -> torch.Tensor:
+    """One sequence's decode attention (``step``'s) -> ``[H, D]`` (into ``step.out`` when given).
 
     ``q`` ``[H, D]`` attends its sliding window (``ring`` ``[W, D]``, the ring of
     :class:`~moetier.models.deepseek_v4_cache.SlidingWindowKV`, into which ``new_key`` ``[D]`` goes at row
@@ -214,11 +208,10 @@ def attend(
     is below ``(position + 1) // rate`` and ``E``. Per-head ``sinks`` (float32 ``[H]``) join the softmax; K = V.
     ``position`` is an int64 ``[1]`` on the device: nothing waits for the host, and a CUDA graph replays it. One
     kernel where Triton runs on ``q``'s device, else :func:`attend_reference`."""
-    args = (q, ring, new_key, position, entries, ids, slots, rate, sinks, scale, out)
     return kernel_or_reference(
         _BROKEN,
         "V4 decode attention kernel",
-        triton_usable(q) and fits(q, ring, new_key, position, entries, ids, sinks),
-        lambda: attend_triton(*args),
-        lambda: attend_reference(*args),
+        triton_usable(step.q) and fits(step),
+        lambda: attend_triton(step),
+        lambda: attend_reference(step),
     )

@@ -24,6 +24,7 @@ kernel in the CPU tests with numpy's and its own bf16 truncation (the tests give
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,23 +54,40 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _BROKEN: list[str] = []
 
 
-def compress_decode_reference(
-    open_rows: torch.Tensor,
-    prev_kv: torch.Tensor | None,
-    prev_gate: torch.Tensor | None,
-    ape: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    row: torch.Tensor,
-    position: torch.Tensor,
-    table: torch.Tensor,
-    entries: KVRows,
-    overlap: bool,
-    rate: int,
-    width: int,
-    dim: int,
-) -> None:
+@dataclass(frozen=True)
+class CompressorStep:
+    """One sequence's compressor step (:func:`compress_decode`): its state's tensors (``open_rows``, ``[rate,
+    2 * width]``; CSA's predecessor ``prev_kv``/``prev_gate``, ``[1, rate, dim]``, else None; ``entries``), the
+    compressor's parameters (``ape`` ``[rate, width]``, the norm's ``norm_weight`` and ``eps``, ``overlap``, ``rate``,
+    ``width``, ``dim``), this step's projections ``row`` (``[1, 2 * width]``: kv then gate channels) and
+    ``position`` (int64 ``[1]`` on the device), and the entries' rotation ``table`` (float32 ``[rows, 3, R]``,
+    row ``w``: cos, sin, sin_inverse at position ``w * rate``; at least the entries' capacity rows)."""
+
+    open_rows: torch.Tensor
+    prev_kv: torch.Tensor | None
+    prev_gate: torch.Tensor | None
+    ape: torch.Tensor
+    norm_weight: torch.Tensor
+    eps: float
+    row: torch.Tensor
+    position: torch.Tensor
+    table: torch.Tensor
+    entries: KVRows
+    overlap: bool
+    rate: int
+    width: int
+    dim: int
+
+    def parts(self) -> tuple:
+        """The fields in their order (no copies: ``dataclasses.astuple`` would deep-copy the tensors)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+
+def compress_decode_reference(step: CompressorStep) -> None:
     """One sequence's compressor step in torch ops (the fixed-shape step's, see :func:`compress_decode`)."""
+    open_rows, prev_kv, prev_gate, ape, norm_weight, eps, row, position, table, entries, overlap, rate, width, dim = (
+        step.parts()
+    )
     slot = position % rate
     open_rows.index_copy_(0, slot, row.reshape(1, -1))
     capacity = entries.capacity
@@ -229,24 +247,12 @@ def usable(x: torch.Tensor) -> bool:
     return triton_usable(x) and not _BROKEN
 
 
-def _fits(
-    open_rows: torch.Tensor,
-    prev_kv: torch.Tensor | None,
-    prev_gate: torch.Tensor | None,
-    ape: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    row: torch.Tensor,
-    position: torch.Tensor,
-    table: torch.Tensor,
-    entries: KVRows,
-    overlap: bool,
-    rate: int,
-    width: int,
-    dim: int,
-) -> bool:
+def _fits(step: CompressorStep) -> bool:
     """Whether the kernel takes these inputs (shapes and dtypes as the model's, unit strides on the channels,
     ``dim`` and the rotated width powers of two); anything else runs :func:`compress_decode_reference`."""
+    open_rows, prev_kv, prev_gate, ape, norm_weight, eps, row, position, table, entries, overlap, rate, width, dim = (
+        step.parts()
+    )
     from moetier.models.cache import KVRows  # here: the models import the kernels
 
     device, dtype, rope = open_rows.device, open_rows.dtype, table.shape[-1] if table.dim() == 3 else 0
@@ -276,23 +282,11 @@ def _fits(
     )  # fmt: skip
 
 
-def compress_decode_triton(
-    open_rows: torch.Tensor,
-    prev_kv: torch.Tensor | None,
-    prev_gate: torch.Tensor | None,
-    ape: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    row: torch.Tensor,
-    position: torch.Tensor,
-    table: torch.Tensor,
-    entries: KVRows,
-    overlap: bool,
-    rate: int,
-    width: int,
-    dim: int,
-) -> None:
+def compress_decode_triton(step: CompressorStep) -> None:
     """The kernel (the caller checked :func:`_fits`); fp8 entries are written by :meth:`KVRows.write_where` after."""
+    open_rows, prev_kv, prev_gate, ape, norm_weight, eps, row, position, table, entries, overlap, rate, width, dim = (
+        step.parts()
+    )
     capacity, data, device = entries.capacity, entries.data, open_rows.device
     store = entries.scales is None  # plain entries: the kernel writes the entry; fp8: write_where after
     out = torch.empty(dim, dtype=open_rows.dtype, device=device)  # the rotation's scratch, then fp8's row
@@ -322,22 +316,7 @@ def compress_decode_triton(
         entries.write_where(at, out[None], closing)
 
 
-def compress_decode(
-    open_rows: torch.Tensor,
-    prev_kv: torch.Tensor | None,
-    prev_gate: torch.Tensor | None,
-    ape: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    row: torch.Tensor,
-    position: torch.Tensor,
-    table: torch.Tensor,
-    entries: KVRows,
-    overlap: bool,
-    rate: int,
-    width: int,
-    dim: int,
-) -> None:
+def compress_decode(step: CompressorStep) -> None:
     """One sequence's compressor step at ``position`` (int64 ``[1]`` on the device, ``p``), decided on the device
     (no host sync; the same launches every step, so a CUDA graph replays it):
 
@@ -348,9 +327,7 @@ def compress_decode(
     written there where the window closes (``p % rate == rate - 1``), where a CSA window's first half also
     becomes the predecessor. In one kernel where Triton runs and the inputs fit, else in torch ops
     (:func:`compress_decode_reference`)."""
-    args = (open_rows, prev_kv, prev_gate, ape, norm_weight, eps, row, position, table, entries)
-    args += (overlap, rate, width, dim)
     kernel_or_reference(
-        _BROKEN, "V4 compressor kernel", triton_usable(open_rows) and _fits(*args),
-        lambda: compress_decode_triton(*args), lambda: compress_decode_reference(*args),
+        _BROKEN, "V4 compressor kernel", triton_usable(step.open_rows) and _fits(step),
+        lambda: compress_decode_triton(step), lambda: compress_decode_reference(step),
     )  # fmt: skip

@@ -104,17 +104,41 @@ def _kernel_fits(
     the torch ops, which convert only the rows they read)."""
     if not attn_kernel.usable(q):
         return False
+    if attn.compressor is not None and any(state.compressor.entries.scales is not None for state in states):
+        return False
+    return all(attn_kernel.fits(step) for step in _attention_steps(attn, q, inputs, positions, states, None, 0))
+
+
+def _attention_steps(
+    attn: DeepseekV4Attention,
+    q: torch.Tensor,
+    inputs: Projections,
+    positions: torch.Tensor,
+    states: list[LayerCache],
+    ids: torch.Tensor | None,
+    bucket: int,
+    out: torch.Tensor | None = None,
+) -> list[attn_kernel.AttentionStep]:
+    """Each sequence's attention for the kernel: its ring, key and position, its entries (all ``bucket`` slots, or
+    its row of CSA's picks ``ids``), into its row of ``out``."""
+    rate = 1 if attn.compressor is None else attn.compressor.rate
     sinks = attn.sink_logits(1)[0, :, 0]
-    for b, state in enumerate(states):
-        entries = None
-        if attn.compressor is not None:
-            store = state.compressor.entries
-            if store.scales is not None:
-                return False
-            entries = store.data
-        if not attn_kernel.fits(q[b], state.window.buffer, inputs.kv[b], positions[b : b + 1], entries, None, sinks):
-            return False
-    return True
+    return [
+        attn_kernel.AttentionStep(
+            q[b],
+            state.window.buffer,
+            inputs.kv[b],
+            positions[b : b + 1],
+            None if attn.compressor is None else state.compressor.entries.data,
+            None if ids is None else ids[b],
+            bucket,
+            rate,
+            sinks,
+            attn.scale,
+            None if out is None else out[b],
+        )  # fmt: skip
+        for b, state in enumerate(states)
+    ]
 
 
 def _attend_kernel(
@@ -129,15 +153,12 @@ def _attend_kernel(
 ) -> torch.Tensor:
     """:func:`attend` with the attention kernel: the compressors' steps and CSA's top-k as the torch path takes
     them, then one kernel a sequence over its ring and its entries (all ``bucket`` of them, or the top-k rows)."""
-    ids, rate = None, 1
+    ids = None
     if attn.compressor is not None:
-        ids, rate = _step_compressors(attn, index_q, inputs, positions, table, states, bucket), attn.compressor.rate
-    sinks, out = attn.sink_logits(1)[0, :, 0], torch.empty_like(q)
-    for b, state in enumerate(states):
-        entries = None if attn.compressor is None else state.compressor.entries.data
-        picks = None if ids is None else ids[b]
-        ring, key, position = state.window.buffer, inputs.kv[b], positions[b : b + 1]
-        attn_kernel.attend(q[b], ring, key, position, entries, picks, bucket, rate, sinks, attn.scale, out[b])
+        ids = _step_compressors(attn, index_q, inputs, positions, table, states, bucket)
+    out = torch.empty_like(q)
+    for step in _attention_steps(attn, q, inputs, positions, states, ids, bucket, out):
+        attn_kernel.attend(step)
     return out
 
 
@@ -177,10 +198,10 @@ def _compress_step(
         rows = table.entry_table(max(largest, 1), rate, kv_gate.dtype)
         norm = compressor.norm
         for b, state in enumerate(states):
-            compress_kernel.compress_decode(
+            compress_kernel.compress_decode(compress_kernel.CompressorStep(
                 state.open, state.prev_kv, state.prev_gate, compressor.ape, norm.weight, norm.eps, kv_gate[b : b + 1],
                 positions[b : b + 1], rows, state.entries, compressor.overlap, rate, width, dim,
-            )  # fmt: skip
+            ))  # fmt: skip
         return
     slot = positions % rate
     for b, state in enumerate(states):
