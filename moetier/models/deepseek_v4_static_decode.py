@@ -85,8 +85,14 @@ def attend(
     ``[B, heads, head_dim]`` (still rotated). Capturable for fixed ``states`` and ``bucket``; call
     :func:`advance` after (outside any graph). Where the attention kernel runs (:mod:`moetier.kernels.v4_attention`),
     the window's write, the masks and the sink attention are one launch a sequence."""
-    if _kernel_fits(attn, q, inputs, positions, states):
-        return _attend_kernel(attn, q, index_q, inputs, positions, table, states, bucket)
+    if _kernel_fits(attn, q, inputs, positions, states):  # the compressors and CSA's picks as below, then the kernel
+        ids = None
+        if attn.compressor is not None:
+            ids = _step_compressors(attn, index_q, inputs, positions, table, states, bucket)
+        out = torch.empty_like(q)
+        for step in _attention_steps(attn, q, inputs, positions, states, ids, bucket, out):
+            attn_kernel.attend(step)
+        return out
     keys, valid = _window_step([s.window for s in states], inputs.kv, positions)
     if attn.compressor is not None:
         entries, visible = _compressed_keys(attn, index_q, inputs, positions, table, states, bucket)
@@ -139,27 +145,6 @@ def _attention_steps(
         )  # fmt: skip
         for b, state in enumerate(states)
     ]
-
-
-def _attend_kernel(
-    attn: DeepseekV4Attention,
-    q: torch.Tensor,
-    index_q: torch.Tensor | None,
-    inputs: Projections,
-    positions: torch.Tensor,
-    table: RotaryTable,
-    states: list[LayerCache],
-    bucket: int,
-) -> torch.Tensor:
-    """:func:`attend` with the attention kernel: the compressors' steps and CSA's top-k as the torch path takes
-    them, then one kernel a sequence over its ring and its entries (all ``bucket`` of them, or the top-k rows)."""
-    ids = None
-    if attn.compressor is not None:
-        ids = _step_compressors(attn, index_q, inputs, positions, table, states, bucket)
-    out = torch.empty_like(q)
-    for step in _attention_steps(attn, q, inputs, positions, states, ids, bucket, out):
-        attn_kernel.attend(step)
-    return out
 
 
 def advance(states: list[LayerCache]) -> None:
