@@ -1,0 +1,92 @@
+"""V4's decode kernels compiled for the GPUs users run (no device needed): Triton's code generator and ptxas, which
+the interpreter of the other kernel tests never reaches (libdevice calls, layouts, loop-carried types, registers).
+
+Targets: sm_80 (A100), sm_86 (RTX 3090 / A6000), sm_89 (RTX 4090 / L40S), sm_90 (H100 / H200). Shapes are
+DeepSeek-V4-Flash's (head_dim 512, window 128, CSA rate 4, HCA rate 128, indexer dim 128, 256 experts of top-6,
+hidden 4096). A compile that fails here fails to the torch ops on a user's GPU (the kernels' guard) and costs them
+the kernel's speed, silently but for a log line.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from moetier.kernels import rope_rotate, swiglu, v4_attention, v4_compress, v4_router  # noqa: E402
+
+TARGETS = [80, 86, 89, 90]
+CUDA = {"LIBDEVICE": True}  # the kernels that take libdevice's functions where compiled (the interpreter has none)
+
+
+def _attention(picked: bool, slots: int, dtype: str) -> tuple:
+    pointers = dict.fromkeys(["q", "ring", "new_key", "entries", "out"], f"*{dtype}")
+    sig = {**pointers, "position": "*i64", "ids": "*i64", "sinks": "*fp32", "capacity": "i32", "rate": "i32"}
+    consts = {"SLOTS": slots, "W": 128, "D": 512, "S": 32, "PICKED": picked, "ROUND": dtype != "fp32"}
+    return v4_attention._attend_kernel, {**sig, "scale": "fp32"}, consts, 8
+
+
+def _pool(rate: int, dim: int, overlap: bool) -> tuple:
+    width, window = (2 * dim, 2 * rate) if overlap else (dim, rate)
+    rows = min(triton.next_power_of_2(window), v4_compress.BLOCK_ELEMENTS // 2)
+    sig = {"open": "*bf16", "row": "*bf16", "prev_kv": "*bf16", "prev_gate": "*fp32", "ape": "*fp32"}
+    sig |= {"position": "*i64", "pooled": "*bf16"} | dict.fromkeys(
+        ["stride_open", "stride_ape", "stride_prev_kv", "stride_prev_gate"], "i32"
+    )
+    consts = {"RATE": rate, "WIDTH": width, "DIM": dim, "OVERLAP": overlap, "POOL": True, "WINDOW": window}
+    consts |= {"ROWS": rows, "CB": max(2, min(dim, v4_compress.BLOCK_ELEMENTS // rows))}
+    consts |= {"ROW_BLOCK": triton.next_power_of_2(2 * width)} | CUDA
+    return v4_compress._pool_kernel, sig, consts, 4
+
+
+def _finish(rate: int, dim: int, store: bool) -> tuple:
+    sig = {"pooled": "*bf16", "weight": "*fp32", "position": "*i64", "table": "*fp32", "entries": "*bf16"}
+    sig |= {"out": "*bf16", "at_out": "*i64", "closing_out": "*u8"}
+    sig |= dict.fromkeys(["stride_table", "stride_part", "stride_entries", "capacity"], "i32") | {"eps": "fp32"}
+    return v4_compress._finish_kernel, sig, {"RATE": rate, "DIM": dim, "R": 64, "STORE": store}, 8
+
+
+def _route(hashed: bool, sigmoid: bool) -> tuple:
+    sig = {"logits": "*fp32", "bias": "*fp32", "tid2eid": "*i64", "input_ids": "*i64", "ids": "*i64"}
+    sig |= {"weights": "*bf16", "E": "i32", "stride_tid": "i32", "scaling": "fp32"}
+    consts = {"K": 6, "KB": 8, "EP": 256, "HASHED": hashed, "SIGMOID": sigmoid} | CUDA
+    return v4_router._route_kernel, sig, consts, 1
+
+
+def _kernels() -> dict[str, tuple]:
+    logits = {"x": "*bf16", "weight": "*bf16", "out": "*fp32", "stride_x": "i32", "stride_w": "i32", "E": "i32"}
+    gated = {"gate": "*bf16", "up": "*bf16", "out": "*bf16", "cols": "i32", "stride_gate": "i32", "stride_up": "i32"}
+    angles = {"positions": "*i64", "inv_freq": "*fp32", "factor": "fp32"}
+    angles |= dict.fromkeys(["cos", "sin", "sin_inverse"], "*fp32") | {"n": "i32"}
+    return {
+        "attention window+entries bf16": _attention(False, 16, "bf16"),
+        "attention top-k picks bf16": _attention(True, 512, "bf16"),
+        "attention long bucket bf16": _attention(False, 1024, "bf16"),
+        "attention fp32": _attention(False, 16, "fp32"),
+        "compressor pool HCA": _pool(128, 512, False),
+        "compressor pool CSA": _pool(4, 512, True),
+        "compressor pool indexer": _pool(4, 128, True),
+        "compressor finish, plain entry": _finish(128, 512, True),
+        "compressor finish, fp8 entry": _finish(4, 128, False),
+        "router logits": (v4_router._logits_kernel, logits, {"H": 4096, "EB": 4, "HB": 1024}, 4),
+        "router learned": _route(False, False),
+        "router hashed": _route(True, False),
+        "router sigmoid": _route(False, True),
+        "swiglu clamped": (swiglu._swiglu_kernel, gated | {"limit": "fp32"}, {"CLAMP": True, "BLOCK": 1024} | CUDA, 4),
+        "rope angles": (rope_rotate._angles_kernel, angles, {"R": 64, "ROUND": 1, "ROWS": 16} | CUDA, 1),
+    }
+
+
+KERNELS = _kernels()
+
+
+@pytest.mark.parametrize("capability", TARGETS, ids=[f"sm_{c}" for c in TARGETS])
+@pytest.mark.parametrize("name", KERNELS)
+def test_the_decode_kernels_compile_for_the_users_gpus(name, capability):
+    fn, signature, constexprs, warps = KERNELS[name]
+    source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": warps})
+    assert "cubin" in compiled.asm  # through ptxas: registers allocated for the target
+    assert ".local" not in compiled.asm["ptx"] or name == "rope angles"  # no spills (libdevice's sin/cos use some)
