@@ -21,11 +21,11 @@ TARGETS = [80, 86, 89, 90]
 CUDA = {"LIBDEVICE": True}  # the kernels that take libdevice's functions where compiled (the interpreter has none)
 
 
-def _attention(picked: bool, slots: int, dtype: str) -> tuple:
+def _attention(picked: bool, dtype: str) -> tuple:
     pointers = dict.fromkeys(["q", "ring", "new_key", "entries", "out"], f"*{dtype}")
     sig = {**pointers, "position": "*i64", "ids": "*i64", "sinks": "*fp32", "capacity": "i32", "rate": "i32"}
-    consts = {"SLOTS": slots, "W": 128, "D": 512, "S": 32, "PICKED": picked, "ROUND": dtype != "fp32"}
-    return v4_attention._attend_kernel, {**sig, "scale": "fp32"}, consts, 8
+    consts = {"W": 128, "D": 512, "S": 32, "PICKED": picked, "ROUND": dtype != "fp32"}
+    return v4_attention._attend_kernel, {**sig, "scale": "fp32", "slots": "i32"}, consts, 8
 
 
 def _pool(rate: int, dim: int, overlap: bool) -> tuple:
@@ -61,10 +61,9 @@ def _kernels() -> dict[str, tuple]:
     angles = {"positions": "*i64", "inv_freq": "*fp32", "factor": "fp32"}
     angles |= dict.fromkeys(["cos", "sin", "sin_inverse"], "*fp32") | {"n": "i32"}
     return {
-        "attention window+entries bf16": _attention(False, 16, "bf16"),
-        "attention top-k picks bf16": _attention(True, 512, "bf16"),
-        "attention long bucket bf16": _attention(False, 1024, "bf16"),
-        "attention fp32": _attention(False, 16, "fp32"),
+        "attention window+entries bf16": _attention(False, "bf16"),
+        "attention top-k picks bf16": _attention(True, "bf16"),
+        "attention fp32": _attention(False, "fp32"),
         "compressor pool HCA": _pool(128, 512, False),
         "compressor pool CSA": _pool(4, 512, True),
         "compressor pool indexer": _pool(4, 128, True),

@@ -117,10 +117,12 @@ if triton is not None:
 
     @triton.jit
     def _attend_kernel(
-        q, ring, new_key, position, entries, ids, sinks, out, capacity, rate, scale,
-        SLOTS: tl.constexpr, W: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PICKED: tl.constexpr,
-        ROUND: tl.constexpr,
+        q, ring, new_key, position, entries, ids, sinks, out, capacity, rate, scale, slots,
+        W: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PICKED: tl.constexpr, ROUND: tl.constexpr,
     ):  # fmt: skip
+        # The entry slots are a run-time count, looped over by ``while`` (Triton's interpreter cannot take a kernel
+        # argument as a ``range`` bound): one compiled kernel as a long session's bucket doubles, where a
+        # constexpr count compiled again (~1 s) at each doubling.
         # One program a head: a decode step's few keys (window + entries) are read by every head from L2, and
         # ~64 programs keep as many SMs busy where a [16-head] tensor-core tile kept 4 (20-25 us a call, H200).
         h = tl.program_id(0)
@@ -140,12 +142,14 @@ if triton is not None:
             m_new = tl.maximum(m, tl.max(s, axis=0))
             total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
             m = m_new
-        for start in range(0, SLOTS, S):
-            keys, valid = _entry_keys(entries, ids, start, SLOTS, ready, capacity, d, S, D, PICKED)
+        start = 0
+        while start < slots:
+            keys, valid = _entry_keys(entries, ids, start, slots, ready, capacity, d, S, D, PICKED)
             s = _logits(query, keys, valid, scale, ROUND)
             m_new = tl.maximum(m, tl.max(s, axis=0))
             total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
             m = m_new
+            start += S
         # Pass 2: the probabilities, rounded to the model's dtype as torch's ``.to(q.dtype)``, times the keys.
         acc = tl.zeros([D], tl.float32)
         for start in range(0, W, S):
@@ -153,11 +157,13 @@ if triton is not None:
             s = _logits(query, keys, valid, scale, ROUND)
             probs = (tl.exp(s - m) / total).to(keys.dtype).to(tl.float32)
             acc += tl.sum(probs[:, None] * keys.to(tl.float32), axis=0)
-        for start in range(0, SLOTS, S):
-            keys, valid = _entry_keys(entries, ids, start, SLOTS, ready, capacity, d, S, D, PICKED)
+        start = 0
+        while start < slots:
+            keys, valid = _entry_keys(entries, ids, start, slots, ready, capacity, d, S, D, PICKED)
             s = _logits(query, keys, valid, scale, ROUND)
             probs = (tl.exp(s - m) / total).to(keys.dtype).to(tl.float32)
             acc += tl.sum(probs[:, None] * keys.to(tl.float32), axis=0)
+            start += S
         tl.store(out + h * D + d, acc.to(out.dtype.element_ty))
 
 
@@ -192,7 +198,7 @@ def attend_triton(step: AttentionStep) -> torch.Tensor:
     table = entries if entries is not None and capacity else ring  # never read where no entry is (masked)
     _attend_kernel[(heads,)](
         q, ring, new_key, position, table, ids if ids is not None else position, sinks, out, capacity,
-        max(rate, 1), scale, SLOTS=slots, W=ring.shape[0], D=dim, S=max(1, min(64, 16384 // dim)),
+        max(rate, 1), scale, slots, W=ring.shape[0], D=dim, S=max(1, min(64, 16384 // dim)),
         PICKED=ids is not None, ROUND=q.dtype != torch.float32, num_warps=8 if dim >= 256 else 4,
     )  # fmt: skip
     return out
