@@ -50,7 +50,9 @@
 # CPU tier's Python worker thread instead of its native one), to compare with the main decode run.
 # TRACE=modes (e.g. "tiered") saves those modes' profiled 1-stream decode steps as gzipped Chrome traces.
 # ALT_TREE=dir adds a decode run of ALT_MODES (default resident,tiered) from the moetier source tree in dir (another
-# version of the code, e.g. a git archive of a branch), on the same bench model: an A/B of two versions in one call.
+# version of the code, e.g. a git archive of a branch), on the same bench model: an A/B of two versions in one call;
+# with ALT_TRACE=1 (and TRACE) its traces too, under alt-trace/. Every trace's kernels per step go to the log
+# (moetier.bench.trace_kernels).
 # GRAPHS_CHECK=1 adds two decode runs (resident and tiered, 1 and 4 streams) with MOETIER_CUDA_GRAPHS=0, then =1.
 # The bench model is deleted at the end (KEEP_MODEL=1 keeps it): a second suite in the same call may need the disk.
 # One command runs at most 10 minutes on the device:
@@ -233,11 +235,21 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     fi
     if [ -n "${ALT_TREE:-}" ]; then  # ALT_MODES (default resident,tiered) again from the source tree ALT_TREE
         echo "=== decode from the tree $ALT_TREE" >> "$LOG"
-        # its receipt's git sha ends in -alt (the tree is another commit than this checkout)
+        # its receipt's git sha ends in -alt (the tree is another commit than this checkout); ALT_TRACE=1 saves its
+        # TRACE modes' traces too, into $OUT/alt-trace (the main run's keep their names)
+        alt_trace=()
+        [ -n "${ALT_TRACE:-}" ] && [ -n "${TRACE:-}" ] && mkdir -p "$OUT/alt-trace" && alt_trace=(--trace "$TRACE")
+        alt_out=$OUT
+        [ ${#alt_trace[@]} -gt 0 ] && alt_out=$OUT/alt-trace
         (cd "$ALT_TREE" && export PYTHONPATH=/tmp/site:$PWD MOETIER_GIT_SHA="${MOETIER_GIT_SHA:-unknown}-alt" \
-            && bench decode 300 --streams 1,2,4 --cache-fraction 0.05 \
-            --policy lfu --modes "${ALT_MODES:-resident,tiered}")
+            && OUT=$alt_out bench decode 300 --streams 1,2,4 --cache-fraction 0.05 \
+            --policy lfu --modes "${ALT_MODES:-resident,tiered}" "${alt_trace[@]}")
     fi
+    for trace_file in "$OUT"/decode-trace-*.json.gz "$OUT"/alt-trace/decode-trace-*.json.gz; do  # kernels a step
+        [ -f "$trace_file" ] || continue
+        echo "=== kernels per decode step: $trace_file" >> "$LOG"
+        python3 -m moetier.bench.trace_kernels "$trace_file" --top 30 2>&1 | tail -32 | tee -a "$LOG"
+    done
     if [ -n "${GRAPHS_CHECK:-}" ]; then  # decode CUDA graphs off, then on (Qwen3 / V3 graphs are opt-in)
         for graphs in 0 1; do
             MOETIER_CUDA_GRAPHS=$graphs bench decode 300 --streams 1,4 --repeats 2 --modes resident,tiered \

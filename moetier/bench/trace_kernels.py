@@ -1,0 +1,139 @@
+"""What a decode step's kernels are, from a decode trace (``bench decode --trace``): per step, how many kernels ran,
+their summed time, the span from the step's first kernel to its end, and the kernels grouped by name.
+
+A 1-stream decode step ends with the LM head, the one GEMM of the step longer than :data:`STEP_END_US` at the
+bench shapes (~235 us for V4's 129k x 4096 head on the H200; a layer's other kernels are a few to ~50 us), so steps
+are cut after each kernel that long. The first step (warm-up of the profiler) is left out of the averages.
+This is how the backbone's kernel count and time were read off the traces of earlier sessions; comparing two trees'
+traces (``ALT_TRACE=1`` in ``bench/gpu_suite.sh``) shows what a change did to the step.
+
+``python -m moetier.bench.trace_kernels TRACE.json.gz [--top N] [--json]`` prints the steps and the heaviest names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import median
+
+from moetier.bench.trace_phases import device_events, read_trace
+
+STEP_END_US = 200.0
+
+
+@dataclass
+class KernelGroup:
+    """Kernels of one (shortened) name within a step: how many ran and their summed microseconds."""
+
+    name: str
+    count: int = 0
+    us: float = 0.0
+
+
+@dataclass
+class StepKernels:
+    """One decode step's kernels: ``count``, their summed time ``busy_us``, ``span_us`` from the first kernel's
+    start to the last one's end, and ``groups`` by name, heaviest first."""
+
+    count: int
+    busy_us: float
+    span_us: float
+    groups: list[KernelGroup] = field(default_factory=list)
+
+
+_OPERATION = re.compile(r"(\w+?(?:_kernel\w*|Functor\w*|Ops|_functor))\b")
+# Launchers and wrappers of torch's generic kernels: the operation is the first name inside them that is not one.
+_GENERIC = frozenset(
+    [
+        "gpu_kernel_impl",
+        "gpu_kernel_impl_nocast",
+        "elementwise_kernel",
+        "vectorized_elementwise_kernel",
+        "index_elementwise_kernel",
+        "unrolled_elementwise_kernel",
+        "AUnaryFunctor",
+        "BUnaryFunctor",
+        "BinaryFunctor",
+        "reduce_kernel",
+    ]
+)
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its template arguments and namespaces, and for torch's generic kernels the operation
+    they run (``elementwise_kernel[masked_fill_kernel]``, ``reduce_kernel[ArgMaxOps]``)."""
+    name = re.sub(r"\(anonymous namespace\)::", "", name).replace("at::native::", "")
+    head, _, rest = name.partition("<")
+    head = head.split("(", 1)[0].replace("void ", "").strip() or name[:60]
+    operation = next((m for m in _OPERATION.findall(rest) if m not in _GENERIC and m != head), None)
+    return f"{head}[{operation}]" if operation else head
+
+
+def steps(trace: dict, step_end_us: float = STEP_END_US) -> list[StepKernels]:
+    """The trace's kernels cut into steps after each kernel of at least ``step_end_us``."""
+    kernels = [e for e in device_events(trace) if e.get("cat") == "kernel"]
+    found, current = [], []
+    for event in kernels:
+        current.append(event)
+        if float(event.get("dur", 0.0)) >= step_end_us:
+            found.append(_step(current))
+            current = []
+    return found
+
+
+def _step(events: list[dict]) -> StepKernels:
+    groups: dict[str, KernelGroup] = defaultdict(lambda: KernelGroup(""))
+    for event in events:
+        group = groups[short_name(event["name"])]
+        group.count += 1
+        group.us += float(event.get("dur", 0.0))
+    for name, group in groups.items():
+        group.name = name
+    first, last = events[0], events[-1]
+    span = float(last["ts"]) + float(last.get("dur", 0.0)) - float(first["ts"])
+    busy = sum(float(e.get("dur", 0.0)) for e in events)
+    return StepKernels(len(events), busy, span, sorted(groups.values(), key=lambda g: -g.us))
+
+
+def summary(found: list[StepKernels], top: int = 25) -> dict:
+    """The steps after the first: the medians of count, busy and span (a step the host delayed stretches its span
+    alone), and the last step's ``top`` heaviest names."""
+    measured = found[1:] or found
+    if not measured:
+        return {"steps": 0}
+    return {
+        "steps": len(measured),
+        "kernels": median(s.count for s in measured),
+        "busy_us": median(s.busy_us for s in measured),
+        "span_us": median(s.span_us for s in measured),
+        "heaviest": [asdict(g) for g in measured[-1].groups[:top]],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--top", type=int, default=25, help="kernel names listed, heaviest first")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = parser.parse_args(argv)
+    found = steps(read_trace(args.trace))
+    result = summary(found, args.top)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    for i, step in enumerate(found):
+        print(f"step {i}: {step.count} kernels, {step.busy_us:.1f} us busy, {step.span_us:.1f} us span")
+    if result["steps"]:
+        print(f"median of {result['steps']}: {result['kernels']:.1f} kernels, {result['busy_us']:.1f} us busy, "
+              f"{result['span_us']:.1f} us span")  # fmt: skip
+        for group in result["heaviest"]:
+            print(f"{group['us']:9.1f} us {group['count']:4d}x {group['name']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""moetier.bench.trace_kernels: a decode step's kernels (count, busy time, span, by name), from a decode trace."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+from moetier.bench.trace_kernels import main, short_name, steps, summary
+
+_ADD = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul> >"
+_MASK = "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::(anonymous namespace)::masked_fill_kernel(at::TensorIterator&)> >(int)"  # noqa: E501
+
+
+def _kernel(name: str, ts: float, dur: float) -> dict:
+    return {"name": name, "ts": ts, "dur": dur, "cat": "kernel"}
+
+
+def _step(start: float, extra: float = 0.0) -> list[dict]:
+    """Three small kernels and an LM head: 10 + 20 + 5 + 250 us busy, the head starting ``extra`` us late."""
+    return [
+        _kernel(_ADD, start, 10),
+        _kernel(_MASK, start + 12, 20),
+        _kernel("_rms_norm_kernel", start + 33, 5),
+        _kernel("nvjet_sm90_lm_head", start + 40 + extra, 250),
+    ]
+
+
+TRACE = {
+    "traceEvents": _step(0, extra=500)  # the profiler's first step: left out of the summary
+    + _step(1000)
+    + _step(2000, extra=100)  # a step the host delayed
+    + _step(3000)
+    + [{"name": "segments", "ts": 5, "dur": 900, "cat": "user_annotation"}]  # host events are not kernels
+}
+
+
+def test_torch_kernels_are_named_by_their_operation():
+    assert short_name(_ADD) == "vectorized_elementwise_kernel[CUDAFunctor_add]"
+    assert short_name(_MASK) == "elementwise_kernel[masked_fill_kernel]"
+    assert short_name("_attend_kernel") == "_attend_kernel"
+
+
+def test_steps_end_at_the_lm_head_and_the_summary_takes_medians_after_the_first():
+    found = steps(TRACE)
+    assert [s.count for s in found] == [4, 4, 4, 4]
+    assert [s.span_us for s in found] == [790, 290, 390, 290]
+    assert all(s.busy_us == 285 for s in found)
+    assert found[1].groups[0].name == "nvjet_sm90_lm_head" and found[1].groups[0].count == 1
+    result = summary(found, top=2)
+    assert result["steps"] == 3 and result["kernels"] == 4 and result["span_us"] == 290 and result["busy_us"] == 285
+    assert [g["name"] for g in result["heaviest"]] == ["nvjet_sm90_lm_head", "elementwise_kernel[masked_fill_kernel]"]
+
+
+def test_the_command_line_prints_steps_and_json(tmp_path, capsys):
+    path = tmp_path / "decode-trace-resident.json.gz"
+    with gzip.open(path, "wt") as dst:
+        json.dump(TRACE, dst)
+    assert main([str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["span_us"] == 290
+    assert main([str(path), "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "step 0: 4 kernels" in out and "median of 3: 4.0 kernels, 285.0 us busy, 290.0 us span" in out
