@@ -96,6 +96,9 @@ def test_the_attention_falls_back_where_the_kernel_does_not_fit():
     q, ring, new = torch.randn(4, 32), torch.randn(8, 32), torch.randn(32)
     assert k.fits(step(q, ring, new, pos))
     assert not k.fits(step(q, ring, new, pos.int()))  # int64 positions only
+    entries = torch.randn(k.MAX_KEYS, 32)
+    many = k.AttentionStep(q, ring, new, pos, entries, None, k.MAX_KEYS - ring.shape[0], 4, sinks, 0.1)
+    assert k.fits(many) and not k.fits(k.AttentionStep(*many.parts()[:6], k.MAX_KEYS, *many.parts()[7:]))
     ours, ref = ring.clone(), ring.clone()
     got = k.attend(step(q, ours, new, pos))  # on the CPU: the torch ops
     assert torch.equal(got, k.attend_reference(step(q, ref, new, pos)))

@@ -32,6 +32,11 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch 
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
+# Keys (window + entry slots) the kernel takes. Each program (a head) reads them in serial blocks, twice, where the
+# torch ops' products spread over the device: past ~1k keys (HCA beyond ~128k tokens) the kernel would fall behind
+# them (estimated ~0.5 us a block of 32 keys against their ~40 us, launch-bound; not measured yet).
+MAX_KEYS = 128 + 1024
+
 _BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on with the torch ops
 
 
@@ -173,9 +178,11 @@ def usable(q: torch.Tensor) -> bool:
 
 
 def fits(step: AttentionStep) -> bool:
-    """Whether :func:`attend`'s arguments suit the kernel (else it runs the torch ops)."""
-    q, ring, new_key, position, entries, ids, _, _, sinks, _, _ = step.parts()
+    """Whether :func:`attend`'s arguments suit the kernel (else it runs the torch ops): at most :data:`MAX_KEYS`
+    keys among them."""
+    q, ring, new_key, position, entries, ids, slots, _, sinks, _, _ = step.parts()
     heads, dim = q.shape
+    keys = ring.shape[0] + (0 if entries is None else ids.shape[0] if ids is not None else slots)
     tensors = [q, ring, new_key] + ([] if entries is None else [entries])
     return (
         q.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -185,6 +192,7 @@ def fits(step: AttentionStep) -> bool:
         and position.dtype == torch.int64 and position.numel() == 1 and position.device == q.device
         and sinks.dtype == torch.float32 and sinks.shape == (heads,) and sinks.is_contiguous()
         and (ids is None or (ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_contiguous()))
+        and keys <= MAX_KEYS
     )  # fmt: skip
 
 

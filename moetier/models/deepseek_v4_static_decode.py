@@ -85,7 +85,7 @@ def attend(
     ``[B, heads, head_dim]`` (still rotated). Capturable for fixed ``states`` and ``bucket``; call
     :func:`advance` after (outside any graph). Where the attention kernel runs (:mod:`moetier.kernels.v4_attention`),
     the window's write, the masks and the sink attention are one launch a sequence."""
-    if _kernel_fits(attn, q, inputs, positions, states):  # the compressors and CSA's picks as below, then the kernel
+    if _kernel_fits(attn, q, inputs, positions, states, bucket):  # compressors and CSA's picks as below, the kernel
         ids = None
         if attn.compressor is not None:
             ids = _step_compressors(attn, index_q, inputs, positions, table, states, bucket)
@@ -104,15 +104,21 @@ def attend(
 
 
 def _kernel_fits(
-    attn: DeepseekV4Attention, q: torch.Tensor, inputs: Projections, positions: torch.Tensor, states: list[LayerCache]
+    attn: DeepseekV4Attention,
+    q: torch.Tensor,
+    inputs: Projections,
+    positions: torch.Tensor,
+    states: list[LayerCache],
+    bucket: int,
 ) -> bool:
     """Whether every sequence's attention suits the kernel: entries stored in the model's dtype (fp8 stores keep
-    the torch ops, which convert only the rows they read)."""
+    the torch ops, which convert only the rows they read), and few enough keys (the bucket, or CSA's top-k)."""
     if not attn_kernel.usable(q):
         return False
     if attn.compressor is not None and any(state.compressor.entries.scales is not None for state in states):
         return False
-    return all(attn_kernel.fits(step) for step in _attention_steps(attn, q, inputs, positions, states, None, 0))
+    slots = bucket if attn.indexer is None or bucket <= attn.indexer.topk else attn.indexer.topk
+    return all(attn_kernel.fits(step) for step in _attention_steps(attn, q, inputs, positions, states, None, slots))
 
 
 def _attention_steps(
