@@ -181,7 +181,7 @@ def _compress_step(
 ) -> None:
     """Each sequence's row into its open window; the window pooled (masked to its rows so far), rotated at
     its entry's position, and written as entry ``p // rate`` where it closes. Where the compressor kernel runs
-    (:mod:`moetier.kernels.v4_compress`), one launch a sequence."""
+    (:mod:`moetier.kernels.v4_compress`), two launches a sequence."""
     rate, width, dim = compressor.rate, states[0].width, compressor.dim
     capacities = [state.entries.capacity for state in states]
     largest = max(capacities)
