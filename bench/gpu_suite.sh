@@ -27,6 +27,8 @@
 # route's reads over PCIe, DMA copies, the DRAM read; LINKS_ARGS: its extra flags, e.g. "--cpu-experts 6"), and
 # with ALT_TREE the same again from that tree (its receipt's git sha ends in -alt); LINKS_FORMATS="fp4 fp4_e8m0" runs
 # it once per expert format named.
+# V4_KERNELS=1 adds `moetier bench v4-kernels` (V4's decode kernels alone against their torch ops, us a call in CUDA
+# graphs: attention at several entry counts, compressors, router, SwiGLU, greedy tokens; V4_KERNELS_ARGS: its flags).
 # DISPATCH_HOST=1 adds `moetier bench dispatch-host` (the host's us and aten calls per MoE dispatch call, per
 # dispatcher, small experts; DISPATCH_HOST_ARGS: its extra flags).
 # FP4_SCALES_AB=1 (with FP4_EXPERTS=1) adds a decode run of FP4_SCALES_AB_MODES (default cpu,copy,tiered,mapped-cpu)
@@ -148,6 +150,12 @@ if [ -n "${LINKS:-}" ]; then  # the home copy's links alone and at once, no mode
             && timeout 240 python3 -m moetier.cli bench links "${links_args[@]}" --out "$OUT") 2>&1 | tee -a "$LOG"
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     fi
+fi
+if [ -n "${V4_KERNELS:-}" ]; then  # V4's decode kernels alone against their torch ops, in CUDA graphs, no model needed
+    echo "=== bench v4-kernels" >> "$LOG"
+    eval "v4_kernels_args=(${V4_KERNELS_ARGS:-})"
+    timeout 240 python3 -m moetier.cli bench v4-kernels "${v4_kernels_args[@]}" --out "$OUT" 2>&1 | tee -a "$LOG"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [ -n "${DISPATCH_HOST:-}" ]; then  # the host's cost of one MoE dispatch call, per dispatcher, no model needed
     echo "=== bench dispatch-host" >> "$LOG"

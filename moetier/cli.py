@@ -342,6 +342,7 @@ def _setup_bench(parser: argparse.ArgumentParser) -> None:
         prefill,
         serve,
         trace_routing,
+        v4_kernels,
     )
 
     kinds = parser.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
@@ -370,6 +371,9 @@ def _setup_bench(parser: argparse.ArgumentParser) -> None:
     )
     dispatch_host.configure_parser(
         kinds.add_parser("dispatch-host", help="the host's cost of one MoE dispatch call: us and aten calls per call")
+    )
+    v4_kernels.configure_parser(
+        kinds.add_parser("v4-kernels", help="V4's decode kernels alone against their torch ops: us a call in graphs")
     )
 
 

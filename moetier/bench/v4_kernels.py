@@ -1,0 +1,209 @@
+"""``moetier bench v4-kernels``: DeepSeek-V4's decode kernels alone against the torch ops they replace, per call.
+
+Each case runs one call of the kernel path and one of its torch reference on the same random inputs of
+DeepSeek-V4-Flash's shapes (64 heads of 512, window 128, CSA rate 4 with a 512 top-k, HCA rate 128, 256 experts of
+top-6 over a 4096 hidden, a 129k vocabulary). On CUDA each side is captured ``--calls`` times into one CUDA graph,
+as a decode step replays them, and the graph's replays are timed with events: the device time per call including
+the gaps between a graph's kernels, what a step pays. Off CUDA both sides run eagerly and the timings only smoke-test
+the bench (the kernels run on CUDA only). The attention runs at several entry-slot counts (``--slots``), the
+long-context question: where its serial blocks per head fall behind the torch ops' products
+(:data:`moetier.kernels.v4_attention.MAX_KEYS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetier.bench.common import parse_names, write_receipt_files
+from moetier.bench.environment import environment
+from moetier.config import default_device
+from moetier.engine.sampling import greedy_tokens
+from moetier.errors import ConfigError
+from moetier.kernels import swiglu, v4_attention, v4_compress, v4_router
+from moetier.models.cache import KVRows
+
+CASES = ("attention", "compressor", "router", "swiglu", "greedy")
+Side = Callable[[], Any]
+
+
+def time_calls(fn: Side, device: torch.device, calls: int, rounds: int = 5) -> float:
+    """Microseconds per call of ``fn``: the median of ``rounds`` replays of a CUDA graph of ``calls`` calls on CUDA
+    (after an eager warm-up that compiles), of eager loops elsewhere."""
+    fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - start) / calls * 1e6)
+        return statistics.median(times)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(rounds):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def _randn(*shape: int, device: torch.device, dtype: torch.dtype = torch.bfloat16, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+
+def attention_sides(slots: int, picked: bool, device: torch.device, g: torch.Generator) -> tuple[Side, Side]:
+    """One sequence's attention past its window's fill, ``slots`` entries complete (CSA's ``picked`` top-k rows)."""
+    heads, dim, window, rate = 64, 512, 128, 4 if picked else 128
+    capacity = 4 * slots if picked else slots
+    q, ring = _randn(heads, dim, device=device, g=g), _randn(window, dim, device=device, g=g)
+    new, entries = _randn(dim, device=device, g=g), _randn(capacity, dim, device=device, g=g)
+    position = torch.tensor([capacity * rate], device=device)
+    ids = torch.randperm(capacity, generator=g)[:slots].to(device) if picked else None
+    sinks = torch.randn(heads, generator=g).to(device)
+    step = v4_attention.AttentionStep(q, ring, new, position, entries, ids, slots, rate, sinks, dim**-0.5)
+    return lambda: v4_attention.attend(step), lambda: v4_attention.attend_reference(step)
+
+
+def compressor_sides(rate: int, dim: int, overlap: bool, device: torch.device, g: torch.Generator) -> tuple[Side, Side]:
+    """One sequence's compressor step with 64 entries of capacity (the kernel pools every step, closing or not)."""
+    width = 2 * dim if overlap else dim
+    states = []
+    for _ in range(2):  # the kernel's and the reference's own states
+        open_rows = _randn(rate, 2 * width, device=device, g=g)
+        prev_kv = _randn(1, rate, dim, device=device, g=g) if overlap else None
+        prev_gate = _randn(1, rate, dim, device=device, dtype=torch.float32, g=g) if overlap else None
+        states.append((open_rows, prev_kv, prev_gate, KVRows((), 64, dim, torch.bfloat16, device)))
+    ape, weight = _randn(rate, width, device=device, dtype=torch.float32, g=g), torch.ones(dim, device=device)
+    row, position = _randn(1, 2 * width, device=device, g=g), torch.tensor([5 * rate + rate // 2], device=device)
+    table = torch.randn(64, 3, 64, generator=g).to(device)
+
+    def step(state: tuple) -> v4_compress.CompressorStep:
+        open_rows, prev_kv, prev_gate, entries = state
+        return v4_compress.CompressorStep(
+            open_rows, prev_kv, prev_gate, ape, weight, 1e-6, row, position, table, entries, overlap, rate, width, dim
+        )
+
+    ours, ref = step(states[0]), step(states[1])
+    return lambda: v4_compress.compress_decode(ours), lambda: v4_compress.compress_decode_reference(ref)
+
+
+def router_sides(tokens: int, hashed: bool, device: torch.device, g: torch.Generator) -> tuple[Side, Side]:
+    """A decode router of 256 experts over a 4096 hidden, top-6 (learned, with its bias, or hashed)."""
+    experts, hidden, k, vocab = 256, 4096, 6, 1024
+    x, weight = _randn(tokens, hidden, device=device, g=g), _randn(experts, hidden, device=device, g=g)
+    bias = None if hashed else torch.randn(experts, generator=g).to(device)
+    table = torch.randint(0, experts, (vocab, k), generator=g).to(device) if hashed else None
+    ids = torch.randint(0, vocab, (tokens,), generator=g).to(device)
+
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.nn.functional.softplus(torch.nn.functional.linear(x.float(), weight.float())).sqrt()
+        picks = table[ids] if hashed else torch.topk(scores + bias.float(), k, dim=-1, sorted=False).indices
+        chosen = scores.gather(1, picks)
+        return picks, (chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20) * 1.5).to(x.dtype)
+
+    def kernel() -> tuple[torch.Tensor, torch.Tensor]:
+        return v4_router.route(x, weight, bias, table, ids if hashed else None, k, 1.5, "sqrtsoftplus", reference)
+
+    return kernel, reference
+
+
+def swiglu_sides(tokens: int, device: torch.device, g: torch.Generator) -> tuple[Side, Side]:
+    """The shared expert's clamped SwiGLU (2048 wide) on the halves of one fused projection's output."""
+    both = _randn(tokens, 4096, device=device, g=g) * 6
+    gate, up = both[:, :2048], both[:, 2048:]
+    return lambda: swiglu.swiglu(gate, up, 10.0), lambda: swiglu.swiglu_reference(gate, up, 10.0)
+
+
+def greedy_sides(rows: int, device: torch.device, g: torch.Generator) -> tuple[Side, Side]:
+    """Greedy tokens of ``rows`` rows of V4's 129,280 logits (float32)."""
+    logits = torch.randn(rows, 129_280, generator=g).to(device)
+    return lambda: greedy_tokens(logits), lambda: logits.argmax(dim=-1)
+
+
+def cases(names: list[str], slots: list[int], device: torch.device) -> list[tuple[str, Side, Side]]:
+    """The (name, kernel side, torch side) of each case asked for."""
+    g = torch.Generator().manual_seed(0)
+    found: list[tuple[str, Side, Side]] = []
+    if "attention" in names:
+        found += [(f"attention, {n} entries", *attention_sides(n, False, device, g)) for n in slots]
+        found.append(("attention, CSA top-512 picks", *attention_sides(512, True, device, g)))
+    if "compressor" in names:
+        for name, rate, dim, overlap in (("HCA", 128, 512, False), ("CSA", 4, 512, True), ("indexer", 4, 128, True)):
+            found.append(
+                (f"compressor {name} (rate {rate}, dim {dim})", *compressor_sides(rate, dim, overlap, device, g))
+            )
+    if "router" in names:
+        found += [(f"router {kind}, {t} tokens", *router_sides(t, kind == "hashed", device, g))
+                  for kind in ("learned", "hashed") for t in (1, 4)]  # fmt: skip
+    if "swiglu" in names:
+        found += [(f"swiglu, {t} tokens", *swiglu_sides(t, device, g)) for t in (1, 4)]
+    if "greedy" in names:
+        found += [(f"greedy tokens, {b} rows", *greedy_sides(b, device, g)) for b in (1, 4)]
+    return found
+
+
+def run_bench(names: list[str], slots: list[int], calls: int, device: torch.device) -> dict[str, Any]:
+    """Every case's kernel and torch microseconds per call -> the receipt."""
+    results = []
+    for name, kernel, reference in cases(names, slots, device):
+        ours, theirs = time_calls(kernel, device, calls), time_calls(reference, device, calls)
+        results.append({"case": name, "kernel_us": ours, "torch_us": theirs, "speedup": theirs / ours})
+        print(f"{name}: kernel {ours:.1f} us, torch {theirs:.1f} us ({theirs / ours:.2f}x)", flush=True)
+    broken = {m.__name__: list(m._BROKEN) for m in (v4_attention, v4_compress, v4_router, swiglu) if m._BROKEN}
+    return {"kind": "v4-kernels", "environment": environment(), "device": str(device), "calls": calls,
+            "results": results, "broken": broken}  # fmt: skip
+
+
+def markdown_table(receipt: dict[str, Any]) -> str:
+    timing = "a CUDA graph, median of 5 replays" if receipt["device"].startswith("cuda") else "an eager loop: no kernel"
+    lines = [
+        f"V4 decode kernels against their torch ops on {receipt['device']}, us a call ({receipt['calls']} calls"
+        f" {timing}), git {receipt['environment']['git_sha']}",
+        "",
+        "| case | kernel us | torch us | x |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['case']} | {r['kernel_us']:.1f} | {r['torch_us']:.1f} | {r['speedup']:.2f} |" for r in receipt["results"]
+    ]
+    if receipt["broken"]:
+        lines += ["", f"Kernels that failed (their calls ran the torch ops): {receipt['broken']}"]
+    return "\n".join(lines) + "\n"
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated: {', '.join(CASES)}")
+    parser.add_argument("--slots", default="16,64,256,1024,4096", help="the attention's entry-slot counts")
+    parser.add_argument("--calls", type=int, default=20, help="calls a CUDA graph (or eager loop)")
+    parser.add_argument("--device", default=None, help="default: cuda when available")
+    parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON + Markdown receipt")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    names = parse_names(args.cases)
+    if unknown := set(names) - set(CASES):
+        raise ConfigError(f"--cases: unknown {sorted(unknown)}; choose from {', '.join(CASES)}")
+    slots = [int(n) for n in parse_names(args.slots)]
+    if args.calls < 1 or not slots or min(slots) < 1:
+        raise ConfigError("--calls and every --slots count must be >= 1")
+    receipt = run_bench(names, slots, args.calls, torch.device(args.device or default_device()))
+    path = write_receipt_files(receipt, args.out, markdown_table)
+    print(markdown_table(receipt))
+    print(f"receipt: {path}")
+    return 0
