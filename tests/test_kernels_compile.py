@@ -21,10 +21,10 @@ TARGETS = [80, 86, 89, 90]
 CUDA = {"LIBDEVICE": True}  # the kernels that take libdevice's functions where compiled (the interpreter has none)
 
 
-def _attention(picked: bool, dtype: str) -> tuple:
+def _attention(picked: bool, dtype: str, gathered: bool = False) -> tuple:
     pointers = dict.fromkeys(["q", "ring", "new_key", "entries", "out"], f"*{dtype}")
     sig = {**pointers, "position": "*i64", "ids": "*i64", "sinks": "*fp32", "capacity": "i32", "rate": "i32"}
-    consts = {"W": 128, "D": 512, "S": 32, "PICKED": picked, "ROUND": dtype != "fp32"}
+    consts = {"W": 128, "D": 512, "S": 32, "PICKED": picked, "GATHERED": gathered, "ROUND": dtype != "fp32"}
     return v4_attention._attend_kernel, {**sig, "scale": "fp32", "slots": "i32"}, consts, 8
 
 
@@ -63,6 +63,7 @@ def _kernels() -> dict[str, tuple]:
     return {
         "attention window+entries bf16": _attention(False, "bf16"),
         "attention top-k picks bf16": _attention(True, "bf16"),
+        "attention top-k picks read out (fp8 store)": _attention(True, "bf16", gathered=True),
         "attention fp32": _attention(False, "fp32"),
         "compressor pool HCA": _pool(128, 512, False),
         "compressor pool CSA": _pool(4, 512, True),

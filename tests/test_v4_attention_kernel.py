@@ -28,7 +28,7 @@ if device == "cpu":  # the interpreter truncates float32 to bf16: round to neare
 g = torch.Generator().manual_seed(0)
 results = []
 
-def case(name, dtype, heads, dim, window, position, capacity, slots, ids, rate):
+def case(name, dtype, heads, dim, window, position, capacity, slots, ids, rate, gathered=False):
     rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)
     q, ring, new = rand(heads, dim) * 2, rand(window, dim), rand(dim)
     ring[position + 1 :] = float("nan")  # unwritten rows of a filling ring hold anything: masked, never read
@@ -39,7 +39,10 @@ def case(name, dtype, heads, dim, window, position, capacity, slots, ids, rate):
     sinks = torch.randn(heads, generator=g).to(device)
     picks = None if ids is None else torch.tensor(ids, device=device)
     ring_k, ring_r = ring.clone(), ring.clone()
-    step = lambda ring: k.AttentionStep(q, ring, new, pos, entries, picks, slots, rate, sinks, dim ** -0.5)
+    if gathered:  # the picked rows read out in their order (an fp8 store's read of them): row j is entry ids[j]
+        entries = entries[picks.clamp(max=capacity - 1)]
+    step = lambda ring: k.AttentionStep(q, ring, new, pos, entries, picks, slots, rate, sinks, dim ** -0.5,
+                                        gathered=gathered)
     fits = k.fits(step(ring))
     ours, ref = k.attend_triton(step(ring_k)), k.attend_reference(step(ring_r))
     results.append({"case": name, "dtype": str(dtype), "fits": fits, "finite": bool(ours.isfinite().all()),
@@ -52,6 +55,7 @@ for dtype in (torch.float32, torch.bfloat16):
     case("wrapped ring", dtype, 20, 64, 16, 40, None, 0, None, 1)
     case("entries, some complete", dtype, 20, 64, 16, 40, 16, 16, None, 4)
     case("top-k picks, some not complete", dtype, 20, 64, 16, 40, 16, 5, [0, 3, 9, 12, 2], 4)
+    case("top-k picks read out", dtype, 20, 64, 16, 40, 16, 5, [0, 3, 9, 12, 2], 4, gathered=True)
     case("store shorter than the slots", dtype, 16, 32, 40, 100, 3, 16, None, 8)
     case("empty store", dtype, 16, 32, 40, 100, 0, 16, None, 8)
     case("no entry complete yet", dtype, 16, 32, 8, 2, 4, 16, None, 8)
@@ -60,7 +64,7 @@ print(json.dumps(results))
 
 
 def _assert_results(results: list[dict], bf16_bound: float) -> None:
-    assert len(results) == 14
+    assert len(results) == 16
     for r in results:
         # bf16 roundings to nearest (CUDA; the interpreter made to round so): measured 0 interpreted, the torch
         # ops' bits; else the interpreter's truncation of the logits twice and the probabilities, measured <= 1.7%.
@@ -176,3 +180,27 @@ def test_the_step_on_cuda_with_the_kernel_matches_the_torch_ops(checkpoint, monk
     errors = [relative_error(a, b) for a, b in zip(runs["kernel"], runs["torch"], strict=True)]
     print(f"bf16 logits, kernel vs torch ops: worst relative error {max(errors):.2e}")
     assert max(errors) < 2e-2
+
+
+@torch.no_grad()
+def test_fp8_entry_stores_take_the_kernel_path_with_their_rows_read_out(checkpoint, monkeypatch):
+    """fp8 entries: the kernel path reads an fp8 store's bucket, or its CSA picks, out as the torch path does (its
+    stand-in reference on the CPU), and attends them: the same logits as the torch path over the same stores."""
+    from moetier.kernels import v4_attention as k
+
+    model = tiny_model(checkpoint)
+    generator = torch.Generator().manual_seed(5)
+    vocab = model.embed.num_embeddings
+    prompts = [torch.randint(0, vocab, (n,), generator=generator) for n in PROMPTS]
+    steps = [torch.randint(0, vocab, (len(prompts),), generator=generator) for _ in range(24)]
+    calls, runs = [], {}
+    for name, usable in (("kernel", lambda q: True), ("torch", lambda q: False)):
+        monkeypatch.setattr(k, "usable", usable)
+        monkeypatch.setattr(k, "attend", _counted(k.attend, calls))
+        caches = [model.new_cache(96, kv_dtype="fp8") for _ in prompts]
+        for prompt, cache in zip(prompts, caches, strict=True):
+            model(prompt, cache)
+        runs[name] = [model.compute_logits(model(t, caches, [1] * len(prompts))) for t in steps]
+    assert len(calls) >= 24 * len(model.layers) * len(prompts)  # the kernel run's calls; the torch run makes none
+    worst = max(relative_error(a, b) for a, b in zip(runs["kernel"], runs["torch"], strict=True))
+    assert worst < 1e-5, worst

@@ -4,19 +4,19 @@ In torch a V4 decode layer's attention core is ~20 kernels a step (the window ke
 zeroing masked keys, the logits' product, scale and mask, the sink's concatenation, the softmax, the cast and the
 values' product): ~35 us of a 1-token step on the H200 for ~2 us of work, in every layer
 (results/h200-20261204-eb488f1-stamps-rope-exact/ad9776c-angles). Here one launch per sequence, one program a head,
-does all of it: the
-new key is written to ring row ``p % window`` (and used in place of that row), window rows past ``p`` are masked
-while the ring fills, compressed entries ``w`` are masked unless ``w < (p + 1) // rate`` (for CSA's top-k, the
-entries at ``ids``), and the softmax joins the per-head sink logit, all from the position on the device.
+does all of it: the new key is written to ring row ``p % window`` (and used in place of that row), window rows past
+``p`` are masked while the ring fills, compressed entries ``w`` are masked unless ``w < (p + 1) // rate`` (for CSA's
+top-k, the entries at ``ids``, read in place or, from an fp8 store, read out first), and the softmax joins the
+per-head sink logit, all from the position on the device. A first version's 16-head tensor-core tiles made 4
+programs a sequence: 20-25 us a call on the H200 (results/h200-20261204-f53dfd5-v4-attention-tiles).
 
 The arithmetic keeps torch's roundings where they are cheap to keep: the logits are rounded to the model's dtype,
 scaled, rounded again (as ``bmm`` then ``mul_`` in that dtype), and two passes over the keys give each key's
 probability ``exp(l - m) / sum`` rounded to the dtype before the values' product (not an online softmax's
 rescaled sums). What differs is the order of the float32 sums and the exponential, so bf16 outputs match the
-torch ops to a rounding (tested), not bit for bit. Off CUDA the torch ops run (:func:`attend_reference`);
-Triton's interpreter runs the kernel in the CPU tests.
+torch ops to a rounding on CUDA (tested), and bit for bit under Triton's interpreter made to round as CUDA does.
+Off CUDA the torch ops run (:func:`attend_reference`); the interpreter runs the kernel in the CPU tests.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -45,8 +45,10 @@ class AttentionStep:
     """One sequence's decode attention (:func:`attend`): its queries ``q`` ``[H, D]``, its window's ring ``ring``
     ``[W, D]`` and this step's key ``new_key`` ``[D]``, the position (int64 ``[1]`` on the device), its compressed
     entries (``entries`` ``[E, D]`` in the model's dtype, or None: ``slots`` of them, or the rows ``ids``), the
-    compression ``rate``, the per-head ``sinks`` (float32 ``[H]``), the softmax ``scale`` and where the output goes
-    (``out`` ``[H, D]``, contiguous, or None: a fresh tensor)."""
+    compression ``rate``, the per-head ``sinks`` (float32 ``[H]``), the softmax ``scale``, where the output goes
+    (``out`` ``[H, D]``, contiguous, or None: a fresh tensor), and whether ``entries`` are the rows ``ids`` already
+    read out in their order (``gathered``: row ``j`` is entry ``ids[j]``, as an fp8 store's read of its picks gives
+    them; else ``ids`` index ``entries``)."""
 
     q: torch.Tensor
     ring: torch.Tensor
@@ -59,6 +61,7 @@ class AttentionStep:
     sinks: torch.Tensor
     scale: float
     out: torch.Tensor | None = None
+    gathered: bool = False
 
     def parts(self) -> tuple:
         """The fields in their order (no copies: ``dataclasses.astuple`` would deep-copy the tensors)."""
@@ -67,15 +70,18 @@ class AttentionStep:
 
 def attend_reference(step: AttentionStep) -> torch.Tensor:
     """One sequence's decode attention with the torch ops -> ``[H, D]`` (see :func:`attend`)."""
-    q, ring, new_key, position, entries, ids, slots, rate, sinks, scale, out = step.parts()
+    q, ring, new_key, position, entries, ids, slots, rate, sinks, scale, out, gathered = step.parts()
     size = ring.shape[0]
     ring.index_copy_(0, position % size, new_key[None])
     keys, valid = ring, torch.arange(size, device=ring.device) <= position
-    if entries is not None and slots:
-        rows = torch.arange(slots, device=ring.device) if ids is None else ids
-        at = rows.clamp(max=max(entries.shape[0] - 1, 0))
-        picked = entries.index_select(0, at) if entries.shape[0] else entries.new_zeros(slots, entries.shape[1])
-        seen = (rows < (position + 1) // rate) & (rows < entries.shape[0])
+    count = slots if ids is None else ids.shape[0]
+    if entries is not None and count:
+        rows = torch.arange(count, device=ring.device) if ids is None else ids
+        at = torch.arange(count, device=ring.device) if gathered else rows
+        inside = at < entries.shape[0]
+        at = at.clamp(max=max(entries.shape[0] - 1, 0))
+        picked = entries.index_select(0, at) if entries.shape[0] else entries.new_zeros(count, entries.shape[1])
+        seen = (rows < (position + 1) // rate) & inside
         keys, valid = torch.cat([keys, picked]), torch.cat([valid, seen])
     keys = keys.masked_fill(~valid[:, None], 0)
     logits = (q @ keys.T).mul_(scale).masked_fill_(~valid[None, :], float("-inf"))
@@ -110,20 +116,24 @@ if triton is not None:
 
     @triton.jit
     def _entry_keys(
-        entries, ids, start, count, ready, capacity, d, S: tl.constexpr, D: tl.constexpr, PICKED: tl.constexpr
+        entries, ids, start, count, ready, capacity, d,
+        S: tl.constexpr, D: tl.constexpr, PICKED: tl.constexpr, GATHERED: tl.constexpr,
     ):  # fmt: skip
-        """Entry slots ``start .. start + S`` (rows ``ids`` for CSA's top-k): zeros where not yet complete."""
+        """Entry slots ``start .. start + S`` (rows ``ids`` for CSA's top-k; ``GATHERED``: read out already, row
+        ``j`` of ``entries``): zeros where not yet complete."""
         j = start + tl.arange(0, S)
         inside = j < count
         row = tl.load(ids + j, mask=inside, other=0) if PICKED else j
-        valid = inside & (row < ready) & (row < capacity)
-        keys = tl.load(entries + row[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        at = j if GATHERED else row
+        valid = inside & (row < ready) & (at < capacity)
+        keys = tl.load(entries + at[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
         return keys, valid
 
     @triton.jit
     def _attend_kernel(
         q, ring, new_key, position, entries, ids, sinks, out, capacity, rate, scale, slots,
-        W: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PICKED: tl.constexpr, ROUND: tl.constexpr,
+        W: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PICKED: tl.constexpr, GATHERED: tl.constexpr,
+        ROUND: tl.constexpr,
     ):  # fmt: skip
         # The entry slots are a run-time count, looped over by ``while`` (Triton's interpreter cannot take a kernel
         # argument as a ``range`` bound): one compiled kernel as a long session's bucket doubles, where a
@@ -149,7 +159,7 @@ if triton is not None:
             m = m_new
         start = 0
         while start < slots:
-            keys, valid = _entry_keys(entries, ids, start, slots, ready, capacity, d, S, D, PICKED)
+            keys, valid = _entry_keys(entries, ids, start, slots, ready, capacity, d, S, D, PICKED, GATHERED)
             s = _logits(query, keys, valid, scale, ROUND)
             m_new = tl.maximum(m, tl.max(s, axis=0))
             total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
@@ -164,7 +174,7 @@ if triton is not None:
             acc += tl.sum(probs[:, None] * keys.to(tl.float32), axis=0)
         start = 0
         while start < slots:
-            keys, valid = _entry_keys(entries, ids, start, slots, ready, capacity, d, S, D, PICKED)
+            keys, valid = _entry_keys(entries, ids, start, slots, ready, capacity, d, S, D, PICKED, GATHERED)
             s = _logits(query, keys, valid, scale, ROUND)
             probs = (tl.exp(s - m) / total).to(keys.dtype).to(tl.float32)
             acc += tl.sum(probs[:, None] * keys.to(tl.float32), axis=0)
@@ -180,7 +190,7 @@ def usable(q: torch.Tensor) -> bool:
 def fits(step: AttentionStep) -> bool:
     """Whether :func:`attend`'s arguments suit the kernel (else it runs the torch ops): at most :data:`MAX_KEYS`
     keys among them."""
-    q, ring, new_key, position, entries, ids, slots, _, sinks, _, _ = step.parts()
+    q, ring, new_key, position, entries, ids, slots, _, sinks, _, _, _ = step.parts()
     heads, dim = q.shape
     keys = ring.shape[0] + (0 if entries is None else ids.shape[0] if ids is not None else slots)
     tensors = [q, ring, new_key] + ([] if entries is None else [entries])
@@ -198,7 +208,7 @@ def fits(step: AttentionStep) -> bool:
 
 def attend_triton(step: AttentionStep) -> torch.Tensor:
     """The kernel (the caller checked :func:`fits`; see :func:`attend`)."""
-    q, ring, new_key, position, entries, ids, slots, rate, sinks, scale, out = step.parts()
+    q, ring, new_key, position, entries, ids, slots, rate, sinks, scale, out, gathered = step.parts()
     heads, dim = q.shape
     out = torch.empty_like(q) if out is None else out
     slots = 0 if entries is None else (ids.shape[0] if ids is not None else slots)
@@ -207,7 +217,8 @@ def attend_triton(step: AttentionStep) -> torch.Tensor:
     _attend_kernel[(heads,)](
         q, ring, new_key, position, table, ids if ids is not None else position, sinks, out, capacity,
         max(rate, 1), scale, slots, W=ring.shape[0], D=dim, S=max(1, min(64, 16384 // dim)),
-        PICKED=ids is not None, ROUND=q.dtype != torch.float32, num_warps=8 if dim >= 256 else 4,
+        PICKED=ids is not None, GATHERED=gathered and ids is not None, ROUND=q.dtype != torch.float32,
+        num_warps=8 if dim >= 256 else 4,
     )  # fmt: skip
     return out
 

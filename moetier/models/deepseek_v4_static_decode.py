@@ -111,14 +111,13 @@ def _kernel_fits(
     states: list[LayerCache],
     bucket: int,
 ) -> bool:
-    """Whether every sequence's attention suits the kernel: entries stored in the model's dtype (fp8 stores keep
-    the torch ops, which convert only the rows they read), and few enough keys (the bucket, or CSA's top-k)."""
+    """Whether every sequence's attention suits the kernel: few enough keys (the bucket, or CSA's top-k), entries
+    in the model's dtype (fp8 stores: as read out for it), none read out here."""
     if not attn_kernel.usable(q):
         return False
-    if attn.compressor is not None and any(state.compressor.entries.scales is not None for state in states):
-        return False
     slots = bucket if attn.indexer is None or bucket <= attn.indexer.topk else attn.indexer.topk
-    return all(attn_kernel.fits(step) for step in _attention_steps(attn, q, inputs, positions, states, None, slots))
+    steps = _attention_steps(attn, q, inputs, positions, states, None, slots, check=True)
+    return all(attn_kernel.fits(step) for step in steps)
 
 
 def _attention_steps(
@@ -130,27 +129,51 @@ def _attention_steps(
     ids: torch.Tensor | None,
     bucket: int,
     out: torch.Tensor | None = None,
+    check: bool = False,
 ) -> list[attn_kernel.AttentionStep]:
     """Each sequence's attention for the kernel: its ring, key and position, its entries (all ``bucket`` slots, or
-    its row of CSA's picks ``ids``), into its row of ``out``."""
+    its row of CSA's picks ``ids``), into its row of ``out``. With ``check``, only what :func:`attn_kernel.fits`
+    reads (an fp8 store's rows are not read out)."""
     rate = 1 if attn.compressor is None else attn.compressor.rate
     sinks = attn.sink_logits(1)[0, :, 0]
-    return [
-        attn_kernel.AttentionStep(
-            q[b],
-            state.window.buffer,
-            inputs.kv[b],
-            positions[b : b + 1],
-            None if attn.compressor is None else state.compressor.entries.data,
-            None if ids is None else ids[b],
-            bucket,
-            rate,
-            sinks,
-            attn.scale,
-            None if out is None else out[b],
-        )  # fmt: skip
-        for b, state in enumerate(states)
-    ]
+    steps = []
+    for b, state in enumerate(states):
+        picks = None if ids is None else ids[b]
+        entries, gathered = None, False
+        if attn.compressor is not None:
+            entries, gathered = _kernel_entries(state.compressor.entries, bucket, picks, q, check)
+        steps.append(
+            attn_kernel.AttentionStep(
+                q[b],
+                state.window.buffer,
+                inputs.kv[b],
+                positions[b : b + 1],
+                entries,
+                picks,
+                bucket,
+                rate,
+                sinks,
+                attn.scale,
+                None if out is None else out[b],
+                gathered,
+            )  # fmt: skip
+        )
+    return steps
+
+
+def _kernel_entries(
+    store: KVRows, bucket: int, picks: torch.Tensor | None, q: torch.Tensor, check: bool
+) -> tuple[torch.Tensor, bool]:
+    """A sequence's entries as the kernel reads them, and whether they are its picks read out: a store in the model's
+    dtype as it is (the kernel reads the rows it needs); an fp8 store's first ``bucket`` rows, or its ``picks``,
+    converted (one kernel, as the torch path reads them; with ``check`` an empty stand-in of the model's dtype)."""
+    if store.scales is None:
+        return store.data, False
+    if check:
+        return q.new_empty((0, q.shape[-1])), False
+    if picks is None:
+        return _read_padded(store, bucket), False
+    return _read_picked(store, picks), True
 
 
 def advance(states: list[LayerCache]) -> None:
