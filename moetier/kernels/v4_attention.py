@@ -17,6 +17,7 @@ rescaled sums). What differs is the order of the float32 sums and the exponentia
 torch ops to a rounding on CUDA (tested), and bit for bit under Triton's interpreter made to round as CUDA does.
 Off CUDA the torch ops run (:func:`attend_reference`); the interpreter runs the kernel in the CPU tests.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
