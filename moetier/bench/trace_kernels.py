@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import median
 
-from moetier.bench.trace_phases import device_events, read_trace
+from moetier.bench.trace_phases import device_events, read_trace_argument
 
 STEP_END_US = 200.0
 
@@ -115,12 +115,12 @@ def summary(found: list[StepKernels], top: int = 25) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moetier.bench.trace_kernels", description=__doc__.split("\n")[0])
     parser.add_argument("trace", type=Path)
     parser.add_argument("--top", type=int, default=25, help="kernel names listed, heaviest first")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
-    found = steps(read_trace(args.trace))
+    found = steps(read_trace_argument(parser, args.trace))
     result = summary(found, args.top)
     if args.json:
         print(json.dumps(result, indent=1))

@@ -83,6 +83,16 @@ def read_trace(path: Path) -> dict:
         return json.load(src)
 
 
+def read_trace_argument(parser: argparse.ArgumentParser, path: Path) -> dict:
+    """The trace a command line names, or the parser's one-line error (exit 2) naming the fix."""
+    if not path.is_file():
+        parser.error(f"{path} is not a file: pass a decode-trace-*.json.gz from bench decode --trace")
+    try:
+        return read_trace(path)
+    except (OSError, ValueError, EOFError) as exc:  # not gzip, not JSON, cut short
+        parser.error(f"{path} is not a gzipped JSON trace ({exc}): pass one from bench decode --trace")
+
+
 def trace_note(mode: str, path: Path) -> str | None:
     """A receipt's note on the fed mapped calls of ``mode``'s trace at ``path`` (None: it has none)."""
     calls = call_phases(device_events(read_trace(path)))
@@ -102,12 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from", dest="lo", type=float, default=0.0, help="first call start, us (default 0)")
     parser.add_argument("--to", dest="hi", type=float, default=float("inf"), help="last call start, us")
     args = parser.parse_args(argv)
-    if not args.trace.is_file():
-        parser.error(f"{args.trace} is not a file: pass a decode-trace-*.json.gz from bench decode --trace")
-    try:
-        trace = read_trace(args.trace)
-    except (OSError, ValueError, EOFError) as exc:  # not gzip, not JSON, cut short
-        parser.error(f"{args.trace} is not a gzipped JSON trace ({exc}): pass one from bench decode --trace")
+    trace = read_trace_argument(parser, args.trace)
     calls = [c for c in call_phases(device_events(trace)) if args.lo <= c.start <= args.hi]
     for c in calls:
         row = f"device {c.device:5.0f} phase {c.phase:5.0f} late {c.late:4.0f} balanced {c.balanced:5.0f}"
