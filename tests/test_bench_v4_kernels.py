@@ -35,3 +35,10 @@ def test_bad_cases_and_counts_are_refused_with_a_clear_error(capsys):
     assert "unknown ['nope']" in capsys.readouterr().err
     assert main(["bench", "v4-kernels", "--calls", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "v4-kernels", "--slots", "16,many"]) == 2
+    assert "comma-separated entry counts" in capsys.readouterr().err
+    assert main(["bench", "v4-kernels", "--device", "gpu0"]) == 2
+    assert "is not a torch device" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "v4-kernels", "--device", "cuda"]) == 2
+        assert "no CUDA device here" in capsys.readouterr().err

@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -105,23 +106,21 @@ def compressor_sides(rate: int, dim: int, overlap: bool, device: torch.device, g
 
 
 def router_sides(tokens: int, hashed: bool, device: torch.device, g: torch.Generator) -> tuple[Side, Side]:
-    """A decode router of 256 experts over a 4096 hidden, top-6 (learned, with its bias, or hashed)."""
-    experts, hidden, k, vocab = 256, 4096, 6, 1024
-    x, weight = _randn(tokens, hidden, device=device, g=g), _randn(experts, hidden, device=device, g=g)
-    bias = None if hashed else torch.randn(experts, generator=g).to(device)
-    table = torch.randint(0, experts, (vocab, k), generator=g).to(device) if hashed else None
-    ids = torch.randint(0, vocab, (tokens,), generator=g).to(device)
+    """V4's decode router (the model's own :class:`Router`) of 256 experts over a 4096 hidden, top-6, learned (with
+    its bias) or hashed: its forward (the kernels where they run) against its torch ops."""
+    from moetier.models.deepseek_v4 import Router  # the bench's only model import
 
-    def reference() -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.nn.functional.softplus(torch.nn.functional.linear(x.float(), weight.float())).sqrt()
-        picks = table[ids] if hashed else torch.topk(scores + bias.float(), k, dim=-1, sorted=False).indices
-        chosen = scores.gather(1, picks)
-        return picks, (chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20) * 1.5).to(x.dtype)
-
-    def kernel() -> tuple[torch.Tensor, torch.Tensor]:
-        return v4_router.route(x, weight, bias, table, ids if hashed else None, k, 1.5, "sqrtsoftplus", reference)
-
-    return kernel, reference
+    cfg = SimpleNamespace(num_experts_per_tok=6, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
+                          n_routed_experts=256, hidden_size=4096, vocab_size=1024)  # fmt: skip
+    router = Router(cfg, hashed).to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        if hashed:
+            router.tid2eid.copy_(torch.randint(0, 256, router.tid2eid.shape, generator=g))
+        else:
+            router.bias.copy_(torch.randn(256, generator=g))
+    x, ids = _randn(tokens, 4096, device=device, g=g), torch.randint(0, 1024, (tokens,), generator=g).to(device)
+    return lambda: router(x, ids), lambda: router._forward_torch(x, ids)
 
 
 def swiglu_sides(tokens: int, device: torch.device, g: torch.Generator) -> tuple[Side, Side]:
@@ -197,14 +196,28 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=run)
 
 
+def _device(name: str | None) -> torch.device:
+    """``--device`` as a torch device (default: cuda when available); ConfigError naming the fix otherwise."""
+    try:
+        device = torch.device(name) if name else default_device()
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a torch device: use cuda, cuda:N or cpu") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: no CUDA device here; use cpu (a smoke test: the kernels run on CUDA)")
+    return device
+
+
 def run(args: argparse.Namespace) -> int:
     names = parse_names(args.cases)
     if unknown := set(names) - set(CASES):
         raise ConfigError(f"--cases: unknown {sorted(unknown)}; choose from {', '.join(CASES)}")
-    slots = [int(n) for n in parse_names(args.slots)]
+    try:
+        slots = [int(n) for n in parse_names(args.slots)]
+    except ValueError:
+        raise ConfigError(f"--slots {args.slots!r}: comma-separated entry counts, e.g. 16,64,256") from None
     if args.calls < 1 or not slots or min(slots) < 1:
         raise ConfigError("--calls and every --slots count must be >= 1")
-    receipt = run_bench(names, slots, args.calls, torch.device(args.device or default_device()))
+    receipt = run_bench(names, slots, args.calls, _device(args.device))
     path = write_receipt_files(receipt, args.out, markdown_table)
     print(markdown_table(receipt))
     print(f"receipt: {path}")
