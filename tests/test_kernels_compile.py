@@ -24,19 +24,20 @@ CUDA = {"LIBDEVICE": True}  # the kernels that take libdevice's functions where 
 def _attention(picked: bool, dtype: str, gathered: bool = False) -> tuple:
     pointers = dict.fromkeys(["q", "ring", "new_key", "entries", "out"], f"*{dtype}")
     sig = {**pointers, "position": "*i64", "ids": "*i64", "sinks": "*fp32", "capacity": "i32", "rate": "i32"}
-    consts = {"W": 128, "D": 512, "S": 32, "PICKED": picked, "GATHERED": gathered, "ROUND": dtype != "fp32"}
+    consts = {"W": 128, "D": 512, "S": v4_attention.keys_per_block(512), "PICKED": picked, "GATHERED": gathered}
+    consts["ROUND"] = dtype != "fp32"
     return v4_attention._attend_kernel, {**sig, "scale": "fp32", "slots": "i32"}, consts, 8
 
 
 def _pool(rate: int, dim: int, overlap: bool) -> tuple:
-    width, window = (2 * dim, 2 * rate) if overlap else (dim, rate)
-    rows = min(triton.next_power_of_2(window), v4_compress.BLOCK_ELEMENTS // 2)
+    width = 2 * dim if overlap else dim
+    window, rows, channels = v4_compress.pool_blocks(rate, dim, overlap)
     sig = {"open": "*bf16", "row": "*bf16", "prev_kv": "*bf16", "prev_gate": "*fp32", "ape": "*fp32"}
     sig |= {"position": "*i64", "pooled": "*bf16"} | dict.fromkeys(
         ["stride_open", "stride_ape", "stride_prev_kv", "stride_prev_gate"], "i32"
     )
     consts = {"RATE": rate, "WIDTH": width, "DIM": dim, "OVERLAP": overlap, "POOL": True, "WINDOW": window}
-    consts |= {"ROWS": rows, "CB": max(2, min(dim, v4_compress.BLOCK_ELEMENTS // rows))}
+    consts |= {"ROWS": rows, "CB": channels}
     consts |= {"ROW_BLOCK": triton.next_power_of_2(2 * width)} | CUDA
     return v4_compress._pool_kernel, sig, consts, 4
 

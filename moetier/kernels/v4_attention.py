@@ -183,6 +183,11 @@ if triton is not None:
         tl.store(out + h * D + d, acc.to(out.dtype.element_ty))
 
 
+def keys_per_block(dim: int) -> int:
+    """Keys a program reads at once: ``[keys, dim]`` of at most 16k values (64 a thread of 8 warps), at most 64."""
+    return max(1, min(64, 16384 // dim))
+
+
 def usable(q: torch.Tensor) -> bool:
     """Whether the kernel runs for queries like ``q`` (Triton on its device, and the kernel never failed)."""
     return triton_usable(q) and not _BROKEN
@@ -217,7 +222,7 @@ def attend_triton(step: AttentionStep) -> torch.Tensor:
     table = entries if entries is not None and capacity else ring  # never read where no entry is (masked)
     _attend_kernel[(heads,)](
         q, ring, new_key, position, table, ids if ids is not None else position, sinks, out, capacity,
-        max(rate, 1), scale, slots, W=ring.shape[0], D=dim, S=max(1, min(64, 16384 // dim)),
+        max(rate, 1), scale, slots, W=ring.shape[0], D=dim, S=keys_per_block(dim),
         PICKED=ids is not None, GATHERED=gathered and ids is not None, ROUND=q.dtype != torch.float32,
         num_warps=8 if dim >= 256 else 4,
     )  # fmt: skip

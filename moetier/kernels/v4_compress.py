@@ -242,6 +242,14 @@ if triton is not None:
             tl.store(closing_out, closing.to(tl.uint8))
 
 
+def pool_blocks(rate: int, dim: int, overlap: bool) -> tuple[int, int, int]:
+    """The pool kernel's blocks: the rows pooled (CSA: ``2 * rate``), the rows a program reads at once and the
+    channels a program takes (powers of two, a block at most :data:`BLOCK_ELEMENTS` values)."""
+    window = 2 * rate if overlap else rate
+    rows = min(triton.next_power_of_2(window), max(1, BLOCK_ELEMENTS // 2))
+    return window, rows, max(2, min(dim, BLOCK_ELEMENTS // rows))  # dim is a power of two: so are the channels
+
+
 def usable(x: torch.Tensor) -> bool:
     """Whether the kernel runs for tensors like ``x`` (Triton on its device, and the kernel never failed)."""
     return triton_usable(x) and not _BROKEN
@@ -297,9 +305,7 @@ def compress_decode_triton(step: CompressorStep) -> None:
         flags = closing.view(torch.uint8)
     prev_kv = open_rows if prev_kv is None else prev_kv[0]
     prev_gate = open_rows if prev_gate is None else prev_gate[0]
-    window = 2 * rate if overlap else rate  # rows pooled
-    rows = min(triton.next_power_of_2(window), max(1, BLOCK_ELEMENTS // 2))
-    channels = max(2, min(dim, BLOCK_ELEMENTS // rows))  # a power of two: dim's a power of two too
+    window, rows, channels = pool_blocks(rate, dim, overlap)
     raw = torch.empty(dim, dtype=open_rows.dtype, device=device)  # the pooled sum, before the norm
     _pool_kernel[(dim // channels if capacity > 0 else 1,)](
         open_rows, row, prev_kv, prev_gate, ape, position, raw,
