@@ -147,16 +147,18 @@ class Engine:
 
         self.config = self.config.with_chunk_from(self.plan)  # auto chunk: the plan's, or the default
         capacity = self.config.kv_token_budget or self.config.max_streams * self.max_model_len
+        self.kv_layout = resolve_kv_layout(self.config.kv_layout, self.model, self.device)
+        paged = self.kv_layout == "paged"
         self.scheduler = Scheduler(
             self.config.max_streams,
             self.config.prefill_chunk_tokens,
             capacity,
             admission=self.config.kv_admission,
             headroom=self.config.kv_headroom_tokens,
+            # Paged caches grow by blocks without moving; contiguous ones move, at the family's rate.
+            growth=0.125 if paged else getattr(self.model, "contiguous_cache_growth", 0.125),
         )
         self.scheduler.on_preempt = self._preempted
-        self.kv_layout = resolve_kv_layout(self.config.kv_layout, self.model, self.device)
-        paged = self.kv_layout == "paged"
         space = PagedKVSpace(self.device, self.config.kv_block_tokens) if paged else None
         self.runner = ModelRunner(self.model, kv_dtype=self.config.cache_kv_dtype, kv_space=space)
         self._setup_prefix_cache()

@@ -19,9 +19,11 @@ requests). Two admission modes (``kv_admission``):
   leave the budget mostly idle.
 - ``"optimistic"`` (vLLM's way): admission reserves the tokens to compute plus ``headroom`` (capped
   at the sequence's whole life and at the budget); before each step's decodes are planned, a decoding
-  sequence whose next token does not fit grows its reservation by ``max(headroom, reservation / 8)``
+  sequence whose next token does not fit grows its reservation by ``max(headroom, reservation * growth)``
   (geometric, so a contiguous cache is copied O(log) times; at least the one token needed, at most what
-  is free). When the budget is spent, the running sequence that arrived last is preempted (LIFO, so the
+  is free). ``growth`` is 1/8, or the model's ``contiguous_cache_growth`` for contiguous caches (V4: 1, its
+  decode graphs are captured again after each move), back to 1/8 when the grant would take over half of
+  the free budget. When the budget is spent, the running sequence that arrived last is preempted (LIFO, so the
   oldest always progress and none starves): the engine frees its cache, it goes back to the FRONT of
   the waiting queue with its output kept, and when re-admitted it recomputes prompt + output as a
   prefill whose last position alone samples (no token is sampled or sent twice). A sequence that is
@@ -196,9 +198,12 @@ class Scheduler:
         kv_token_budget: int,
         admission: str = "reserve",
         headroom: int = 256,
+        growth: float = 0.125,
     ) -> None:
         if min(max_streams, prefill_chunk_tokens, kv_token_budget, headroom) < 1:
             raise ConfigError("max_streams, prefill_chunk_tokens, kv_token_budget and headroom must be >= 1")
+        if not 0 < growth <= 1:
+            raise ConfigError(f"growth must be in (0, 1] (a share of the reservation), got {growth}")
         if admission not in KV_ADMISSION_MODES:
             raise ConfigError(f"kv_admission must be one of {', '.join(KV_ADMISSION_MODES)}, got {admission!r}")
         self.max_streams = max_streams
@@ -206,6 +211,7 @@ class Scheduler:
         self.kv_token_budget = kv_token_budget
         self.admission = admission
         self.headroom = headroom
+        self.growth = growth
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.kv_tokens_used = 0
@@ -327,7 +333,11 @@ class Scheduler:
         room = self.kv_token_budget - self.kv_tokens_used
         if need > room:
             return False
-        step = max(self.headroom, seq.kv_reserved // 8)
+        step = max(self.headroom, int(seq.kv_reserved * self.growth))
+        if step > room // 2 and self.growth > 0.125:
+            # A large grant while the budget is short would preempt a newer stream sooner (a recompute of all
+            # its tokens, dearer than what the larger step saves): grow as little as usual then.
+            step = max(self.headroom, seq.kv_reserved // 8)
         grant = max(need, min(step, room, seq.kv_tokens - seq.kv_reserved))
         seq.kv_reserved += grant
         self.kv_tokens_used += grant

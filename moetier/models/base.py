@@ -168,6 +168,10 @@ class CausalLM(nn.Module, ABC):
     # Whether decode attention reads paged KV blocks in place on CUDA (moetier.kernels.paged_attention);
     # the engine's ``kv_layout="auto"`` picks the paged layout for such a model there.
     reads_paged_kv_in_place: bool = False
+    # The least share of its reservation a sequence's contiguous cache grows by when it outgrows it (optimistic
+    # KV admission; the move copies the cache). A family whose decode graphs read a cache's tensors at fixed
+    # addresses captures them again after each move, and grows by more.
+    contiguous_cache_growth: float = 0.125
 
     def __init__(self, config: Any, dispatcher: ExpertDispatcher) -> None:
         super().__init__()
