@@ -84,7 +84,8 @@ def served(loaded, growth: float | None, monkeypatch) -> tuple[list[int], FakeGr
     if growth is not None:
         engine.scheduler.growth = growth
     moves = []
-    request = ("r", random_prompt(20, seed=3, vocab=256), SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    request = ("r", random_prompt(20, seed=3, vocab=256), params)
     original = engine.runner._store
 
     def counted_store(request_id, cache, capacity):
