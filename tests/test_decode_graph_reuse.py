@@ -10,6 +10,8 @@ rule would, with the same tokens.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from test_engine import make_engine, random_prompt, run, tokens_of
@@ -17,7 +19,6 @@ from test_v4_graph_segments import FakeGraphs
 
 from moetier.engine.sampling import SamplingParams
 from moetier.engine.scheduler import Scheduler, Sequence, SequenceState
-from moetier.errors import ConfigError
 
 GREEDY = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
 
@@ -40,33 +41,44 @@ def reservations(scheduler: Scheduler, seq: Sequence, tokens: int) -> list[int]:
     return seen
 
 
-def test_the_default_grows_by_an_eighth_and_doubling_by_the_reservation():
+def test_the_default_grows_by_an_eighth_and_powers_of_two_double():
     eighth = reservations(Scheduler(1, 4096, 100_000, "optimistic", headroom=16), decoding(100, 2000), 1200)
     assert eighth[:4] == [116, 132, 148, 166]  # the headroom (16) until an eighth of the reservation is more
     assert all(b - a == max(16, a // 8) for a, b in zip(eighth, eighth[1:], strict=False))
-    doubling = reservations(Scheduler(1, 4096, 100_000, "optimistic", 16, growth=1.0), decoding(100, 2000), 1200)
-    assert doubling == [116, 232, 464, 928, 1856]
+    doubling = reservations(Scheduler(1, 4096, 100_000, "optimistic", 16, True), decoding(100, 2000), 1200)
+    assert doubling == [128, 256, 512, 1024, 2048]
     assert len(eighth) > 3 * len(doubling)
+    assert reservations(Scheduler(1, 4096, 100_000, "optimistic", 16, True), decoding(100, 900), 1000)[-1] == 1000
 
 
-def test_doubling_falls_back_to_an_eighth_when_it_would_take_half_the_free_budget():
-    # Budget 1000: at 464 reserved, doubling would take 464 of the 536 free; an eighth (58) is granted instead.
-    seen = reservations(Scheduler(1, 4096, 1000, "optimistic", 16, growth=1.0), decoding(100, 800), 600)
-    assert seen[:4] == [116, 232, 464, 522]
+def test_powers_of_two_fall_back_to_an_eighth_when_doubling_would_take_half_the_free_budget():
+    # Budget 1000: at 512 reserved, doubling would take 512 of the 488 free; an eighth (64) is granted instead.
+    seen = reservations(Scheduler(1, 4096, 1000, "optimistic", 16, True), decoding(100, 800), 600)
+    assert seen[:4] == [128, 256, 512, 576]
     assert all(s <= 1000 for s in seen)
 
 
-def test_growth_must_be_a_share():
-    for bad in (0, -0.5, 1.5):
-        with pytest.raises(ConfigError, match="growth must be in"):
-            Scheduler(1, 16, 64, "optimistic", growth=bad)
+def test_a_power_of_two_that_does_not_fit_admits_the_exact_reservation():
+    scheduler = Scheduler(2, 4096, 250, "optimistic", 16, True)  # a stream's share: 125 tokens
+    first, second = decoding(140, 50), Sequence("s", list(range(60)), GREEDY, max_new_tokens=50)
+    scheduler.add(first)
+    scheduler.schedule()
+    scheduler.add(second)
+    scheduler.schedule()
+    # The first needs more than a share (156: no rounding); the second's power of two (128, capped at the share:
+    # 125) does not fit the 94 left, its exact reservation (76) does.
+    assert (first.kv_reserved, second.kv_reserved) == (156, 76)
+    lone = Scheduler(2, 4096, 1000, "optimistic", 16, True)
+    lone.add(short := decoding(20, 10))
+    lone.schedule()
+    assert short.kv_reserved == 64 > short.kv_tokens  # past its own life: room for a longer next turn
 
 
 def test_a_doubled_grant_is_released_whole():
-    scheduler = Scheduler(1, 4096, 10_000, "optimistic", 16, growth=1.0)
+    scheduler = Scheduler(1, 4096, 10_000, "optimistic", 16, True)
     seq = decoding(100, 500)
     reservations(scheduler, seq, 300)
-    assert scheduler.kv_tokens_used == seq.kv_reserved == 464
+    assert scheduler.kv_tokens_used == seq.kv_reserved == 512
     scheduler.finish(seq)
     assert scheduler.kv_tokens_used == 0 and seq.state is SequenceState.FINISHED
 
@@ -75,14 +87,13 @@ def test_a_doubled_grant_is_released_whole():
 
 
 @torch.no_grad()
-def served(loaded, growth: float | None, monkeypatch) -> tuple[list[int], FakeGraphs, int]:
+def served(loaded, power_of_two: bool, monkeypatch) -> tuple[list[int], FakeGraphs, int]:
     """One 100-token greedy request (20-token prompt, 8 tokens of headroom) through fake graphs: its tokens, the
     graphs, and how many times its cache moved."""
     graphs = FakeGraphs(warmup=1)
     monkeypatch.setattr(loaded.model, "graphs", graphs)
     engine = make_engine(loaded, tokenizer=None, kv_headroom_tokens=8, max_model_len=256)
-    if growth is not None:
-        engine.scheduler.growth = growth
+    engine.scheduler.power_of_two = power_of_two
     moves = []
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     request = ("r", random_prompt(20, seed=3, vocab=256), params)
@@ -100,16 +111,184 @@ def served(loaded, growth: float | None, monkeypatch) -> tuple[list[int], FakeGr
 def test_v4_contiguous_caches_double_and_capture_less(families, monkeypatch):
     loaded, _ = families("deepseek_v4")
     engine = make_engine(loaded, tokenizer=None)
-    assert engine.kv_layout == "contiguous" and engine.scheduler.growth == 1.0
-    doubled, graphs, moves = served(loaded, None, monkeypatch)
-    eighth, eighth_graphs, eighth_moves = served(loaded, 0.125, monkeypatch)
+    assert engine.kv_layout == "contiguous" and engine.scheduler.power_of_two
+    doubled, graphs, moves = served(loaded, True, monkeypatch)
+    eighth, eighth_graphs, eighth_moves = served(loaded, False, monkeypatch)
     assert doubled == eighth and len(doubled) == 100
     assert graphs.failures == eighth_graphs.failures == {}
     print(f"moves {moves} vs {eighth_moves}, captures {graphs.captures} vs {eighth_graphs.captures}")
-    assert moves == 3 and eighth_moves == 10  # 28 -> 56 -> 112 -> 120 (its whole life) against +8, then +1/8
+    assert moves == 2 and eighth_moves == 10  # 32 -> 64 -> 120 (its whole life) against 28, +8 ..., then +1/8
     assert graphs.captures < eighth_graphs.captures
 
 
 def test_other_families_keep_the_eighth(families):
     loaded, _ = families("qwen3_moe")
-    assert make_engine(loaded, tokenizer=None).scheduler.growth == 0.125
+    engine = make_engine(loaded, tokenizer=None)
+    assert not engine.scheduler.power_of_two and engine.runner.spares is None
+
+
+# --- caches reused in place ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    from test_v4_decode_ops import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("dsv4_reuse"))
+
+
+@torch.no_grad()
+def logits_of(model, cache, prompt: int, steps: int, seed: int) -> list[torch.Tensor]:
+    """A ``prompt``-token prefill into ``cache``, then ``steps`` single-token decodes: every forward's logits."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.embed.num_embeddings
+    out = [model.compute_logits(model(torch.randint(0, vocab, (prompt,), generator=generator), cache))]
+    for _ in range(steps):
+        out.append(model.compute_logits(model(torch.randint(0, vocab, (1,), generator=generator), cache)))
+    return out
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_a_reset_cache_decodes_as_a_new_one(v4, kv_dtype):
+    used = v4.new_cache(96, kv_dtype)
+    logits_of(v4, used, prompt=37, steps=30, seed=1)  # windows wrapped, entries written, predecessors set
+    serial = used.serial
+    assert used.reset() and used.serial == serial and used.length == 0
+    fresh = logits_of(v4, v4.new_cache(96, kv_dtype), prompt=9, steps=40, seed=2)
+    again = logits_of(v4, used, prompt=9, steps=40, seed=2)
+    assert same(again, fresh)
+    assert not torch.equal(fresh[0], fresh[-1])
+
+
+def test_a_prefix_copied_into_a_used_cache_decodes_as_its_clone(v4):
+    source = v4.new_cache(64)
+    logits_of(v4, source, prompt=29, steps=3, seed=3)
+    target = v4.new_cache(128)
+    logits_of(v4, target, prompt=50, steps=20, seed=4)  # junk beyond what the copy writes
+    clone = source.clone_into(128)
+    assert source.copy_into(target) and target.length == source.length == 32
+    assert same(logits_of(v4, target, prompt=3, steps=30, seed=5), logits_of(v4, clone, prompt=3, steps=30, seed=5))
+    with pytest.raises(ValueError, match="cannot copy"):
+        target.copy_into(v4.new_cache(16))
+
+
+def test_paged_caches_are_not_reused(v4):
+    from moetier.models.paged_kv import PagedKVSpace, paged_kv
+
+    with paged_kv(PagedKVSpace("cpu", block_tokens=16)):
+        paged = v4.new_cache(64)
+    assert not paged.reset() and not paged.copy_into(v4.new_cache(64)) and not v4.new_cache(64).copy_into(paged)
+
+
+@torch.no_grad()
+def test_a_batch_in_another_order_replays_its_graphs_and_keeps_its_rows(v4, monkeypatch):
+    graphs = FakeGraphs(warmup=1)
+    monkeypatch.setattr(v4, "graphs", graphs)
+    ours, reference = [v4.new_cache(64) for _ in range(2)], []
+    for i, cache in enumerate(ours):
+        logits_of(v4, cache, prompt=11 + 6 * i, steps=0, seed=6 + i)
+        reference.append(cache.clone_into(64))
+    generator = torch.Generator().manual_seed(8)
+    for step, order in enumerate([(0, 1), (1, 0), (1, 0), (0, 1)]):
+        tokens = torch.randint(0, 256, (2,), generator=generator)
+        graphed = v4(tokens[list(order)], [ours[b] for b in order], [1, 1])
+        monkeypatch.setattr(v4, "graphs", FakeGraphs(warmup=1))  # the reference: eager, in the batch's order
+        monkeypatch.setattr(v4, "segmented_decode", False)
+        eager = v4(tokens[list(order)], [reference[b] for b in order], [1, 1])
+        monkeypatch.setattr(v4, "segmented_decode", True)
+        monkeypatch.setattr(v4, "graphs", graphs)
+        assert torch.equal(v4.compute_logits(graphed), v4.compute_logits(eager)), step
+    per_step = len(v4.layers) + 2
+    assert graphs.warm_ups == graphs.captures == per_step and graphs.replays == 3 * per_step  # one key throughout
+
+
+# --- served: a finished sequence's cache serves the next one ---------------------------------------------
+
+
+def fake_graphed_engine(loaded, monkeypatch, **config):
+    graphs = FakeGraphs(warmup=1)
+    monkeypatch.setattr(loaded.model, "graphs", graphs)
+    return make_engine(loaded, tokenizer=None, max_model_len=256, **config), graphs
+
+
+def greedy_request(request_id: str, prompt: list[int], tokens: int = 24):
+    return request_id, prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+
+def test_a_finished_requests_cache_and_graphs_serve_the_next(families, monkeypatch):
+    loaded, vocab = families("deepseek_v4")
+    first, second = random_prompt(18, seed=11, vocab=vocab), random_prompt(18, seed=12, vocab=vocab)
+    plain, _ = fake_graphed_engine(loaded, monkeypatch, spare_cache_seconds=0, enable_prefix_caching=False)
+    assert plain.runner.spares is None
+    expected = [tokens_of(run(plain, [greedy_request(r, p)])[r]) for r, p in (("a", first), ("b", second))]
+
+    engine, graphs = fake_graphed_engine(loaded, monkeypatch, enable_prefix_caching=False)
+    assert tokens_of(run(engine, [greedy_request("a", first)])["a"]) == expected[0]
+    captured, spares = graphs.captures, engine.runner.spares
+    assert len(spares) == 1 and spares.taken == 0
+    assert tokens_of(run(engine, [greedy_request("b", second)])["b"]) == expected[1]
+    assert spares.taken == 1 and len(spares) == 1  # the same cache, back again
+    assert graphs.captures == captured and graphs.failures == {}  # its graphs replayed: nothing captured
+
+
+def test_a_cached_prefix_is_copied_into_a_spare(families, monkeypatch):
+    loaded, vocab = families("deepseek_v4")
+    prompt = random_prompt(40, seed=13, vocab=vocab)
+    turns = [greedy_request("turn-1", prompt), greedy_request("turn-2", prompt + random_prompt(9, 14, vocab))]
+    plain, _ = fake_graphed_engine(loaded, monkeypatch, spare_cache_seconds=0)
+    expected = [tokens_of(run(plain, [turn])[turn[0]]) for turn in turns]
+    engine, graphs = fake_graphed_engine(loaded, monkeypatch)
+    assert [tokens_of(run(engine, [turn])[turn[0]]) for turn in turns] == expected
+    assert engine.prefix_cache.hits >= 1 and engine.runner.spares.taken == 1
+    assert graphs.failures == {}
+
+
+def test_spares_stay_within_the_streams_and_the_budget(families, monkeypatch):
+    loaded, vocab = families("deepseek_v4")
+    engine, _ = fake_graphed_engine(loaded, monkeypatch, max_streams=2, kv_token_budget=160)
+    spares = engine.runner.spares
+    requests = [greedy_request(f"r{i}", random_prompt(10 + 7 * i, 20 + i, vocab), 8 + 9 * i) for i in range(5)]
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    while engine.has_work():
+        engine.step()
+        live = [engine.runner.capacity_of(s.request_id) for s in engine.scheduler.running]
+        assert len(live) + len(spares) <= 2 and sum(live) + spares.tokens <= 160
+    assert spares.taken >= 1 and len(spares) >= 1
+    clock = [time.monotonic()]
+    spares.clock = lambda: clock[0]
+    assert 0 < engine.expire_spares() <= 30  # waiting: dropped 30 s after they became spares
+    clock[0] += 30
+    assert engine.expire_spares() is None and not len(spares)
+
+
+def test_the_async_engine_drops_spares_while_idle(families):
+    """No request comes: the engine thread wakes when the spare has waited ``spare_cache_seconds`` and drops it."""
+    import asyncio
+
+    from moetier.engine.async_engine import AsyncEngine
+
+    loaded, vocab = families("deepseek_v4")
+    engine = make_engine(loaded, tokenizer=None, max_model_len=256, spare_cache_seconds=0.3)
+
+    async def main():
+        server = AsyncEngine(engine)
+        try:
+            request_id, prompt, params = greedy_request("a", random_prompt(12, 30, vocab), 4)
+            updates = [u async for u in server.generate(request_id, prompt, params)]
+            assert updates[-1].finished
+            seen, deadline = [], time.monotonic() + 10
+            while len(engine.runner.spares) and time.monotonic() < deadline:
+                seen.append(len(engine.runner.spares))
+                await asyncio.sleep(0.05)
+            return seen
+        finally:
+            await server.shutdown()
+
+    seen = asyncio.run(main())
+    assert seen and seen[0] == 1  # it waited as a spare first
+    assert not len(engine.runner.spares) and engine.runner.spares.dropped == 1

@@ -427,3 +427,7 @@ def test_metrics_after_requests(server, client):
     assert value("moetier:prompt_tokens_total") == stats.prompt_tokens_total > 0
     assert value("moetier:time_to_first_token_seconds_count") > 0
     assert value("moetier:inter_token_latency_seconds_count") > 0
+    # The demo model is a V4: finished requests' caches wait for the next ones; graphs are captured on CUDA only.
+    assert value("moetier:spare_caches") == stats.spare_caches >= 1
+    assert value("moetier:spare_cache_reuses_total") == stats.spare_cache_reuses_total >= 1
+    assert value("moetier:decode_graph_captures_total") == stats.decode_graph_captures_total == 0

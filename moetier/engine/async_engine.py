@@ -158,7 +158,8 @@ class AsyncEngine:
             if self._stopping:
                 return
             if not self.engine.has_work():
-                self._wake.wait()
+                # Idle: sleep until new work, or until a spare cache has waited long enough to be dropped.
+                self._wake.wait(self.engine.expire_spares())
                 continue
             try:
                 updates = self.engine.step()

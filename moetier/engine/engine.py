@@ -57,6 +57,7 @@ from moetier.engine.sampling import (
     token_logprobs,
 )
 from moetier.engine.scheduler import ScheduledChunk, Scheduler, Sequence
+from moetier.engine.spare_caches import SpareCaches
 from moetier.engine.types import (
     EngineBusyError,
     EngineConfig,
@@ -155,12 +156,16 @@ class Engine:
             capacity,
             admission=self.config.kv_admission,
             headroom=self.config.kv_headroom_tokens,
-            # Paged caches grow by blocks without moving; contiguous ones move, at the family's rate.
-            growth=0.125 if paged else getattr(self.model, "contiguous_cache_growth", 0.125),
+            # A new or moved cache that decode graphs read in place captures them again: fewer moves, and room
+            # for the next, longer turn (spare caches).
+            power_of_two=self._graphs_read_caches(paged),
         )
         self.scheduler.on_preempt = self._preempted
         space = PagedKVSpace(self.device, self.config.kv_block_tokens) if paged else None
         self.runner = ModelRunner(self.model, kv_dtype=self.config.cache_kv_dtype, kv_space=space)
+        if self._graphs_read_caches(paged) and self.config.spare_cache_seconds > 0:
+            # A finished sequence's cache serves the next one: its decode graphs replay.
+            self.runner.spares = SpareCaches(self.config.max_streams, capacity, self.config.spare_cache_seconds)
         self._setup_prefix_cache()
         self.elastic: ElasticExpertBudget | None = None
         if self.plan is not None:
@@ -220,6 +225,24 @@ class Engine:
                 config.max_slots,
                 self.scheduler.kv_token_budget,
             )
+
+    def expire_spares(self) -> float | None:
+        """Drop the finished sequences' caches that waited ``spare_cache_seconds`` for a new sequence (their memory
+        goes back to the expert cache); returns the seconds until the next one would (None: none waits). The
+        async engine calls it while idle, at that time."""
+        spares = self.runner.spares
+        if spares is None or not len(spares):
+            return None
+        held = len(spares)
+        wait = spares.expire()
+        if len(spares) < held:
+            self._fit_experts()
+        return wait
+
+    def _graphs_read_caches(self, paged: bool) -> bool:
+        """Whether decode graphs read the sequences' caches in place (contiguous caches of such a family): their
+        moves and new caches capture the graphs again, so reservations double and caches are reused."""
+        return not paged and getattr(self.model, "decode_graphs_read_caches", False)
 
     def _size_kv(self) -> None:
         """Allocate the paged KV pools for the KV-token budget (once, before any cache) and log the KV cache."""
@@ -329,13 +352,25 @@ class Engine:
             **(self.sharing.stats() if self.sharing is not None else {}),
             **(self.elastic.stats() if self.elastic is not None else {}),
             **(self.runner.kv_space.engine_stats() if self.runner.kv_space is not None else {}),
+            **self._graph_stats(),
         )
+
+    def _graph_stats(self) -> dict[str, int]:
+        """The decode graphs captured so far and the spare caches (None where the model has neither)."""
+        stats = {}
+        graphs = getattr(self.model, "graphs", None)
+        if graphs is not None and hasattr(graphs, "captures"):
+            stats["decode_graph_captures_total"] = graphs.captures
+        if (spares := self.runner.spares) is not None:
+            stats["spare_caches"], stats["spare_cache_reuses_total"] = len(spares), spares.taken
+        return stats
 
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestUpdate]:
         """Run one step; returns an update for every request that produced a token, finished or failed."""
         updates, self._notices = self._notices, []
+        self.expire_spares()
         plan = self.scheduler.schedule()
         for seq in plan.exhausted:  # alone and out of KV budget: finished with "length"
             updates.append(self._finish_exhausted(self._requests[seq.request_id]))
@@ -554,7 +589,7 @@ class Engine:
             return
         self._fit_experts()  # the copy below is a full-size cache: make its room first
         try:
-            self.runner.adopt(seq.request_id, hit.snapshot.clone_into(seq.cache_tokens, hit.length), seq.cache_tokens)
+            self.runner.adopt_prefix(seq.request_id, hit.snapshot, hit.length, seq.cache_tokens)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: compute the prompt instead
             logger.warning("request %s: prefix cache copy failed (%s); prefilling in full", seq.request_id, exc)
             return

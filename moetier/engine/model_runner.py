@@ -7,7 +7,9 @@ the scheduler grows the reservation, the cache moves into a larger one as a chun
 copies few); with a ``kv_space`` the caches are paged (:mod:`moetier.models.paged_kv`): rows live in
 pool blocks allocated as tokens arrive, and a move shares the blocks. Every cache the runner takes on
 (allocated, rebuilt or adopted) and every one it drops is reported to ``kv_listener`` (the elastic
-expert budget, :mod:`moetier.engine.elastic`) with its ``nbytes``.
+expert budget, :mod:`moetier.engine.elastic`) with its ``nbytes``. With ``spares``
+(:mod:`moetier.engine.spare_caches`: a family whose decode graphs read caches in place), a dropped cache
+waits there for the next sequence, which takes it emptied or filled with its cached prefix, in place.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Protocol
 import torch
 
 from moetier.engine.scheduler import ScheduledChunk, Sequence, StepPlan
+from moetier.engine.spare_caches import SpareCaches
 from moetier.models.base import CausalLM, SequenceCache
 from moetier.models.paged_kv import PagedKVSpace, paged_kv
 
@@ -72,7 +75,8 @@ class ModelRunner:
         # Prefix caching: after a forward, a cache whose length is a multiple of this records its
         # rolling state (SequenceCache.mark), so a non-truncatable cache can be snapshotted there later.
         self.mark_every = mark_every
-        self.kv_listener: KvListener | None = None
+        self._listener: KvListener | None = None
+        self.spares: SpareCaches | None = None  # finished sequences' caches, for the next ones
 
     def execute(self, plan: StepPlan) -> RunnerOutput:
         out = RunnerOutput()
@@ -99,10 +103,9 @@ class ModelRunner:
         try:
             cache = self._caches.get(request_id)
             if cache is None:
-                cache = self._store(request_id, self._allocate(chunk.seq.cache_tokens), chunk.seq.cache_tokens)
+                cache = self._store(request_id, *self._allocate(chunk.seq.cache_tokens))
             elif self._capacity[request_id] < min(chunk.start + chunk.num_tokens, chunk.seq.cache_tokens):
-                # The reservation grew and the chunk needs it: move the state into a cache of the new size.
-                cache = self._store(request_id, cache.clone_into(chunk.seq.cache_tokens), chunk.seq.cache_tokens)
+                cache = self._move(request_id, cache, chunk.seq.cache_tokens)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the engine fails this request only
             out.failures[request_id] = exc
             self.free(request_id)
@@ -115,10 +118,43 @@ class ModelRunner:
         self.free(request_id)
         return False
 
-    def _allocate(self, max_tokens: int) -> SequenceCache:
-        """A sequence's cache: paged when the runner has a KV space, else :meth:`new_cache`."""
+    @property
+    def kv_listener(self) -> KvListener | None:
+        return self._listener
+
+    @kv_listener.setter
+    def kv_listener(self, listener: KvListener | None) -> None:
+        self._listener = listener
+        if self.spares is not None:
+            self.spares.listener = listener
+
+    def _allocate(self, max_tokens: int) -> tuple[SequenceCache, int]:
+        """A sequence's empty cache and its capacity: a spare emptied in place, else a new one (paged when the
+        runner has a KV space, else :meth:`new_cache`)."""
+        spare = self._spare(max_tokens)
+        if spare is not None and spare[0].reset():
+            return spare
         with paged_kv(self.kv_space):
-            return self.new_cache(max_tokens)
+            return self.new_cache(max_tokens), max_tokens
+
+    def _move(self, request_id: str, cache: SequenceCache, capacity: int) -> SequenceCache:
+        """The reservation grew and the chunk needs it: the state moves into a cache of ``capacity`` (a spare's, in
+        place, where one has room), and the old cache goes to the spares where kept."""
+        spare = self._spare(capacity)
+        moved = spare if spare is not None and cache.copy_into(spare[0]) else (cache.clone_into(capacity), capacity)
+        old_capacity = self._capacity[request_id]
+        stored = self._store(request_id, *moved)  # the listener's entry for the sequence now holds the new cache
+        self._keep(cache, old_capacity)
+        return stored
+
+    def _spare(self, max_tokens: int) -> tuple[SequenceCache, int] | None:
+        """A spare with room for ``max_tokens`` (no longer a spare), or None after making room for a new cache."""
+        if self.spares is None:
+            return None
+        spare = self.spares.take(max_tokens)
+        if spare is None:
+            self.spares.make_room(list(self._capacity.values()), max_tokens)
+        return spare
 
     def new_cache(self, max_tokens: int) -> SequenceCache:
         """An empty contiguous cache of ``max_tokens`` (not tracked until stored; also what sizing measures)."""
@@ -138,7 +174,8 @@ class ModelRunner:
         for chunk in chunks:
             request_id = chunk.seq.request_id
             try:
-                cache = self._store(request_id, self._allocate(chunk.seq.cache_tokens), chunk.seq.cache_tokens)
+                self.free(request_id)  # its state is not trustworthy; its tensors may serve again
+                cache = self._store(request_id, *self._allocate(chunk.seq.cache_tokens))
                 if chunk.start:
                     history = chunk.seq.token_slice(0, chunk.start)
                     self.model(torch.tensor(history, device=self.device), cache)
@@ -167,6 +204,17 @@ class ModelRunner:
         instead of an empty cache."""
         self._store(request_id, cache, capacity)
 
+    def adopt_prefix(self, request_id: str, snapshot: SequenceCache, length: int, capacity: int) -> None:
+        """Start ``request_id`` from a cached prefix: ``snapshot`` at ``length`` tokens copied in place into a spare
+        with room for ``capacity`` tokens, else into a new cache of ``capacity`` (``clone_into``)."""
+        spare = self._spare(capacity)
+        with torch.inference_mode():  # the caches' tensors are inference tensors (made under the engine's step)
+            copied = spare is not None and snapshot.copy_into(spare[0], length)
+        if copied:
+            self._store(request_id, *spare)
+            return
+        self._store(request_id, snapshot.clone_into(capacity, length), capacity)
+
     def _store(self, request_id: str, cache: SequenceCache, capacity: int) -> SequenceCache:
         self._caches[request_id] = cache
         self._capacity[request_id] = capacity
@@ -182,10 +230,20 @@ class ModelRunner:
         return self._capacity.get(request_id, 0)
 
     def free(self, request_id: str) -> None:
-        """Drop a sequence's cache (finished, aborted, failed or preempted)."""
-        self._capacity.pop(request_id, None)
-        if self._caches.pop(request_id, None) is not None and self.kv_listener is not None:
+        """Drop a sequence's cache (finished, aborted, failed or preempted): to the spares where kept."""
+        capacity = self._capacity.pop(request_id, 0)
+        cache = self._caches.pop(request_id, None)
+        if cache is None:
+            return
+        if self.kv_listener is not None:
             self.kv_listener.freed(request_id)
+        self._keep(cache, capacity)
+
+    def _keep(self, cache: SequenceCache, capacity: int) -> None:
+        """A cache no sequence holds now, to the spares where kept (whatever its state: the next sequence empties
+        or overwrites it)."""
+        if self.spares is not None:
+            self.spares.put(cache, capacity, list(self._capacity.values()))
 
     @property
     def num_caches(self) -> int:

@@ -19,14 +19,19 @@ requests). Two admission modes (``kv_admission``):
   leave the budget mostly idle.
 - ``"optimistic"`` (vLLM's way): admission reserves the tokens to compute plus ``headroom`` (capped
   at the sequence's whole life and at the budget); before each step's decodes are planned, a decoding
-  sequence whose next token does not fit grows its reservation by ``max(headroom, reservation * growth)``
+  sequence whose next token does not fit grows its reservation by ``max(headroom, reservation / 8)``
   (geometric, so a contiguous cache is copied O(log) times; at least the one token needed, at most what
-  is free). ``growth`` is 1/8, or the model's ``contiguous_cache_growth`` for contiguous caches (V4: 1, its
-  decode graphs are captured again after each move), back to 1/8 when the grant would take over half of
-  the free budget. When the budget is spent, the running sequence that arrived last is preempted (LIFO, so the
-  oldest always progress and none starves): the engine frees its cache, it goes back to the FRONT of
-  the waiting queue with its output kept, and when re-admitted it recomputes prompt + output as a
-  prefill whose last position alone samples (no token is sampled or sent twice). A sequence that is
+  is free). With ``power_of_two`` (contiguous caches that decode graphs read in place,
+  ``CausalLM.decode_graphs_read_caches``, V4: a cache that moves, or a new one, captures them again)
+  reservations are powers of two, at admission (past the sequence's own life if need be, up to one
+  stream's share of the budget) and as they double, so that a finished sequence's cache fits the next,
+  longer turn of an agent (:mod:`moetier.engine.spare_caches`), unless the power of two does not fit
+  (admission) or would take over half of the free budget (growth): then as above. When the
+  budget is spent, the running
+  sequence that arrived last is preempted (LIFO, so the oldest always progress and none starves): the
+  engine frees its cache, it goes back to the FRONT of the waiting queue with its output kept, and when
+  re-admitted it recomputes prompt + output as a prefill whose last position alone samples (no token is
+  sampled or sent twice). A sequence that is
   alone and still cannot grow (its prompt + ``max_tokens`` exceed the whole budget) is finished with
   ``"length"`` (``StepPlan.exhausted``) rather than preempted in favour of nothing.
 
@@ -198,12 +203,10 @@ class Scheduler:
         kv_token_budget: int,
         admission: str = "reserve",
         headroom: int = 256,
-        growth: float = 0.125,
+        power_of_two: bool = False,
     ) -> None:
         if min(max_streams, prefill_chunk_tokens, kv_token_budget, headroom) < 1:
             raise ConfigError("max_streams, prefill_chunk_tokens, kv_token_budget and headroom must be >= 1")
-        if not 0 < growth <= 1:
-            raise ConfigError(f"growth must be in (0, 1] (a share of the reservation), got {growth}")
         if admission not in KV_ADMISSION_MODES:
             raise ConfigError(f"kv_admission must be one of {', '.join(KV_ADMISSION_MODES)}, got {admission!r}")
         self.max_streams = max_streams
@@ -211,7 +214,7 @@ class Scheduler:
         self.kv_token_budget = kv_token_budget
         self.admission = admission
         self.headroom = headroom
-        self.growth = growth
+        self.power_of_two = power_of_two
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.kv_tokens_used = 0
@@ -264,7 +267,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if len(self.running) + claimed_streams >= self.max_streams:
                 break
-            reserve = self._admission_tokens(seq)
+            reserve = self._admission_tokens(seq, self.kv_token_budget - self.kv_tokens_used - claimed_tokens)
             # Asked even when the prefill budget is spent, so that a leader learns its share stops before
             # its next chunk is planned.
             if self.defer is not None and self.defer(seq):
@@ -286,13 +289,19 @@ class Scheduler:
                 chunk.num_tokens = self._clip(chunk.seq, chunk.start, chunk.num_tokens)
         return plan
 
-    def _admission_tokens(self, seq: Sequence) -> int:
-        """KV tokens reserved when ``seq`` is admitted (see the module docstring)."""
+    def _admission_tokens(self, seq: Sequence, room: int) -> int:
+        """KV tokens reserved when ``seq`` is admitted with ``room`` tokens free (see the module docstring)."""
         if not self.optimistic:
             return seq.kv_tokens
         # The budget cap keeps a re-admitted long sequence admissible (it recomputes, then grows or is
         # exhausted); never below its tokens, which it must hold to recompute them.
-        return max(seq.num_tokens, min(seq.kv_tokens, seq.num_tokens + self.headroom, self.kv_token_budget))
+        want = seq.num_tokens + self.headroom
+        exact = max(seq.num_tokens, min(seq.kv_tokens, want, self.kv_token_budget))
+        if not self.power_of_two:
+            return exact
+        # Past its own life too (the next turn's longer prompt fits its cache), but within one stream's share.
+        rounded = max(exact, min(_power_of_two(want), self.kv_token_budget // self.max_streams))
+        return rounded if rounded <= room else exact
 
     @staticmethod
     def _prefill_chunk(plan: StepPlan, seq: Sequence, budget: int) -> int:
@@ -333,11 +342,12 @@ class Scheduler:
         room = self.kv_token_budget - self.kv_tokens_used
         if need > room:
             return False
-        step = max(self.headroom, int(seq.kv_reserved * self.growth))
-        if step > room // 2 and self.growth > 0.125:
-            # A large grant while the budget is short would preempt a newer stream sooner (a recompute of all
-            # its tokens, dearer than what the larger step saves): grow as little as usual then.
-            step = max(self.headroom, seq.kv_reserved // 8)
+        step = max(self.headroom, seq.kv_reserved // 8)
+        doubled = _power_of_two(seq.num_tokens) - seq.kv_reserved
+        # A large grant while the budget is short would preempt a newer stream sooner (a recompute of all its
+        # tokens, dearer than what the larger step saves): then it grows as little as usual.
+        if self.power_of_two and doubled <= room // 2:
+            step = doubled
         grant = max(need, min(step, room, seq.kv_tokens - seq.kv_reserved))
         seq.kv_reserved += grant
         self.kv_tokens_used += grant
@@ -386,3 +396,8 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.kv_reserved = 0
         seq.state = SequenceState.FINISHED
+
+
+def _power_of_two(tokens: int) -> int:
+    """The least power of two >= ``tokens`` (>= 1)."""
+    return 1 << max(0, tokens - 1).bit_length()

@@ -72,6 +72,10 @@ class EngineConfig:
       pools are allocated at start-up for the KV-token budget (plus ``prefix_cache_reserve_bytes``);
       snapshots live in the blocks running sequences do not need, and a running sequence that finds no
       free block evicts least recently used snapshots before a pool grows.
+    - ``spare_cache_seconds`` (default 30; 0 = off): where decode graphs read the sequences' contiguous caches
+      in place (DeepSeek-V4), how long a finished sequence's cache waits for the next sequence, which takes it
+      (emptied, or with its cached prefix copied in) and replays its graphs instead of capturing new ones
+      (:mod:`moetier.engine.spare_caches`); past it the memory returns to the expert cache.
     - ``expert_format``: the routed experts' home copy when the engine loads a checkpoint: ``"dense"``
       (dequantised to the model dtype), ``"fp8"`` (an fp8-block checkpoint's float8 + scales, half the
       bytes) or ``"fp4"`` (DeepSeek-V4's packed FP4 + scales; :class:`moetier.config.ModelLoadConfig`).
@@ -93,6 +97,7 @@ class EngineConfig:
     kv_dtype: str = "auto"
     kv_layout: str = "auto"
     kv_block_tokens: int = 16
+    spare_cache_seconds: float = 30.0
     expert_format: str = "dense"
 
     def __post_init__(self) -> None:
@@ -110,6 +115,9 @@ class EngineConfig:
         wait = self.prefix_share_max_wait_s
         if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < float("inf"):
             raise ConfigError(f"prefix_share_max_wait_s must be a number >= 0, got {wait!r}")
+        keep = self.spare_cache_seconds
+        if isinstance(keep, bool) or not isinstance(keep, int | float) or not 0 <= keep < float("inf"):
+            raise ConfigError(f"spare_cache_seconds must be a number >= 0, got {keep!r}")
         budget = self.prefix_cache_bytes
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise ConfigError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")
@@ -214,6 +222,11 @@ class EngineStats:
     expert_cache_resizes: int | None = None
     kv_cache_bytes: int | None = None
     kv_cache_reserved_bytes: int | None = None
+    # Decode CUDA graphs captured so far (a model with segment graphs; on CUDA only), and, where finished
+    # sequences' caches wait for the next ones (moetier.engine.spare_caches), how many wait and were reused.
+    decode_graph_captures_total: int | None = None
+    spare_caches: int | None = None
+    spare_cache_reuses_total: int | None = None
 
 
 def prefill_stats(meter: PrefillMeter, running: Iterable[Sequence]) -> dict[str, Any]:

@@ -77,6 +77,16 @@ class SequenceCache:
         default all); the clone can then be extended like a fresh cache."""
         raise NotImplementedError(f"{type(self).__name__} does not support prefix snapshots")
 
+    def reset(self) -> bool:
+        """Empty the cache in place for a new sequence of at most its size: its tensors kept, so decode graphs
+        captured over them stay valid. False (the default) where the family cannot."""
+        return False
+
+    def copy_into(self, target: SequenceCache, length: int | None = None) -> bool:
+        """As :meth:`clone_into`, into ``target`` (an empty cache of this model with room enough) in place: its
+        tensors kept. False (the default) where the family cannot."""
+        return False
+
     def mark(self) -> None:
         """Record what :meth:`snapshot` needs to reproduce the current length later (non-truncatable
         caches; called between forwards at block boundaries). Default: nothing to record."""
@@ -168,10 +178,10 @@ class CausalLM(nn.Module, ABC):
     # Whether decode attention reads paged KV blocks in place on CUDA (moetier.kernels.paged_attention);
     # the engine's ``kv_layout="auto"`` picks the paged layout for such a model there.
     reads_paged_kv_in_place: bool = False
-    # The least share of its reservation a sequence's contiguous cache grows by when it outgrows it (optimistic
-    # KV admission; the move copies the cache). A family whose decode graphs read a cache's tensors at fixed
-    # addresses captures them again after each move, and grows by more.
-    contiguous_cache_growth: float = 0.125
+    # Whether decode graphs read the sequences' contiguous caches in place (keyed by them, so a cache that moves
+    # or a new sequence's cache captures them again): the engine then doubles reservations and hands finished
+    # sequences' caches to the next ones (moetier.engine.spare_caches).
+    decode_graphs_read_caches: bool = False
 
     def __init__(self, config: Any, dispatcher: ExpertDispatcher) -> None:
         super().__init__()

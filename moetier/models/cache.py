@@ -155,6 +155,18 @@ class KVRows:
             clone.scales[..., :length, :] = self.scales[..., :length, :]
         return clone
 
+    def copy_rows_into(self, target: KVRows, length: int) -> None:
+        """This store's first ``length`` rows (values and scales) into ``target``, a store of the same rows in place
+        (its tensors kept)."""
+        same = type(target) is KVRows and target.data.dtype == self.data.dtype and target.groups == self.groups
+        if not same or target.data.shape[:-2] != self.data.shape[:-2] or target.data.shape[-1] != self.data.shape[-1]:
+            raise ValueError("rows copy between stores of different layouts")
+        if length > target.capacity:
+            raise ValueError(f"cannot copy {length} rows into a store of {target.capacity}")
+        target.data[..., :length, :] = self.data[..., :length, :]
+        if self.scales is not None:
+            target.scales[..., :length, :] = self.scales[..., :length, :]
+
     @property
     def nbytes(self) -> int:
         tensors = [self.data] if self.scales is None else [self.data, self.scales]

@@ -392,10 +392,8 @@ class DeepseekV4ForCausalLM(CausalLM):
     # Decode steps (one token per sequence) run as segments (:mod:`deepseek_v4_step`), CUDA graphs where
     # ``graphs`` allows; False runs them through the layers' one-call forward, as prefill does.
     segmented_decode = True
-    # A layer's decode graph reads its sequences' contiguous caches in place, so it is keyed by them
-    # (deepseek_v4_step): doubling the reservation makes the moves, and the captures after them, O(log) of the
-    # context (from 1k to 128k tokens: 7 instead of ~35 at the default 1/8).
-    contiguous_cache_growth = 1.0
+    # A layer's decode graph reads its sequences' contiguous caches in place, so it is keyed by them (deepseek_v4_step).
+    decode_graphs_read_caches = True
 
     def __init__(self, config: DeepseekV4Config, dispatcher: ExpertDispatcher) -> None:
         super().__init__(config, dispatcher)
@@ -501,7 +499,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         for s in batch.slices:
             s.cache.check_room(s.length)
         if self.segmented_decode and all(s.length == 1 for s in batch.slices):
-            hidden = decode_step(self, input_ids, batch)
+            hidden = self._decode_in_cache_order(input_ids, batch)
         else:
             x = self.embed(input_ids)
             positions = batch.positions
@@ -512,6 +510,19 @@ class DeepseekV4ForCausalLM(CausalLM):
             hidden = self.final_hidden(streams)
         batch.advance()
         return hidden
+
+    def _decode_in_cache_order(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """:func:`decode_step` over the sequences in their caches' order (serials), rows back in the batch's order: a
+        layer's graph is keyed by its caches in order, so the same caches in another order (a new sequence in a
+        finished one's cache, scheduled after the others) replay the graphs captured for them."""
+        order = sorted(range(len(batch.slices)), key=lambda b: batch.slices[b].cache.serial)
+        if order == sorted(order):
+            return decode_step(self, input_ids, batch)
+        index = torch.tensor(order, device=input_ids.device)
+        caches = [batch.slices[b].cache for b in order]
+        ordered = ForwardBatch(caches, len(order), [1] * len(order), input_ids.device)
+        hidden = decode_step(self, input_ids.index_select(0, index), ordered)
+        return torch.empty_like(hidden).index_copy_(0, index, hidden)
 
     def rotations(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Rotation]:
         """Every rope kind's rotation of the rows at ``positions``: once per forward, layers share them."""

@@ -15,7 +15,7 @@ import torch
 
 from moetier.errors import ConfigError
 from moetier.models.base import SequenceCache
-from moetier.models.cache import kv_rows
+from moetier.models.cache import KVRows, kv_rows
 
 
 class RowWrites:
@@ -89,6 +89,16 @@ class SlidingWindowKV:
     def advance(self) -> None:
         """Count one key written by the device (a static decode step wrote its row)."""
         self.seen += 1
+
+    def reset(self) -> None:
+        """Empty, as a new ring (its buffer kept)."""
+        self.buffer.zero_()
+        self.seen = 0
+
+    def copy_into(self, target: SlidingWindowKV) -> None:
+        """This ring's keys into ``target``'s buffer (in place)."""
+        target.buffer.copy_(self.buffer)
+        target.seen = self.seen
 
     def copy(self) -> SlidingWindowKV:
         """A deep copy (its own ring)."""
@@ -214,6 +224,24 @@ class CompressorState:
         clone.entries = self.entries.copy(max_entries, count)  # fp8 scales included
         return clone
 
+    def reset(self) -> None:
+        """No window open and no entry, as a new state (its tensors kept; entries past ``count`` are never read)."""
+        self.n_open = self.count = 0
+        if self.prev_kv is not None:
+            self.prev_kv.zero_()
+            self.prev_gate.fill_(float("-inf"))
+
+    def copy_into(self, target: CompressorState, count: int) -> None:
+        """This state with its first ``count`` entries into ``target`` (in place: its tensors kept)."""
+        if (target.rate, target.width) != (self.rate, self.width) or not count <= self.count:
+            raise ValueError(f"cannot copy {count} of {self.count} entries into a compressor of another shape")
+        target.open.copy_(self.open)
+        target.n_open, target.count = self.n_open, count
+        if self.prev_kv is not None:
+            target.prev_kv.copy_(self.prev_kv)
+            target.prev_gate.copy_(self.prev_gate)
+        self.entries.copy_rows_into(target.entries, count)
+
     def rolling_nbytes(self) -> int:
         tensors = [self.open, self.prev_kv, self.prev_gate]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -240,6 +268,9 @@ class LayerCache:
         return LayerCache(
             self.window.copy(), compressor(self.compressor, compressor_count), compressor(self.indexer, indexer_count)
         )
+
+    def states(self) -> list[CompressorState]:
+        return [s for s in (self.compressor, self.indexer) if s is not None]
 
     @property
     def nbytes(self) -> int:
@@ -315,6 +346,35 @@ class DeepseekV4Cache(SequenceCache):
         clone = DeepseekV4Cache([layer.copy(max_tokens) for layer in self.layers], max_tokens)
         clone.length = self.length
         return clone
+
+    def reset(self) -> bool:
+        """Empty, as a new cache of the same size, in place: the same tensors (and serial), so decode graphs captured
+        over them replay for the next sequence (:mod:`moetier.engine.spare_caches`). False for paged stores."""
+        if not self._contiguous():
+            return False
+        for layer in self.layers:
+            layer.window.reset()
+            for state in layer.states():
+                state.reset()
+        self.length, self._mark = 0, None
+        return True
+
+    def copy_into(self, target: SequenceCache, length: int | None = None) -> bool:
+        """This state (at its length: it cannot be rewound) into ``target``, another V4 cache of this model with
+        room for it, in place: as :meth:`clone_into` into ``target``'s own tensors. False for paged stores."""
+        if not isinstance(target, DeepseekV4Cache) or not (self._contiguous() and target._contiguous()):
+            return False
+        if length not in (None, self.length) or target.max_tokens < self.length:
+            raise ValueError(f"cannot copy a {self.length}-token DeepSeek-V4 cache into one of {target.max_tokens}")
+        for source, layer in zip(self.layers, target.layers, strict=True):
+            source.window.copy_into(layer.window)
+            for state, into in zip(source.states(), layer.states(), strict=True):
+                state.copy_into(into, state.count)
+        target.length, target._mark = self.length, None
+        return True
+
+    def _contiguous(self) -> bool:
+        return all(type(state.entries) is KVRows for layer in self.layers for state in layer.states())
 
     @property
     def nbytes(self) -> int:

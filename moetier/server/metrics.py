@@ -163,6 +163,17 @@ class _EngineStatsCollector(Collector):
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
         )
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        if getattr(stats, "decode_graph_captures_total", None) is not None:
+            yield counter(
+                "decode_graph_captures", "Decode CUDA graphs captured (each new batch of caches, bucket or variant).",
+                stats.decode_graph_captures_total,
+            )  # fmt: skip
+        if getattr(stats, "spare_caches", None) is not None:
+            yield gauge("spare_caches", "Finished sequences' caches waiting for new sequences.", stats.spare_caches)
+            yield counter(
+                "spare_cache_reuses", "Sequences started in a finished sequence's cache (its decode graphs replay).",
+                stats.spare_cache_reuses_total,
+            )  # fmt: skip
         if getattr(stats, "expert_cache_slots", None) is not None:  # tiered experts: the elastic cache
             yield gauge("tier_expert_cache_slots", "Expert slots in the VRAM cache now.", stats.expert_cache_slots)
             yield gauge("tier_expert_cache_bytes", "Bytes of the VRAM expert cache now.", stats.expert_cache_bytes)
