@@ -12,7 +12,9 @@
 # (default "4096 16384"); SHORT_TURNS=1 adds the short-turn prefill (512/2048 tokens, pure CPU and copy
 # paths against the split). HF_BASELINE=1 adds transformers + accelerate to the decode bench (HF_ARGS:
 # its extra flags). The serve stage starts `moetier serve` on the bench model with SERVE_GPU_MEMORY
-# (default 8GiB: backbone, KV, an auto 4096-token chunk and a few % of the experts) and drives it at 1/2/4 streams.
+# (default 8GiB: backbone, KV, an auto 4096-token chunk and a few % of the experts) and drives it at 1/2/4 streams
+# (SKIP_SERVE_LEVELS=1: not); SERVE_TURNS=N adds agent sessions of N turns at 1/2 streams (SERVE_TURN_PROMPT words to
+# start, default 2048), once per value of SERVE_SPARE_SECONDS (default "30 0": finished caches reused, then not).
 # FP8_EXPERTS=1 writes the bench model's routed experts as fp8 + tile scales (DeepSeek's fp8 release format)
 # and runs decode/prefill with --expert-format fp8 (half the miss bytes); FP4_EXPERTS=1 the same with packed
 # FP4 e2m1 + ue8m0 scales (DeepSeek-V4's release format, --expert-format fp4: 0.27x the miss bytes of bf16 with
@@ -284,13 +286,27 @@ if [ -z "${SKIP_BENCH:-}" ]; then
         serve_args="--gpu-memory ${SERVE_GPU_MEMORY:-8GiB} --context 16384 --max-streams 4"
         echo "=== plan" >> "$LOG"
         python3 -m moetier.cli plan --model "$model" $serve_args 2>&1 | tee -a "$LOG"
-        echo "=== bench serve" >> "$LOG"
-        timeout 420 python3 -m moetier.cli bench serve --start-model "$model" --serve-args "$serve_args" \
-            --concurrency 1,2,4 --requests 4 --prompt-tokens 512 --max-tokens 32 --out "$OUT" 2>&1 \
-            | tr '\r' '\n' | grep -v '^\(pinning\|loading\)' | tee -a "$LOG"
-        code=${PIPESTATUS[0]}
-        echo "bench serve exit status: $code" | tee -a "$LOG"
-        [ "$code" -eq 0 ] || status=$code
+        serve_bench() {  # serve_bench LABEL EXTRA_SERVE_ARGS BENCH_ARGS...
+            local label=$1 extra=$2
+            shift 2
+            echo "=== bench serve $label" >> "$LOG"
+            timeout 420 python3 -m moetier.cli bench serve --start-model "$model" --serve-args "$serve_args $extra" \
+                "$@" --out "$OUT" 2>&1 | tr '\r' '\n' | grep -v '^\(pinning\|loading\)' | tee -a "$LOG"
+            code=${PIPESTATUS[0]}
+            echo "bench serve $label exit status: $code" | tee -a "$LOG"
+            [ "$code" -eq 0 ] || status=$code
+        }
+        if [ -z "${SKIP_SERVE_LEVELS:-}" ]; then
+            serve_bench levels "" --concurrency 1,2,4 --requests 4 --prompt-tokens 512 --max-tokens 32
+        fi
+        # Agent sessions: each follow-up turn extends the last prompt + completion (prefix-cache hits), with
+        # finished requests' caches reused (their decode graphs replay) and, for comparison, not (0).
+        if [ -n "${SERVE_TURNS:-}" ]; then
+            for spare in ${SERVE_SPARE_SECONDS:-30 0}; do
+                serve_bench "turns-spare$spare" "--spare-cache-seconds $spare" --concurrency 1,2 --requests 2 \
+                    --turns "$SERVE_TURNS" --turn-tokens 64 --prompt-tokens "${SERVE_TURN_PROMPT:-2048}" --max-tokens 48
+            done
+        fi
     fi
     [ -n "${KEEP_MODEL:-}" ] || rm -rf "$model"
 fi

@@ -246,6 +246,14 @@ def _setup_serve(parser: argparse.ArgumentParser) -> None:
         help="skip the start-up warm-up (on CUDA: a few decode steps per batch size, to compile kernels and "
         "capture decode graphs before the first request)",
     )
+    parser.add_argument(
+        "--spare-cache-seconds",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long a finished request's KV cache waits for the next request, which then starts in it (DeepSeek-V4: "
+        "its decode CUDA graphs replay instead of being captured again; default 30; 0: off)",
+    )
     add_kv_dtype_argument(parser)
     add_expert_format_argument(parser)
     add_prefill_chunk_argument(parser)
@@ -275,6 +283,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         prefill_chunk_tokens=args.prefill_chunk,
         expert_format=args.expert_format,
+        spare_cache_seconds=args.spare_cache_seconds,
         tiers=tier_options(args),
     )
     return serve(config)

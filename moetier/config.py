@@ -45,6 +45,13 @@ def check_expert_format(value: str) -> str:
     return value
 
 
+def check_seconds(name: str, value: object, zero: str = "") -> None:
+    """Raise a one-line :class:`ConfigError` unless ``value`` is a finite number of seconds >= 0 (``zero``: what 0
+    means, for the message)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+        raise ConfigError(f"{name} must be a number >= 0{f' ({zero})' if zero else ''}, got {value!r}")
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -90,3 +90,31 @@ def test_cli_starts_a_loopback_server_measures_and_stops_it(tmp_path, monkeypatc
     assert server["started_by_bench"] and server["url"].startswith("http://127.0.0.1:") and server["exit_status"] == 0
     assert "--device" in server["command"] and server["start_seconds"] > 0
     assert receipt["results"][0]["errors"] == 0 and receipt["results"][0]["output_tokens"] == 2 * 3
+
+
+def test_agent_sessions_extend_their_prefix_and_report_the_servers_counters(server):
+    cfg = ServeBenchConfig(
+        url=server.base + "/v1", concurrency=[2], requests=2, prompt_tokens=20, max_tokens=5, turns=3, turn_tokens=6,
+        request_timeout=60,
+    )  # fmt: skip
+    before = server.wait_idle()
+    receipt = run_serve_bench(cfg)
+    after = server.wait_idle()
+    (level,) = receipt["results"]
+    assert level["errors"] == 0 and level["requests"] == 2 * 3 and level["turns"] == 3
+    assert level["completion_tokens"] == [5] * 6
+    # Each follow-up's prompt holds the last one's, its 5 generated tokens and 6 more words.
+    assert len(set(level["prompt_tokens"])) > 2 and max(level["prompt_tokens"]) > min(level["prompt_tokens"]) + 10
+    assert level["first_turn_ttft_s"]["max"] is not None and level["followup_ttft_s"]["max"] is not None
+    counters = level["server_counters"]
+    # The demo model is a V4 on the CPU: no graphs, but follow-ups start in finished turns' caches from the
+    # prefix cache, and the counters moved by what the engine's stats did.
+    assert counters["decode_graph_captures"] == 0 and counters["spare_cache_reuses"] >= 2
+    assert counters["prefix_cache_hits"] > 0 and counters["preemptions"] == 0
+    assert counters["prefix_cache_hits"] <= after.prefix_cache_hits - before.prefix_cache_hits
+    assert "| 2 | 0 |" in markdown_table(receipt) and "3 turn(s)" in markdown_table(receipt)
+
+
+def test_session_config_checks():
+    with pytest.raises(ConfigError, match="--turns"):
+        ServeBenchConfig(url="http://127.0.0.1:1/v1", turns=0)

@@ -10,6 +10,8 @@ from test_qwen3_moe import tiny_qwen3_config
 from tiny_tokenizer import write_test_tokenizer
 
 from moetier import cli
+from moetier.engine.types import EngineConfig
+from moetier.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +107,16 @@ def test_tier_flags_reach_the_tier_options():
     options = tier_options(args)
     assert (options.kv_reserve_streams, options.min_cache_slots, options.miss_route) == (1, 8, "cpu")
     assert tier_options(build_parser().parse_args(["serve"])) is None  # no budget: every expert resident
+
+
+def test_spare_cache_seconds_reaches_the_engine_and_a_bad_value_is_one_line():
+    from moetier.cli import build_parser
+    from moetier.server.app import ServeConfig
+
+    assert build_parser().parse_args(["serve"]).spare_cache_seconds == 30.0
+    assert build_parser().parse_args(["serve", "--spare-cache-seconds", "0"]).spare_cache_seconds == 0.0
+    for bad in (-1.0, float("inf")):
+        with pytest.raises(ConfigError, match=r"spare_cache_seconds must be a number >= 0 \(0: off\)"):
+            ServeConfig(spare_cache_seconds=bad)
+    with pytest.raises(ConfigError, match="spare_cache_seconds"):
+        EngineConfig(spare_cache_seconds=-0.5)

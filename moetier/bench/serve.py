@@ -8,6 +8,13 @@ between text chunks), end-to-end latency, output tok/s over the level's wall tim
 (a healthy run has none). Requests have a timeout and the run has a deadline; only loopback
 addresses are driven. With ``--start-model`` the bench starts ``moetier serve`` itself on a free
 loopback port, and stops it afterwards.
+
+``--turns N`` makes each request an agent session of ``N`` turns: turn ``k + 1``'s prompt is turn ``k``'s
+prompt, its completion and ``--turn-tokens`` new words (a tool's result), sent when turn ``k`` has finished,
+so every follow-up extends a prefix the server has just computed. The receipt then reports the follow-up
+turns' TTFT apart from the first turns'. Every level also reports what the server's ``/metrics`` counters
+moved by during it (decode graphs captured, sequences started in a finished sequence's cache, prompt
+tokens served from the prefix cache, preemptions), when the server exposes them.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ class ServeBenchConfig:
     max_tokens: int = 64
     warmup: int = 1
     seed: int = 0
+    turns: int = 1
+    turn_tokens: int = 32
     request_timeout: float = 300.0
     deadline: float = 1800.0  # the whole run, start-up included
     start_timeout: float = 600.0
@@ -68,8 +77,10 @@ class ServeBenchConfig:
             raise ConfigError(f"bench serve drives loopback servers only ({', '.join(LOOPBACK)}), got {self.url}")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ConfigError(f"--concurrency must be positive integers, got {self.concurrency}")
-        if min(self.requests, self.prompt_tokens, self.max_tokens) < 1 or self.warmup < 0:
-            raise ConfigError("--requests, --prompt-tokens and --max-tokens must be >= 1 and --warmup >= 0")
+        if min(self.requests, self.prompt_tokens, self.max_tokens, self.turns, self.turn_tokens) < 1 or self.warmup < 0:
+            raise ConfigError(
+                "--requests, --prompt-tokens, --max-tokens, --turns and --turn-tokens must be >= 1 and --warmup >= 0"
+            )
         if min(self.request_timeout, self.deadline, self.start_timeout) <= 0:
             raise ConfigError("timeouts must be positive")
 
@@ -91,6 +102,8 @@ class RequestRecord:
     completion_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    text: str = ""  # the completion (the next turn's prompt builds on it)
+    turn: int = 0
 
     @property
     def tpot(self) -> float | None:
@@ -121,6 +134,7 @@ def stream_one(client: Any, model: str, prompt: str, cfg: ServeBenchConfig) -> R
         for chunk in stream:
             now = time.perf_counter() - start
             if chunk.choices and chunk.choices[0].text:
+                record.text += chunk.choices[0].text
                 record.chunk_times.append(now)
                 if record.ttft is None:
                     record.ttft = now
@@ -139,14 +153,45 @@ def stream_one(client: Any, model: str, prompt: str, cfg: ServeBenchConfig) -> R
     return record
 
 
-def run_level(client: Any, model: str, prompts: list[str], concurrency: int, cfg: ServeBenchConfig) -> dict[str, Any]:
-    """One request per prompt, ``concurrency`` in flight at a time; the level's figures."""
+def run_session(client: Any, model: str, prompt: str, cfg: ServeBenchConfig, seed: int) -> list[RequestRecord]:
+    """``cfg.turns`` turns, each prompt the last one's prompt, completion and ``cfg.turn_tokens`` new seeded words;
+    a failed turn ends the session."""
+    additions = make_prompts(cfg.turns - 1, cfg.turn_tokens, seed)
+    records: list[RequestRecord] = []
+    for turn in range(cfg.turns):
+        record = stream_one(client, model, prompt, cfg)
+        record.turn = turn
+        records.append(record)
+        if record.error is not None:
+            break
+        if turn < cfg.turns - 1:
+            prompt = f"{prompt}{record.text} {additions[turn]}"
+    return records
+
+
+def run_level(
+    client: Any, model: str, prompts: list[str], concurrency: int, cfg: ServeBenchConfig, metrics_url: str | None = None
+) -> dict[str, Any]:
+    """One request (or session of ``cfg.turns``) per prompt, ``concurrency`` in flight at a time; the level's
+    figures, with what the server's counters at ``metrics_url`` moved by."""
+    before = server_counters(metrics_url)
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        records = list(pool.map(lambda p: stream_one(client, model, p, cfg), prompts))
+        sessions = list(
+            pool.map(lambda i: run_session(client, model, prompts[i], cfg, cfg.seed + 1 + i), range(len(prompts)))
+        )
     wall = time.perf_counter() - start
+    after = server_counters(metrics_url)
+    records = [r for session in sessions for r in session]
     good = [r for r in records if r.error is None]
     output_tokens = sum(r.completion_tokens for r in good)
+    turns = {}
+    if cfg.turns > 1:
+        turns = {
+            "turns": cfg.turns,
+            "first_turn_ttft_s": _summary([r.ttft for r in good if r.turn == 0]),
+            "followup_ttft_s": _summary([r.ttft for r in good if r.turn > 0]),
+        }
     return {
         "concurrency": concurrency,
         "requests": len(records),
@@ -163,7 +208,40 @@ def run_level(client: Any, model: str, prompts: list[str], concurrency: int, cfg
         "tpot_s": _summary([r.tpot for r in good if r.tpot is not None]),
         "itl_s": _summary([gap for r in good for gap in r.itl]),
         "latency_s": _summary([r.latency for r in good]),
+        **turns,
+        "server_counters": {k: after[k] - before[k] for k in after if k in before},
     }
+
+
+# The server's counters a level reports the change of (the `moetier:` Prometheus series, without `_total`).
+SERVER_COUNTERS = ("decode_graph_captures", "spare_cache_reuses", "prefix_cache_hits", "preemptions")
+
+
+def server_counters(metrics_url: str | None) -> dict[str, float]:
+    """The :data:`SERVER_COUNTERS` the server at ``metrics_url`` exposes now (none where it has no such page)."""
+    if metrics_url is None:
+        return {}
+    from urllib.request import urlopen
+
+    try:
+        with urlopen(metrics_url, timeout=10) as response:  # noqa: S310 - a loopback URL (checked in the config)
+            text = response.read().decode()
+    except OSError:
+        return {}
+    wanted = {f"moetier:{name}_total": name for name in SERVER_COUNTERS}
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        name = wanted.get(series.split("{", 1)[0])
+        if name is not None:  # summed over labels (one model_name here)
+            values[name] = values.get(name, 0.0) + float(value)
+    return values
+
+
+def metrics_url_of(api_url: str) -> str:
+    """``http://host:port/metrics`` of an API base such as ``http://host:port/v1``."""
+    parts = urlparse(api_url)
+    return f"{parts.scheme}://{parts.netloc}/metrics"
 
 
 def _summary(values: list[float]) -> dict[str, float | None]:
@@ -248,7 +326,8 @@ def run_serve_bench(cfg: ServeBenchConfig) -> dict[str, Any]:
                 notes.append(f"concurrency {concurrency}: not run, the {cfg.deadline:.0f} s deadline passed")
                 continue
             first = cfg.warmup + i * per_level
-            results.append(run_level(client, model, prompts[first : first + per_level], concurrency, cfg))
+            level_prompts = prompts[first : first + per_level]
+            results.append(run_level(client, model, level_prompts, concurrency, cfg, metrics_url_of(url)))
     finally:
         exit_status = server.stop() if server else None
     return {
@@ -276,15 +355,20 @@ def markdown_table(receipt: dict[str, Any]) -> str:
     lines = [
         f"Serve, model {server['model']} at {server['url']}, {cfg['requests']} requests per level, "
         f"~{cfg['prompt_tokens']} prompt words, {cfg['max_tokens']} output tokens, "
+        f"{cfg.get('turns', 1)} turn(s) a request (+{cfg.get('turn_tokens', 0)} words each), "
         f"git {receipt['environment']['git_sha']}",
         "",
-        "| concurrency | errors | output tok/s | TTFT p50/p90/p99 s | TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms |",
-        "|---|---|---|---|---|---|",
+        "| concurrency | errors | output tok/s | TTFT p50/p90/p99 s | TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms "
+        "| follow-up TTFT p50/p90/p99 s | graphs captured | spare caches reused |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in receipt["results"]:
+        followup = _pct(r["followup_ttft_s"], 1, 3) if "followup_ttft_s" in r else "-"
+        counters = r.get("server_counters", {})
         lines.append(
             f"| {r['concurrency']} | {r['errors']} | {fmt(r['output_tok_s'], 1)} | {_pct(r['ttft_s'], 1, 3)} "
-            f"| {_pct(r['tpot_s'], 1e3, 1)} | {_pct(r['itl_s'], 1e3, 1)} |"
+            f"| {_pct(r['tpot_s'], 1e3, 1)} | {_pct(r['itl_s'], 1e3, 1)} | {followup} "
+            f"| {fmt(counters.get('decode_graph_captures'), 0)} | {fmt(counters.get('spare_cache_reuses'), 0)} |"
         )
     lines += [f"- {note}" for note in receipt["notes"]]
     return "\n".join(lines) + "\n"
@@ -309,6 +393,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=8, help="requests per concurrency level")
     parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (seeded words, ~1 token each)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (EOS ignored)")
+    parser.add_argument(
+        "--turns", type=int, default=1, help="turns per request: each follow-up extends the last prompt and completion"
+    )
+    parser.add_argument("--turn-tokens", type=int, default=32, help="new words a follow-up turn adds (a tool result)")
     parser.add_argument("--warmup", type=int, default=1, help="requests sent before measuring")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
@@ -328,6 +416,8 @@ def run(args: argparse.Namespace) -> int:
         requests=args.requests,
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
+        turns=args.turns,
+        turn_tokens=args.turn_tokens,
         warmup=args.warmup,
         seed=args.seed,
         request_timeout=args.request_timeout,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from moetier.config import ModelLoadConfig, check_expert_format, parse_dtype
+from moetier.config import ModelLoadConfig, check_expert_format, check_seconds, parse_dtype
 from moetier.engine.prefill_meter import PrefillMeter
 from moetier.engine.sampling import TokenLogprob
 from moetier.engine.scheduler import KV_ADMISSION_MODES, Sequence
@@ -112,12 +112,8 @@ class EngineConfig:
         _positive_int("kv_headroom_tokens", self.kv_headroom_tokens)
         _positive_int("prefix_block_tokens", self.prefix_block_tokens)
         _positive_int("prefix_share_min_blocks", self.prefix_share_min_blocks)
-        wait = self.prefix_share_max_wait_s
-        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < float("inf"):
-            raise ConfigError(f"prefix_share_max_wait_s must be a number >= 0, got {wait!r}")
-        keep = self.spare_cache_seconds
-        if isinstance(keep, bool) or not isinstance(keep, int | float) or not 0 <= keep < float("inf"):
-            raise ConfigError(f"spare_cache_seconds must be a number >= 0, got {keep!r}")
+        check_seconds("prefix_share_max_wait_s", self.prefix_share_max_wait_s)
+        check_seconds("spare_cache_seconds", self.spare_cache_seconds, "0: off")
         budget = self.prefix_cache_bytes
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise ConfigError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import secrets
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -30,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from moetier import __version__
-from moetier.config import check_expert_format
+from moetier.config import check_expert_format, check_seconds
 from moetier.errors import ChatTemplateError, ConfigError
 from moetier.server.metrics import ServerMetrics, dispatcher_metrics
 from moetier.server.openai_errors import (
@@ -68,6 +67,8 @@ class ServeConfig:
     with ``tiers``, else the engine's default. ``warmup``: on CUDA, run a few decode steps per batch size
     up to ``max_streams`` before reporting ready (:mod:`moetier.engine.warmup`). ``expert_format``: the
     routed experts' home copy, ``dense``, ``fp8`` or ``fp4`` (:class:`moetier.config.ModelLoadConfig`).
+    ``spare_cache_seconds``: how long a finished request's cache waits for the next request (DeepSeek-V4:
+    its decode graphs replay; 0 = off; :class:`moetier.engine.types.EngineConfig`).
     """
 
     model: str | None = None
@@ -90,6 +91,7 @@ class ServeConfig:
     prefill_chunk_tokens: int | None = None
     warmup: bool = True
     expert_format: str = "dense"
+    spare_cache_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         check_expert_format(self.expert_format)
@@ -112,9 +114,8 @@ class ServeConfig:
             raise ConfigError(f"prefill_chunk_tokens must be an integer >= 1 (None: auto), got {chunk!r}")
         if not isinstance(self.warmup, bool):
             raise ConfigError(f"warmup must be true or false, got {self.warmup!r}")
-        keepalive = self.keepalive_seconds
-        if isinstance(keepalive, bool) or not isinstance(keepalive, int | float) or not 0 <= keepalive < math.inf:
-            raise ConfigError(f"keepalive_seconds must be a number >= 0 (0: off), got {keepalive!r}")
+        check_seconds("keepalive_seconds", self.keepalive_seconds, "0: off")
+        check_seconds("spare_cache_seconds", self.spare_cache_seconds, "0: off")
 
 
 # --- loading ----------------------------------------------------------------------------------------
@@ -157,6 +158,7 @@ def load_serving_model(config: ServeConfig) -> ServingModel:
         kv_layout=config.kv_layout,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         expert_format=config.expert_format,
+        spare_cache_seconds=config.spare_cache_seconds,
     )
     tokenizer = "auto" if (path / "tokenizer.json").is_file() else None
     engine = Engine.from_path(
