@@ -292,3 +292,56 @@ def test_the_async_engine_drops_spares_while_idle(families):
     seen = asyncio.run(main())
     assert seen and seen[0] == 1  # it waited as a spare first
     assert not len(engine.runner.spares) and engine.runner.spares.dropped == 1
+
+
+def test_spares_serve_the_largest_wants_first_from_the_smallest_room():
+    from moetier.engine.spare_caches import SpareCaches
+
+    spares = SpareCaches(limit=4, token_budget=10_000, keep_seconds=30.0)
+    for capacity in (64, 256, 128):
+        spares.put(object(), capacity, live=[])
+    assert spares.unserved([100, 60, 300, 200]) == [300]
+    assert spares.unserved([200, 200]) == [200] and spares.unserved([]) == []
+    assert spares.take(100)[1] == 128 and spares.take(300) is None and spares.tokens == 64 + 256
+    spares.put(object(), 512, live=[4096, 4096, 1000])  # 3 live + 3 spares > 4, and over the token budget
+    assert len(spares) == 1 and spares.tokens == 512 and spares.dropped == 2
+    with pytest.raises(ValueError, match="positive"):
+        SpareCaches(limit=0, token_budget=10, keep_seconds=1.0)
+
+
+# --- CUDA (run on the GPU machine) -----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_served_turns_reuse_caches_and_graphs(tmp_path_factory, dtype):
+    """Real CUDA graphs: agent-like turns (each the last prompt + its output + more) and a pair of concurrent
+    requests served with finished caches reused give the tokens of an engine that never reuses them, and
+    capture fewer graphs."""
+    from test_deepseek_v4 import save_tiny_v4
+
+    from moetier.config import ModelLoadConfig
+    from moetier.engine.engine import Engine, EngineConfig
+    from moetier.weights.loader import load_model
+
+    path = tmp_path_factory.mktemp("dsv4_reuse_cuda")
+    save_tiny_v4(path, torch.float32)
+
+    def serve(spare_seconds: float) -> tuple[list[list[int]], int]:
+        loaded = load_model(path, ModelLoadConfig(dtype=dtype, device="cuda"), progress=False)
+        config = EngineConfig(max_model_len=256, max_streams=2, spare_cache_seconds=spare_seconds)
+        engine = Engine(loaded, config, tokenizer=None)
+        outputs, prompt = [], random_prompt(30, seed=40, vocab=256)
+        for turn in range(4):
+            (tokens,) = [tokens_of(u) for u in run(engine, [greedy_request(f"t{turn}", prompt, 20)]).values()]
+            outputs.append(tokens)
+            prompt = prompt + tokens + random_prompt(7, seed=41 + turn, vocab=256)
+        pair = [greedy_request(f"p{i}", random_prompt(25 + 9 * i, seed=50 + i, vocab=256), 16 + 8 * i) for i in (0, 1)]
+        outputs += [tokens_of(u) for u in run(engine, pair).values()]
+        return outputs, engine.stats().decode_graph_captures_total
+
+    reused, reused_captures = serve(30.0)
+    fresh, fresh_captures = serve(0.0)
+    print(f"\n{dtype}: captures {reused_captures} with spare caches, {fresh_captures} without")
+    assert reused == fresh
+    assert 0 < reused_captures < fresh_captures

@@ -242,3 +242,21 @@ def test_config_validation_and_token_cap():
     assert sizer.bytes_for(10) == 1050
     assert kv_token_cap(config, sizer, max_streams=3) == (6400 + 6000 - 150) // 100
     assert kv_token_cap(config, KvSizer(0.0, 4096), max_streams=3) is None
+
+
+def test_a_request_that_takes_a_spare_cache_resizes_nothing(tmp_path):
+    """V4 (finished caches kept as spares): a request that will start in a spare needs no new KV memory, so the
+    expert cache is not shrunk for it (and grown back once it took the spare)."""
+    v4 = pytest.importorskip("test_deepseek_v4")
+    v4.save_tiny_v4(tmp_path, torch.float32)
+    engine = _engine(tmp_path, gpu_memory=gpu_budget(tmp_path, SLOTS, reserve=1), kv_reserve_streams=1)
+    generator = torch.Generator().manual_seed(12)
+    for i in range(3):
+        prompt = torch.randint(0, v4.VOCAB, (PROMPT_LEN,), generator=generator).tolist()
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        while engine.has_work():
+            engine.step()
+        if i == 0:
+            resizes = engine.elastic.resizes
+    assert engine.runner.spares.taken == 2 and len(engine.runner.spares) == 1
+    assert engine.elastic.resizes == resizes and engine.elastic.overcommits == 0

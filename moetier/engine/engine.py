@@ -260,6 +260,8 @@ class Engine:
         # into a new one of that size (the old one is freed right after).
         runner = self.runner
         pending = [s.cache_tokens for s in self.scheduler.running if runner.capacity_of(s.request_id) < s.cache_tokens]
+        if runner.spares is not None:  # a spare's memory is counted already: only the others need room
+            pending = runner.spares.unserved(pending)
         self.elastic.rebalance(self.elastic.pending_bytes(pending))
 
     def _eos_ids(self) -> set[int]:

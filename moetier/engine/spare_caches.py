@@ -87,6 +87,19 @@ class SpareCaches:
         self.taken += 1
         return spare.cache, spare.capacity
 
+    def unserved(self, wanted: list[int]) -> list[int]:
+        """Of caches about to be taken for ``wanted`` tokens each, those no spare would serve (each, largest first,
+        given the smallest spare left with room): what new allocations will need beyond the spares' memory."""
+        free = sorted(s.capacity for s in self._spares)
+        left = []
+        for tokens in sorted(wanted, reverse=True):
+            fit = next((i for i, capacity in enumerate(free) if capacity >= tokens), None)
+            if fit is None:
+                left.append(tokens)
+            else:
+                free.pop(fit)
+        return left
+
     def make_room(self, live: list[int], tokens: int) -> None:
         """Drop the oldest spares until a new cache of ``tokens`` fits beside ``live`` and the rest."""
         self._trim(live, tokens)
