@@ -251,8 +251,9 @@ def _setup_serve(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="how long a finished request's KV cache waits for the next request, which then starts in it (DeepSeek-V4: "
-        "its decode CUDA graphs replay instead of being captured again; default 30; 0: off)",
+        help="a finished request's KV cache waits for the next request, which starts in it (DeepSeek-V4: its decode "
+        "CUDA graphs replay instead of being captured again); where the expert cache lends it memory, this many "
+        "seconds (default 30; 0: no reuse)",
     )
     add_kv_dtype_argument(parser)
     add_expert_format_argument(parser)

@@ -259,21 +259,27 @@ def test_spares_stay_within_the_streams_and_the_budget(families, monkeypatch):
         live = [engine.runner.capacity_of(s.request_id) for s in engine.scheduler.running]
         assert len(live) + len(spares) <= 2 and sum(live) + spares.tokens <= 160
     assert spares.taken >= 1 and len(spares) >= 1
-    clock = [time.monotonic()]
+    clock = [time.monotonic() + 1e6]
     spares.clock = lambda: clock[0]
+    held = len(spares)
+    assert engine.expire_spares() is None and len(spares) == held  # all experts resident: their memory serves nothing
+    spares.reclaimable = lambda: True  # as where an expert cache lends them its memory
+    clock[0] = time.monotonic()
     assert 0 < engine.expire_spares() <= 30  # waiting: dropped 30 s after they became spares
     clock[0] += 30
     assert engine.expire_spares() is None and not len(spares)
 
 
 def test_the_async_engine_drops_spares_while_idle(families):
-    """No request comes: the engine thread wakes when the spare has waited ``spare_cache_seconds`` and drops it."""
+    """No request comes: the engine thread wakes when the spare has waited ``spare_cache_seconds`` and drops it
+    (where the expert cache lends it its memory: stood in for here, test_elastic_cache has the real one)."""
     import asyncio
 
     from moetier.engine.async_engine import AsyncEngine
 
     loaded, vocab = families("deepseek_v4")
     engine = make_engine(loaded, tokenizer=None, max_model_len=256, spare_cache_seconds=0.3)
+    engine.runner.spares.reclaimable = lambda: True
 
     async def main():
         server = AsyncEngine(engine)

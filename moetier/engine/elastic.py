@@ -183,6 +183,11 @@ class ElasticExpertBudget:
 
     # --- sizing ----------------------------------------------------------------------------------
 
+    @property
+    def borrowing(self) -> bool:
+        """Whether the KV held now takes memory beyond the plan's reservation (expert slots lent to it)."""
+        return self.kv_bytes > self.config.reserved_kv_bytes
+
     def fits(self, kv_bytes: int) -> bool:
         """Whether ``kv_bytes`` of KV fit without shrinking the cache below its floor."""
         return kv_bytes <= self.config.kv_limit_bytes

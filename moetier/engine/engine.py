@@ -165,7 +165,9 @@ class Engine:
         self.runner = ModelRunner(self.model, kv_dtype=self.config.cache_kv_dtype, kv_space=space)
         if self._graphs_read_caches(paged) and self.config.spare_cache_seconds > 0:
             # A finished sequence's cache serves the next one: its decode graphs replay.
-            self.runner.spares = SpareCaches(self.config.max_streams, capacity, self.config.spare_cache_seconds)
+            self.runner.spares = SpareCaches(
+                self.config.max_streams, capacity, self.config.spare_cache_seconds, reclaimable=self._kv_borrows
+            )
         self._setup_prefix_cache()
         self.elastic: ElasticExpertBudget | None = None
         if self.plan is not None:
@@ -227,9 +229,9 @@ class Engine:
             )
 
     def expire_spares(self) -> float | None:
-        """Drop the finished sequences' caches that waited ``spare_cache_seconds`` for a new sequence (their memory
-        goes back to the expert cache); returns the seconds until the next one would (None: none waits). The
-        async engine calls it while idle, at that time."""
+        """Drop the finished sequences' caches that waited ``spare_cache_seconds`` for a new sequence while the expert
+        cache lends them its memory (it takes it back); returns the seconds until the next one would be dropped
+        (None: none would). The async engine calls it while idle, at that time."""
         spares = self.runner.spares
         if spares is None or not len(spares):
             return None
@@ -238,6 +240,10 @@ class Engine:
         if len(spares) < held:
             self._fit_experts()
         return wait
+
+    def _kv_borrows(self) -> bool:
+        """Whether the KV held now borrows the expert cache's memory (spare caches then give it back in time)."""
+        return self.elastic is not None and self.elastic.borrowing
 
     def _graphs_read_caches(self, paged: bool) -> bool:
         """Whether decode graphs read the sequences' caches in place (contiguous caches of such a family): their

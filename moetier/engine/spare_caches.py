@@ -9,10 +9,13 @@ request. A finished sequence's cache emptied in place (:meth:`SequenceCache.rese
 Memory: the runner's live caches and the spares together hold at most ``limit`` caches (the engine's stream limit)
 and ``token_budget`` tokens of capacity (its KV-token budget), so spares never take memory that the streams could
 not have held at once; each spare is reported to the KV listener (the elastic expert budget) while it waits, as a
-live cache is, and is dropped after ``keep_seconds`` untaken (:meth:`SpareCaches.expire`): between an agent's turns
-the expert cache keeps the size it will need again (growing back and shrinking again would copy experts for
-nothing), and on a server left idle it takes the memory back. The spare taken is the smallest that has room;
-without one a new cache is allocated.
+live cache is. A spare whose memory the expert cache could use (``reclaimable``: the KV held borrows expert slots
+beyond the plan's reservation) is dropped after ``keep_seconds`` untaken (:meth:`SpareCaches.expire`): between an
+agent's turns the expert cache keeps the size it will need again (growing back and shrinking again would copy
+experts for nothing), and on a server left idle it takes the memory back. Memory nothing else could use (all
+experts resident, or KV within the plan's reservation: the default plan reserves every stream's) keeps its spares
+as long as they fit the bounds. The spare taken is the smallest that has room; without one a new cache is
+allocated.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ class SpareCaches:
 
     :meth:`put` keeps a cache (dropping the oldest spares beyond the bounds), :meth:`take` hands out the smallest
     with room for a number of tokens, :meth:`make_room` drops spares so that a new cache fits the bounds, and
-    :meth:`expire` those older than ``keep_seconds``. ``taken`` and ``dropped`` count what happened."""
+    :meth:`expire` those older than ``keep_seconds`` while ``reclaimable()`` says their memory could serve something
+    else. ``taken`` and ``dropped`` count what happened."""
 
     def __init__(
         self,
@@ -49,6 +53,7 @@ class SpareCaches:
         keep_seconds: float,
         listener: KvListener | None = None,
         clock: Callable[[], float] = time.monotonic,
+        reclaimable: Callable[[], bool] = lambda: True,
     ) -> None:
         if limit < 1 or token_budget < 1 or keep_seconds <= 0:
             raise ValueError(f"spare caches need a positive limit, token budget and keep time, got {limit}, "
@@ -56,6 +61,7 @@ class SpareCaches:
         self.limit, self.token_budget, self.keep_seconds = limit, token_budget, keep_seconds
         self.listener = listener
         self.clock = clock
+        self.reclaimable = reclaimable
         self._spares: list[_Spare] = []  # oldest first
         self._serial = 0
         self.taken = self.dropped = 0
@@ -105,11 +111,14 @@ class SpareCaches:
         self._trim(live, tokens)
 
     def expire(self) -> float | None:
-        """Drop the spares that waited ``keep_seconds``; the seconds until the next one would (None: no spare)."""
+        """Drop the spares that waited ``keep_seconds`` while their memory is reclaimable; the seconds until the next
+        one would be dropped (None: none would, no spare or none reclaimable)."""
         now = self.clock()
-        while self._spares and now - self._spares[0].since >= self.keep_seconds:
+        while self._spares and self.reclaimable() and now - self._spares[0].since >= self.keep_seconds:
             self._drop(self._spares[0])
-        return None if not self._spares else self._spares[0].since + self.keep_seconds - now
+        if not self._spares or not self.reclaimable():
+            return None
+        return self._spares[0].since + self.keep_seconds - now
 
     def _trim(self, live: list[int], incoming: int) -> None:
         extra = 1 if incoming else 0

@@ -73,9 +73,10 @@ class EngineConfig:
       snapshots live in the blocks running sequences do not need, and a running sequence that finds no
       free block evicts least recently used snapshots before a pool grows.
     - ``spare_cache_seconds`` (default 30; 0 = off): where decode graphs read the sequences' contiguous caches
-      in place (DeepSeek-V4), how long a finished sequence's cache waits for the next sequence, which takes it
-      (emptied, or with its cached prefix copied in) and replays its graphs instead of capturing new ones
-      (:mod:`moetier.engine.spare_caches`); past it the memory returns to the expert cache.
+      in place (DeepSeek-V4), a finished sequence's cache waits for the next sequence, which takes it (emptied,
+      or with its cached prefix copied in) and replays its graphs instead of capturing new ones
+      (:mod:`moetier.engine.spare_caches`); where its memory is lent by the expert cache (KV beyond the plan's
+      reservation), it waits this long, then the expert cache takes the memory back.
     - ``expert_format``: the routed experts' home copy when the engine loads a checkpoint: ``"dense"``
       (dequantised to the model dtype), ``"fp8"`` (an fp8-block checkpoint's float8 + scales, half the
       bytes) or ``"fp4"`` (DeepSeek-V4's packed FP4 + scales; :class:`moetier.config.ModelLoadConfig`).
