@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import moetier.models.deepseek_v4 as v4
 import moetier.models.deepseek_v4_attention as v4_attention
 from moetier.config import ModelLoadConfig
+from moetier.errors import ConfigError
 from moetier.models.graph_segments import SegmentGraphs
 from moetier.weights.loader import load_model
 
@@ -157,6 +158,31 @@ def test_warm_up_then_one_capture_per_key_and_shape():
         x = torch.ones(2, 3, requires_grad=True)
         assert graphs.run(("seg", 0, 2), affine, x)[0].requires_grad
     assert (graphs.warm_ups, graphs.captures, graphs.replays) == (5, 1, 3)
+
+
+@torch.no_grad()
+def test_past_max_graphs_the_least_recently_run_are_dropped(monkeypatch):
+    graphs = FakeGraphs(warmup=1)
+    graphs.max_graphs = 4
+    x = torch.ones(2, 3)
+    for key in range(6):  # keys 0-5 captured in turn (a warm-up, then a capture each); key 0 kept in use
+        for k in (key, 0):
+            graphs.run(k, affine, x)
+            graphs.run(k, affine, x)
+    # The 5th graph is one too many: down to 3 (a quarter of 4 below the cap), the least recently run first (keys 1
+    # and 2; key 0, run after every key, stays); the 6th makes 4 again.
+    assert graphs.captures == 6 and graphs.evictions == 2
+    assert sorted(k[1] for k, e in graphs._entries.items() if e.graph is not None) == [0, 3, 4, 5]
+    before = graphs.warm_ups
+    out = graphs.run(1, affine, torch.full((2, 3), 2.0))  # an evicted key warms up again, computing the right thing
+    assert graphs.warm_ups == before + 1 and torch.equal(out[0], torch.full((2, 3), 5.0))
+    graphs.run(0, affine, x)
+    assert graphs.warm_ups == before + 1  # key 0 still replays
+    monkeypatch.setenv("MOETIER_MAX_GRAPHS", "many")
+    with pytest.raises(ConfigError, match="MOETIER_MAX_GRAPHS must be an integer >= 1"):
+        SegmentGraphs()
+    monkeypatch.setenv("MOETIER_MAX_GRAPHS", "64")
+    assert SegmentGraphs().max_graphs == 64
 
 
 class CopyCounter(TorchDispatchMode):

@@ -32,6 +32,11 @@ Contract for callers:
   predict the next layer's experts) is declared with :meth:`SegmentGraphs.use_variant` before the step. Each
   variant keeps its own graphs in its own memory pool, so steps may switch between variants (a tiered
   dispatcher's route changes from step to step) without capturing again.
+- At most ``max_graphs`` graphs are kept (``MOETIER_MAX_GRAPHS``, default :data:`DEFAULT_MAX_GRAPHS`): past it a
+  capture drops the least recently run quarter (their outputs' memory returns to the pool; such a key warms up
+  and captures again when it comes back). Keys whose caches outlive their sequences (V4's spare caches) would
+  otherwise keep a graph for every batch of caches and entry bucket ever run; a step's own keys are its most
+  recent, so the cap should hold several steps' keys (a V4-Flash step has 45).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from typing import Any, Protocol
 
 import torch
 
+from moetier.errors import ConfigError
 from moetier.profiling import phase
 
 log = logging.getLogger(__name__)
@@ -53,6 +59,9 @@ log = logging.getLogger(__name__)
 MaybeTensor = torch.Tensor | None
 Tensors = tuple[MaybeTensor, ...]
 SegmentFn = Callable[..., Any]  # returns a tensor, None, or a tuple of them
+
+
+DEFAULT_MAX_GRAPHS = 1024  # ~20 (batch of caches, bucket, variant) sets of a 43-layer model's step
 
 
 def graphs_enabled() -> bool:
@@ -77,18 +86,25 @@ class _Entry:
     outputs: Tensors = ()
     failed: bool = False
     tags: tuple[Hashable, ...] = ()
+    last_run: int = 0  # the graphs' run counter at this key's last run
 
 
 class SegmentGraphs:
     """CUDA graphs of a model's decode segments, one per key (see the module doc for the contract).
 
-    ``captures``, ``replays`` and ``failures`` (caller key -> reason) count what happened, for tests
-    and diagnostics.
+    ``captures``, ``replays``, ``evictions`` and ``failures`` (caller key -> reason) count what happened, for
+    tests and diagnostics.
     """
 
-    def __init__(self, enabled: bool | None = None, warmup: int = 1) -> None:
+    def __init__(self, enabled: bool | None = None, warmup: int = 1, max_graphs: int | None = None) -> None:
         self.enabled = graphs_enabled() if enabled is None else enabled
         self.warmup = warmup
+        self.max_graphs = max_graphs_setting() if max_graphs is None else max_graphs
+        if self.max_graphs < 1:
+            raise ValueError(f"max_graphs must be >= 1, got {self.max_graphs}")
+        self.evictions = 0
+        self._runs = 0
+        self._graphs = 0  # entries holding a graph
         self.captures = 0
         self.replays = 0
         self.failures: dict[Hashable, str] = {}
@@ -115,6 +131,8 @@ class SegmentGraphs:
         entry = self._entries.get(signature)
         if entry is None:
             entry = self._entries[signature] = _Entry(tags=tags)
+        self._runs += 1
+        entry.last_run = self._runs
         if entry.graph is not None:
             return self._replay(entry, tensors)
         if entry.failed:
@@ -138,16 +156,30 @@ class SegmentGraphs:
         """Forget every graph tagged ``tag`` (its memory returns to the pool once nothing else holds it)."""
         self._tracked.discard(tag)
         for signature in [s for s, entry in self._entries.items() if tag in entry.tags]:
-            entry = self._entries.pop(signature)
-            for output in entry.outputs:
-                if output is not None:
-                    self._outputs.pop(id(output), None)
+            self._forget(signature)
+
+    def _forget(self, signature: Hashable) -> None:
+        entry = self._entries.pop(signature)
+        self._graphs -= entry.graph is not None
+        for output in entry.outputs:
+            if output is not None:
+                self._outputs.pop(id(output), None)
+
+    def _evict(self) -> None:
+        """Past ``max_graphs`` graphs: drop the least recently run quarter of them."""
+        if self._graphs <= self.max_graphs:
+            return
+        held = sorted((e.last_run, s) for s, e in self._entries.items() if e.graph is not None)
+        for _, signature in held[: len(held) - self.max_graphs + self.max_graphs // 4]:
+            self._forget(signature)
+            self.evictions += 1
 
     def reset(self) -> None:
         """Drop every graph (e.g. after the weights moved): keys warm up and capture again."""
         self._entries.clear()
         self._outputs.clear()
         self._pools.clear()
+        self._graphs = 0
 
     def use_variant(self, variant: Hashable) -> None:
         """Declare what shapes the coming step's segment functions beyond their keys: the step's keys are that
@@ -218,6 +250,8 @@ class SegmentGraphs:
         entry.graph, entry.inputs, entry.outputs = graph, inputs, _as_tuple(outputs)
         self._outputs.update((id(t), t) for t in entry.outputs if t is not None)
         self.captures += 1
+        self._graphs += 1
+        self._evict()
         return self._replay(entry, tensors)
 
     def _static_input(self, tensor: MaybeTensor) -> MaybeTensor:
@@ -233,6 +267,20 @@ class SegmentGraphs:
         entry.graph.replay()
         self.replays += 1
         return entry.outputs
+
+
+def max_graphs_setting() -> int:
+    """``MOETIER_MAX_GRAPHS`` (an integer >= 1), else :data:`DEFAULT_MAX_GRAPHS`; a bad value is a one-line error."""
+    raw = os.environ.get("MOETIER_MAX_GRAPHS")
+    if raw is None:
+        return DEFAULT_MAX_GRAPHS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"MOETIER_MAX_GRAPHS must be an integer >= 1 (graphs kept), got {raw!r}")
+    return value
 
 
 def _signature(tensor: MaybeTensor) -> Hashable:
