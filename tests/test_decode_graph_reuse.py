@@ -318,36 +318,70 @@ def test_spares_serve_the_largest_wants_first_from_the_smallest_room():
 # --- CUDA (run on the GPU machine) -----------------------------------------------------------------------
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_served_turns_reuse_caches_and_graphs(tmp_path_factory, dtype):
-    """Real CUDA graphs: agent-like turns (each the last prompt + its output + more) and a pair of concurrent
-    requests served with finished caches reused give the tokens of an engine that never reuses them, and
-    capture fewer graphs."""
+def tiered_options(path, dtype: torch.dtype, streams: int, context: int, slots: int = 4):
+    """Tier options whose plan caches ``slots`` experts (most routed experts miss), everything else as planned."""
+    from moetier.engine.engine import EngineConfig
+    from moetier.tiers.plan import PlanBudget, TierOptions, make_plan
+
+    prefix = EngineConfig().prefix_cache_bytes
+    roomy = make_plan(path, PlanBudget("3GiB", context=context, max_streams=streams, prefix_cache=prefix), dtype)
+    fixed = roomy.backbone_bytes + roomy.kv_bytes + roomy.workspace_bytes + roomy.staging_bytes + prefix
+    return TierOptions(gpu_memory=fixed + slots * roomy.expert_block_bytes, policy="lfu", cpu_threads=2)
+
+
+def served_turns(path, dtype: torch.dtype, device: str, spare_seconds: float, tiered: bool, graphs=None):
+    """Four agent-like turns (each the last prompt + its output + 7 tokens), then two concurrent requests: every
+    request's tokens and the engine's stats."""
+    from moetier.engine.engine import Engine, EngineConfig
+
+    config = EngineConfig(max_model_len=256, max_streams=2, spare_cache_seconds=spare_seconds)
+    tiers = tiered_options(path, dtype, 2, 256) if tiered else None
+    engine = Engine.from_path(path, config=config, dtype=dtype, device=device, tokenizer=None, load_progress=False,
+                              tiers=tiers)  # fmt: skip
+    if graphs is not None:
+        engine.model.graphs = graphs
+    outputs, prompt = [], random_prompt(30, seed=40, vocab=256)
+    for turn in range(4):
+        (tokens,) = [tokens_of(u) for u in run(engine, [greedy_request(f"t{turn}", prompt, 20)]).values()]
+        outputs.append(tokens)
+        prompt = prompt + tokens + random_prompt(7, seed=41 + turn, vocab=256)
+    pair = [greedy_request(f"p{i}", random_prompt(25 + 9 * i, seed=50 + i, vocab=256), 16 + 8 * i) for i in (0, 1)]
+    outputs += [tokens_of(u) for u in run(engine, pair).values()]
+    return outputs, engine.stats()
+
+
+@pytest.fixture(scope="module")
+def v4_path(tmp_path_factory):
     from test_deepseek_v4 import save_tiny_v4
 
-    from moetier.config import ModelLoadConfig
-    from moetier.engine.engine import Engine, EngineConfig
-    from moetier.weights.loader import load_model
-
-    path = tmp_path_factory.mktemp("dsv4_reuse_cuda")
+    path = tmp_path_factory.mktemp("dsv4_served_turns")
     save_tiny_v4(path, torch.float32)
+    return path
 
-    def serve(spare_seconds: float) -> tuple[list[list[int]], int]:
-        loaded = load_model(path, ModelLoadConfig(dtype=dtype, device="cuda"), progress=False)
-        config = EngineConfig(max_model_len=256, max_streams=2, spare_cache_seconds=spare_seconds)
-        engine = Engine(loaded, config, tokenizer=None)
-        outputs, prompt = [], random_prompt(30, seed=40, vocab=256)
-        for turn in range(4):
-            (tokens,) = [tokens_of(u) for u in run(engine, [greedy_request(f"t{turn}", prompt, 20)]).values()]
-            outputs.append(tokens)
-            prompt = prompt + tokens + random_prompt(7, seed=41 + turn, vocab=256)
-        pair = [greedy_request(f"p{i}", random_prompt(25 + 9 * i, seed=50 + i, vocab=256), 16 + 8 * i) for i in (0, 1)]
-        outputs += [tokens_of(u) for u in run(engine, pair).values()]
-        return outputs, engine.stats().decode_graph_captures_total
 
-    reused, reused_captures = serve(30.0)
-    fresh, fresh_captures = serve(0.0)
-    print(f"\n{dtype}: captures {reused_captures} with spare caches, {fresh_captures} without")
-    assert reused == fresh
-    assert 0 < reused_captures < fresh_captures
+@pytest.mark.parametrize("tiered", [False, True], ids=["resident", "tiered"])
+def test_served_turns_with_spares_equal_those_without(v4_path, tiered):
+    """Fake graphs on the CPU (each replay reruns the segment); the tiered engine's experts mostly miss."""
+    reused, stats = served_turns(v4_path, torch.float32, "cpu", 30.0, tiered, FakeGraphs())
+    fresh, fresh_stats = served_turns(v4_path, torch.float32, "cpu", 0.0, tiered, FakeGraphs())
+    assert reused == fresh and stats.spare_cache_reuses_total == 4 and fresh_stats.spare_caches is None
+    assert 0 < stats.decode_graph_captures_total < fresh_stats.decode_graph_captures_total
+    if tiered:  # 4 cached of 5 layers x 8 experts
+        assert stats.expert_cache_slots == stats.expert_cache_max_slots == 4
+
+
+# --- CUDA (run on the GPU machine) -----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiered", [False, True], ids=["resident", "tiered"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_served_turns_reuse_caches_and_graphs(v4_path, dtype, tiered):
+    """Real CUDA graphs: agent-like turns and a pair of concurrent requests served with finished caches reused give
+    the tokens of an engine that never reuses them, and capture fewer graphs."""
+    reused, stats = served_turns(v4_path, dtype, "cuda", 30.0, tiered)
+    fresh, fresh_stats = served_turns(v4_path, dtype, "cuda", 0.0, tiered)
+    captures, fresh_captures = stats.decode_graph_captures_total, fresh_stats.decode_graph_captures_total
+    print(f"\n{dtype} tiered={tiered}: captures {captures} with spare caches, {fresh_captures} without")
+    assert reused == fresh and stats.spare_cache_reuses_total == 4
+    assert 0 < captures < fresh_captures
