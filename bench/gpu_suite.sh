@@ -284,6 +284,9 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     fi
     if [ -z "${SKIP_SERVE:-}" ]; then
         serve_args="--gpu-memory ${SERVE_GPU_MEMORY:-8GiB} --context 16384 --max-streams 4"
+        # The experts' home copy in the format the decode bench uses (FP8_EXPERTS / FP4_EXPERTS), as a user serves it.
+        [ -n "${FP8_EXPERTS:-}" ] && serve_args="$serve_args --expert-format fp8"
+        [ -n "${FP4_EXPERTS:-}" ] && serve_args="$serve_args --expert-format fp4"
         echo "=== plan" >> "$LOG"
         python3 -m moetier.cli plan --model "$model" $serve_args 2>&1 | tee -a "$LOG"
         serve_bench() {  # serve_bench LABEL EXTRA_SERVE_ARGS BENCH_ARGS...

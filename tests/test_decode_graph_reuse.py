@@ -385,3 +385,87 @@ def test_cuda_served_turns_reuse_caches_and_graphs(v4_path, dtype, tiered):
     print(f"\n{dtype} tiered={tiered}: captures {captures} with spare caches, {fresh_captures} without")
     assert reused == fresh and stats.spare_cache_reuses_total == 4
     assert 0 < captures < fresh_captures
+
+
+# --- prefix snapshots that borrow the cache's entries ----------------------------------------------------
+
+
+def decode_logits(model, cache, steps: int, seed: int) -> list[torch.Tensor]:
+    return logits_of(model, cache, prompt=1, steps=steps - 1, seed=seed)
+
+
+def test_a_borrowed_snapshot_serves_as_an_owned_one_while_its_lender_keeps_the_state(v4):
+    import gc
+
+    lender = v4.new_cache(128)
+    logits_of(v4, lender, prompt=40, steps=0, seed=21)
+    borrowed, owned = lender.borrowed_snapshot(40), lender.snapshot(40)
+    entries = sum(state.entries.nbytes for layer in owned.layers for state in layer.states())
+    assert borrowed.servable and borrowed.length == owned.length == 40 and borrowed.nbytes == owned.nbytes - entries
+    logits_of(v4, lender, prompt=3, steps=5, seed=22)  # the lender goes on: its first entries stay
+    assert borrowed.servable and lender.borrowers and list(lender.borrowers) == [borrowed]
+    later = lender.borrowed_snapshot(lender.length)
+    expected = decode_logits(v4, owned.clone_into(128), 30, seed=23)
+    assert same(decode_logits(v4, borrowed.clone_into(128), 30, seed=23), expected)
+    other = v4.new_cache(128)
+    logits_of(v4, other, prompt=60, steps=0, seed=24)  # junk beyond what the copy writes
+    assert borrowed.copy_into(other) and same(decode_logits(v4, other, 30, seed=23), expected)
+    # Into the lender itself: only the rolling state; snapshots up to its length stay, the later one goes.
+    assert borrowed.copy_into(lender) and lender.restarts == [40]
+    assert borrowed.servable and not later.servable
+    assert same(decode_logits(v4, lender, 30, seed=23), expected)
+    assert borrowed.servable  # the sequence restarted at 40 wrote past it only
+    lender.reset()
+    assert not borrowed.servable
+    with pytest.raises(ValueError, match="reused or dropped"):
+        borrowed.clone_into(128)
+    again = other.borrowed_snapshot(other.length)
+    del other
+    gc.collect()
+    assert not again.servable  # its lender is gone
+
+
+def test_a_borrowed_snapshot_at_a_mark(v4):
+    cache = v4.new_cache(96)
+    logits_of(v4, cache, prompt=32, steps=0, seed=25)
+    cache.mark()
+    logits_of(v4, cache, prompt=5, steps=0, seed=26)
+    borrowed, owned = cache.borrowed_snapshot(32), cache.snapshot(32)
+    assert same(decode_logits(v4, borrowed.clone_into(96), 20, 27), decode_logits(v4, owned.clone_into(96), 20, 27))
+    with pytest.raises(ValueError, match="cannot be rewound"):
+        cache.borrowed_snapshot(20)
+
+
+def test_long_turns_hit_a_prefix_cache_too_small_for_an_owned_snapshot(families, monkeypatch):
+    """An agent's context outgrows the prefix cache's budget for a copy; borrowed snapshots (a few rolling
+    tensors) still serve every follow-up, in the finished turn's own cache, with the cold run's tokens."""
+    loaded, vocab = families("deepseek_v4")
+    prompt = random_prompt(180, seed=31, vocab=vocab)
+    sizes = []
+    for spare_seconds in (0, 30):  # what one snapshot of the first turn costs: a copy, then borrowed
+        probe, _ = fake_graphed_engine(loaded, monkeypatch, spare_cache_seconds=spare_seconds)
+        run(probe, [greedy_request("probe", prompt, 8)])
+        sizes.append(probe.stats().prefix_cache_bytes / probe.stats().prefix_cache_entries)
+    owned_bytes, borrowed_bytes = sizes
+    assert borrowed_bytes < owned_bytes
+    budget = {"prefix_cache_bytes": int(owned_bytes + borrowed_bytes) // 2}
+
+    def turns(engine) -> list[list[int]]:
+        outputs, text = [], list(prompt)
+        for turn in range(3):
+            (tokens,) = [tokens_of(u) for u in run(engine, [greedy_request(f"t{turn}", text, 8)]).values()]
+            outputs.append(tokens)
+            text = text + tokens + random_prompt(6, seed=32 + turn, vocab=vocab)
+        return outputs
+
+    copies, _ = fake_graphed_engine(loaded, monkeypatch, spare_cache_seconds=0, **budget)
+    borrowing, _ = fake_graphed_engine(loaded, monkeypatch, **budget)
+    assert turns(copies) == turns(borrowing)
+    assert copies.stats().prefix_cache_lookup_hits == 0  # no copy fits the budget: every turn prefilled in full
+    stats = borrowing.stats()
+    assert stats.prefix_cache_lookup_hits == 2 and 0 < stats.prefix_cache_bytes <= budget["prefix_cache_bytes"]
+    assert stats.spare_cache_reuses_total == 2
+    # Each follow-up restarted in the finished turn's own cache at its snapshot (the last block boundary of its
+    # 188 and 202 tokens), the entries before it kept.
+    (cache,) = [spare.cache for spare in borrowing.runner.spares._spares]
+    assert cache.restarts == [176, 192]

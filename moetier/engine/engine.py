@@ -629,7 +629,11 @@ class Engine:
         if live is None or cache.contains(hashes):
             return
         try:
-            cache.insert(hashes, live.snapshot(len(hashes) * cache.block_tokens))
+            length = len(hashes) * cache.block_tokens
+            # Where finished caches are kept (spares), a snapshot may borrow the cache's memory: it stays servable
+            # while the cache holds that state, and the next turn may start in that very cache.
+            borrowed = live.borrowed_snapshot(length) if self.runner.spares is not None else None
+            cache.insert(hashes, borrowed or live.snapshot(length))
         except Exception as exc:  # noqa: BLE001 - caching is an optimisation: never fail the request for it
             logger.debug("request %s: no prefix snapshot at %d tokens (%s)", seq.request_id, num_tokens, exc)
 

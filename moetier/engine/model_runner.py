@@ -206,8 +206,11 @@ class ModelRunner:
 
     def adopt_prefix(self, request_id: str, snapshot: SequenceCache, length: int, capacity: int) -> None:
         """Start ``request_id`` from a cached prefix: ``snapshot`` at ``length`` tokens copied in place into a spare
-        with room for ``capacity`` tokens, else into a new cache of ``capacity`` (``clone_into``)."""
-        spare = self._spare(capacity)
+        with room for ``capacity`` tokens (first the one it borrows its state from, where a copy of the rolling state
+        alone does), else into a new cache of ``capacity`` (``clone_into``)."""
+        lender = getattr(snapshot, "lender", None)
+        spare = None if self.spares is None or lender is None else self.spares.take(capacity, lender)
+        spare = spare or self._spare(capacity)
         with torch.inference_mode():  # the caches' tensors are inference tensors (made under the engine's step)
             copied = spare is not None and snapshot.copy_into(spare[0], length)
         if copied:

@@ -18,7 +18,9 @@ What each family can serve (see ``SequenceCache.truncatable``):
   snapshot is taken where the state is.
 
 A snapshot is never written (a hit copies it into a fresh cache), so any entry may be evicted at any
-time: least recently used first, to stay under ``capacity_bytes``. A truncatable snapshot that extends
+time: least recently used first, to stay under ``capacity_bytes``. A snapshot that borrows its state from a
+cache that has moved on since (``SequenceCache.servable`` false: V4's borrowed snapshots,
+:mod:`moetier.models.deepseek_v4_snapshot`) serves nothing and is dropped when met. A truncatable snapshot that extends
 an older one on the same chain replaces it (the longer one serves every prefix the shorter one did).
 
 Memory, by KV layout:
@@ -149,17 +151,29 @@ class PrefixCache:
         # Every block is checked: a non-truncatable entry serves only its own length, so a miss at
         # block i says nothing about block i + 1.
         for i in range(min(len(hashes), (num_tokens - 1) // self.block_tokens)):
-            keys = self._index.get(hashes[i])
-            if keys:
-                best = (i + 1, next(reversed(keys)))
+            key = self._serving(hashes[i])
+            if key is not None:
+                best = (i + 1, key)
         return best
+
+    def _serving(self, prefix: bytes) -> bytes | None:
+        """The newest entry that serves ``prefix`` (dropping those whose snapshot no longer can), or None."""
+        keys = self._index.get(prefix)
+        while keys:
+            key = next(reversed(keys))
+            if self._entries[key].snapshot.servable:
+                return key
+            self._remove(key)
+            self.evictions += 1
+            keys = self._index.get(prefix)
+        return None
 
     def contains(self, hashes: Sequence[bytes]) -> bool:
         """Whether the prefix ``hashes`` names is already servable (refreshing the serving entry if so)."""
-        keys = self._index.get(hashes[-1]) if hashes else None
-        if not keys:
+        key = self._serving(hashes[-1]) if hashes else None
+        if key is None:
             return False
-        self._entries.move_to_end(next(reversed(keys)))
+        self._entries.move_to_end(key)
         return True
 
     def insert(self, hashes: Sequence[bytes], snapshot: SequenceCache) -> bool:

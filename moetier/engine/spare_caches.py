@@ -38,6 +38,11 @@ class _Spare:
     since: float  # when it became a spare (the clock's seconds)
 
 
+def _lends(cache: SequenceCache) -> bool:
+    """Whether a servable prefix snapshot borrows ``cache``'s memory (taking it would make that snapshot stale)."""
+    return any(snapshot.servable for snapshot in getattr(cache, "borrowers", ()))
+
+
 class SpareCaches:
     """Caches of finished sequences, each with its capacity in tokens, waiting for a sequence that fits one.
 
@@ -83,12 +88,13 @@ class SpareCaches:
             self.listener.allocated(spare.key, cache.nbytes)
         self._trim(live, 0)
 
-    def take(self, tokens: int) -> tuple[SequenceCache, int] | None:
-        """The smallest spare with room for ``tokens`` and its capacity (no longer a spare), or None."""
-        fitting = [s for s in self._spares if s.capacity >= tokens]
+    def take(self, tokens: int, cache: SequenceCache | None = None) -> tuple[SequenceCache, int] | None:
+        """``cache`` if it is a spare with room for ``tokens``, else (no ``cache``) the smallest spare with room,
+        those no prefix snapshot borrows from first, with its capacity (no longer a spare); or None."""
+        fitting = [s for s in self._spares if s.capacity >= tokens and (cache is None or s.cache is cache)]
         if not fitting:
             return None
-        spare = min(fitting, key=lambda s: s.capacity)
+        spare = min(fitting, key=lambda s: (_lends(s.cache), s.capacity))
         self._remove(spare)
         self.taken += 1
         return spare.cache, spare.capacity

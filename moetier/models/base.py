@@ -87,6 +87,17 @@ class SequenceCache:
         tensors kept. False (the default) where the family cannot."""
         return False
 
+    def borrowed_snapshot(self, length: int) -> SequenceCache | None:
+        """As :meth:`snapshot`, sharing this cache's memory instead of copying it: valid while the cache still holds
+        that state (:attr:`servable` says so). None (the default) where the family cannot."""
+        return None
+
+    @property
+    def servable(self) -> bool:
+        """Whether this cache (a prefix snapshot) can still start a sequence: True but for a borrowed snapshot
+        whose lender moved on."""
+        return True
+
     def mark(self) -> None:
         """Record what :meth:`snapshot` needs to reproduce the current length later (non-truncatable
         caches; called between forwards at block boundaries). Default: nothing to record."""

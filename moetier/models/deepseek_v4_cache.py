@@ -9,6 +9,7 @@ CUDA graph may write them in place (:mod:`deepseek_v4_static_decode`).
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -294,6 +295,12 @@ class DeepseekV4Cache(SequenceCache):
         self.length = 0
         # (length, per layer: rolling-state copy and emitted-entry counts), set by mark().
         self._mark: tuple[int, list[tuple[LayerCache, tuple[int, int]]]] | None = None
+        # One entry per restart (a new sequence's state written in place): the tokens whose entries it kept (0 when
+        # emptied or overwritten as a copy's target; a sequence restarted at a borrowed snapshot's length keeps the
+        # entries before it). A snapshot borrowing these entries (deepseek_v4_snapshot, listed in ``borrowers``) at
+        # L tokens stays servable while every restart after it kept at least L.
+        self.restarts: list[int] = []
+        self.borrowers: weakref.WeakSet = weakref.WeakSet()
 
     def check_room(self, num_tokens: int) -> None:
         if self.length + num_tokens > self.max_tokens:
@@ -306,8 +313,12 @@ class DeepseekV4Cache(SequenceCache):
     # the small rolling state at a block boundary (entries are append-only: a count suffices) ---
 
     def mark(self) -> None:
-        # Copies, not references: the rolling tensors are small, and copying keeps the mark valid
-        # even if a layer someday updates them in place.
+        self._mark = (self.length, self._rolling_now())
+
+    def _rolling_now(self) -> list[tuple[LayerCache, tuple[int, int]]]:
+        """Per layer, a copy of the rolling state (no entries) and the compressor's and indexer's entry counts.
+        Copies, not references: the rolling tensors are small, and copying keeps a mark valid even if a layer
+        someday updates them in place."""
         layers = []
         for layer in self.layers:
             copy = LayerCache(layer.window.copy())
@@ -315,20 +326,26 @@ class DeepseekV4Cache(SequenceCache):
             copy.indexer = None if layer.indexer is None else layer.indexer.copy(0, 0)
             counts = tuple(0 if c is None else c.count for c in (layer.compressor, layer.indexer))
             layers.append((copy, counts))
-        self._mark = (self.length, layers)
+        return layers
 
-    def snapshot(self, length: int) -> DeepseekV4Cache:
-        """The state at ``length``: the current length, or the length of the last :meth:`mark`."""
+    def _rolling_at(self, length: int) -> list[tuple[LayerCache, tuple[int, int]]]:
+        """The rolling state at ``length``: the current length, or the last :meth:`mark`'s."""
         if length == self.length:
-            return self.clone_into(length)
+            return self._rolling_now()
         marked_length, marked = self._mark or (None, [])
         if length != marked_length:
             raise ValueError(
                 f"DeepSeek-V4 state at {length} tokens is gone (cache at {self.length}, mark at "
                 f"{marked_length}); its window and compressors cannot be rewound"
             )
+        return marked
+
+    def snapshot(self, length: int) -> DeepseekV4Cache:
+        """The state at ``length``: the current length, or the length of the last :meth:`mark`."""
+        if length == self.length:
+            return self.clone_into(length)
         layers = []
-        for (rolling, counts), live in zip(marked, self.layers, strict=True):
+        for (rolling, counts), live in zip(self._rolling_at(length), self.layers, strict=True):
             layer = rolling.copy()
             for name, count in zip(("compressor", "indexer"), counts, strict=True):
                 state, source = getattr(layer, name), getattr(live, name)
@@ -350,19 +367,33 @@ class DeepseekV4Cache(SequenceCache):
     def reset(self) -> bool:
         """Empty, as a new cache of the same size, in place: the same tensors (and serial), so decode graphs captured
         over them replay for the next sequence (:mod:`moetier.engine.spare_caches`). False for paged stores."""
-        if not self._contiguous():
+        if not self.contiguous:
             return False
         for layer in self.layers:
             layer.window.reset()
             for state in layer.states():
                 state.reset()
-        self.length, self._mark = 0, None
+        self.restart(0)
         return True
+
+    def restart(self, length: int, keeps_entries: bool = False) -> None:
+        """Now a new sequence's state of ``length`` tokens (written in place): no mark, and the snapshots borrowing
+        the old entries are stale; with ``keeps_entries`` (the entries of the first ``length`` tokens are this
+        cache's own already) only those borrowing past ``length``."""
+        self.length, self._mark = length, None
+        self.restarts.append(length if keeps_entries else 0)
+
+    def borrowed_snapshot(self, length: int) -> SequenceCache | None:
+        """The state at ``length`` (as :meth:`snapshot`) borrowing this cache's entries
+        (:class:`~moetier.models.deepseek_v4_snapshot.BorrowedSnapshot`); None for paged stores."""
+        from moetier.models.deepseek_v4_snapshot import BorrowedSnapshot  # it builds on this module
+
+        return BorrowedSnapshot(self, length, self._rolling_at(length)) if self.contiguous else None
 
     def copy_into(self, target: SequenceCache, length: int | None = None) -> bool:
         """This state (at its length: it cannot be rewound) into ``target``, another V4 cache of this model with
         room for it, in place: as :meth:`clone_into` into ``target``'s own tensors. False for paged stores."""
-        if not isinstance(target, DeepseekV4Cache) or not (self._contiguous() and target._contiguous()):
+        if not isinstance(target, DeepseekV4Cache) or not (self.contiguous and target.contiguous):
             return False
         if length not in (None, self.length) or target.max_tokens < self.length:
             raise ValueError(f"cannot copy a {self.length}-token DeepSeek-V4 cache into one of {target.max_tokens}")
@@ -370,10 +401,12 @@ class DeepseekV4Cache(SequenceCache):
             source.window.copy_into(layer.window)
             for state, into in zip(source.states(), layer.states(), strict=True):
                 state.copy_into(into, state.count)
-        target.length, target._mark = self.length, None
+        target.restart(self.length)
         return True
 
-    def _contiguous(self) -> bool:
+    @property
+    def contiguous(self) -> bool:
+        """Whether every entry store is preallocated rows (not paged blocks)."""
         return all(type(state.entries) is KVRows for layer in self.layers for state in layer.states())
 
     @property
