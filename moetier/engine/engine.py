@@ -45,7 +45,8 @@ from moetier.engine.elastic import ElasticExpertBudget
 from moetier.engine.kv_sizing import resolve_kv_layout, size_kv
 from moetier.engine.model_runner import ModelRunner
 from moetier.engine.prefill_meter import PrefillMeter
-from moetier.engine.prefix_cache import PrefixCache, chain_hashes
+from moetier.engine.prefix_cache import PrefixCache
+from moetier.engine.prefix_hooks import PrefixHooks
 from moetier.engine.prefix_sharing import PrefixSharing
 from moetier.engine.sampling import (
     PenaltyState,
@@ -56,7 +57,7 @@ from moetier.engine.sampling import (
     sample_tokens,
     token_logprobs,
 )
-from moetier.engine.scheduler import ScheduledChunk, Scheduler, Sequence
+from moetier.engine.scheduler import Scheduler, Sequence
 from moetier.engine.spare_caches import SpareCaches
 from moetier.engine.types import (
     EngineBusyError,
@@ -71,7 +72,6 @@ from moetier.engine.types import (
     token_id_set,
 )
 from moetier.errors import ConfigError
-from moetier.models.base import SequenceCache
 from moetier.models.paged_kv import PagedKVSpace
 from moetier.weights.loader import LoadedModel, load_model
 
@@ -168,7 +168,11 @@ class Engine:
             self.runner.spares = SpareCaches(
                 self.config.max_streams, capacity, self.config.spare_cache_seconds, reclaimable=self._kv_borrows
             )
-        self._setup_prefix_cache()
+        # Prefix caching (moetier.engine.prefix_hooks): admission from cached prefixes, snapshots as chunks finish.
+        self.prefix = PrefixHooks(
+            self.config, self.model, self.runner, self.scheduler, self._fit_experts,
+            lambda seq, tokens: self._count_prompt(self._requests[seq.request_id], tokens),
+        )  # fmt: skip
         self.elastic: ElasticExpertBudget | None = None
         if self.plan is not None:
             self._setup_elastic(getattr(tiers, "min_cache_slots", None))
@@ -402,7 +406,7 @@ class Engine:
                         prefilled += prompt_tokens
                         if prompt_tokens:
                             self.prefill_meter.advance(chunk.seq.request_id, prompt_tokens, computed)
-                        self._publish_prompt(chunk)
+                        self.prefix.publish_prompt(chunk)
                     except Exception as exc:  # noqa: BLE001 - fails this request only
                         error = exc
                 if error is not None:
@@ -501,7 +505,7 @@ class Engine:
         update = self._update(request, [token], None if logprob is None else [logprob])
         if text.finished:
             if text.finish_reason in ("stop", "length"):
-                self._publish(seq, seq.num_computed)  # prompt + output, for the conversation's next turn
+                self.prefix.publish(seq, seq.num_computed)  # prompt + output, for the conversation's next turn
             self._release(request)
         return update
 
@@ -525,7 +529,7 @@ class Engine:
     def _finish_exhausted(self, request: _Request) -> RequestUpdate:
         """Finish a request the scheduler could not grow even alone (the scheduler logged why)."""
         request.text.finish_length()
-        self._publish(request.seq, request.seq.num_computed)
+        self.prefix.publish(request.seq, request.seq.num_computed)
         self._release(request)
         return self._update(request, [], None)
 
@@ -533,7 +537,7 @@ class Engine:
         """Scheduler hook: ``seq`` is preempted. Keep a snapshot of its cache for its re-admission (when the
         prefix cache can hold it), then drop the cache; its progress is reset by the scheduler."""
         request = self._requests[seq.request_id]
-        self._publish(seq, seq.num_computed)
+        self.prefix.publish(seq, seq.num_computed)
         self.prefill_meter.drop(seq.request_id)
         self._free_cache(seq.request_id)
         if seq.params.prompt_logprobs is not None and request.updates_sent == 0:
@@ -552,90 +556,13 @@ class Engine:
 
     # --- prefix caching ---------------------------------------------------------------------------
 
-    def _setup_prefix_cache(self) -> None:
-        config = self.config
-        self.prefix_cache: PrefixCache | None = None
-        self.sharing: PrefixSharing | None = None  # same-step prefix sharing (moetier.engine.prefix_sharing)
-        self._prefix_truncatable = True
-        if not config.enable_prefix_caching:
-            return
-        probe = self.model.new_cache(1)
-        if type(probe).snapshot is SequenceCache.snapshot:
-            logger.info("prefix caching off: %s caches cannot be snapshotted", type(probe).__name__)
-            return
-        self._prefix_truncatable = probe.truncatable
-        # Paged KV: snapshots share the pools' blocks, and a pool out of blocks evicts them (reclaim hook).
-        self.prefix_cache = PrefixCache(config.prefix_block_tokens, config.prefix_cache_bytes, self.runner.kv_space)
-        self.runner.mark_every = None if probe.truncatable else config.prefix_block_tokens
-        self.scheduler.on_admit = self._admit
-        self.sharing = PrefixSharing(self.prefix_cache, self.scheduler, self._hashes, self._publish,
-                                     config.prefix_share_min_blocks, config.prefix_share_max_wait_s)  # fmt: skip
-        self.scheduler.defer = self.sharing.defer
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.prefix.cache
 
-    def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
-        """Chain hashes of the full blocks among ``seq``'s first ``num_tokens`` tokens (memoised on ``seq``)."""
-        assert self.prefix_cache is not None
-        block = self.prefix_cache.block_tokens
-        blocks = num_tokens // block
-        if len(seq.block_hashes) < blocks:
-            seq.block_hashes = chain_hashes(seq.token_slice(0, blocks * block), block, seq.block_hashes)
-        return seq.block_hashes[:blocks]
-
-    def _admit(self, seq: Sequence) -> None:
-        """Scheduler hook: start ``seq`` from the longest cached prefix of its prompt."""
-        cache = self.prefix_cache
-        assert cache is not None
-        # Prompt logprobs need every prompt position's logits, which a cached prefix does not have; such
-        # (scoring) requests are neither served from the cache nor have their chunking bent for it.
-        if seq.params.prompt_logprobs is not None or seq.num_computed:
-            return
-        if not self._prefix_truncatable:  # the prompt's last boundary must be reached by a chunk end
-            seq.prefill_stop = seq.num_prompt // cache.block_tokens * cache.block_tokens
-        # A preempted sequence looks up prompt + output: its own snapshot may serve most of its recompute.
-        hit = cache.lookup(self._hashes(seq, seq.num_tokens), seq.num_tokens)
-        if hit is None:
-            return
-        self._fit_experts()  # the copy below is a full-size cache: make its room first
-        try:
-            self.runner.adopt_prefix(seq.request_id, hit.snapshot, hit.length, seq.cache_tokens)
-        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: compute the prompt instead
-            logger.warning("request %s: prefix cache copy failed (%s); prefilling in full", seq.request_id, exc)
-            return
-        seq.num_computed = hit.length
-        if self.sharing is not None:
-            self.sharing.served(seq, hit.length)
-        # Served prompt tokens count as prompt tokens too (once, whatever the re-admissions).
-        self._count_prompt(self._requests[seq.request_id], min(hit.length, seq.num_prompt))
-
-    def _publish_prompt(self, chunk: ScheduledChunk) -> None:
-        """Snapshot the prompt at its last block boundary, and at each prefix a waiting request shares
-        (``share_stops``), once a chunk has computed past it."""
-        if self.prefix_cache is None:
-            return
-        seq = chunk.seq
-        boundary = seq.num_prompt // self.prefix_cache.block_tokens * self.prefix_cache.block_tokens
-        for stop in (*seq.share_stops, boundary):
-            if chunk.start < stop <= seq.num_computed:
-                self._publish(seq, stop)
-
-    def _publish(self, seq: Sequence, num_tokens: int) -> None:
-        """Store a snapshot of ``seq``'s cache at the last block boundary within its first ``num_tokens``
-        tokens. Only called after successful forwards, so a failed or aborted request never publishes."""
-        cache = self.prefix_cache
-        if cache is None or num_tokens < cache.block_tokens:
-            return
-        hashes = self._hashes(seq, num_tokens)
-        live = self.runner.cache_of(seq.request_id)
-        if live is None or cache.contains(hashes):
-            return
-        try:
-            length = len(hashes) * cache.block_tokens
-            # Where finished caches are kept (spares), a snapshot may borrow the cache's memory: it stays servable
-            # while the cache holds that state, and the next turn may start in that very cache.
-            borrowed = live.borrowed_snapshot(length) if self.runner.spares is not None else None
-            cache.insert(hashes, borrowed or live.snapshot(length))
-        except Exception as exc:  # noqa: BLE001 - caching is an optimisation: never fail the request for it
-            logger.debug("request %s: no prefix snapshot at %d tokens (%s)", seq.request_id, num_tokens, exc)
+    @property
+    def sharing(self) -> PrefixSharing | None:
+        return self.prefix.sharing
 
     def _release(self, request: _Request) -> None:
         self.scheduler.finish(request.seq)
