@@ -54,6 +54,17 @@ def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_prefix_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """--prefix-cache: the prefix cache's VRAM bound, shared by ``serve`` and ``plan``."""
+    parser.add_argument(
+        "--prefix-cache",
+        default="1GiB",
+        metavar="SIZE",
+        help="VRAM for snapshots of earlier prompts that later requests start from (default 1GiB; 0: no prefix "
+        "caching); DeepSeek-V4 with spare caches reserves only its borrowed snapshots' rolling state, within it",
+    )
+
+
 def add_expert_format_argument(parser: argparse.ArgumentParser) -> None:
     """--expert-format: the routed experts' home copy, shared by ``serve``, ``generate`` and ``plan``."""
     parser.add_argument(
@@ -258,6 +269,7 @@ def _setup_serve(parser: argparse.ArgumentParser) -> None:
     add_kv_dtype_argument(parser)
     add_expert_format_argument(parser)
     add_prefill_chunk_argument(parser)
+    add_prefix_cache_argument(parser)
     add_tier_arguments(parser)
     parser.set_defaults(handler=_run_serve)
 
@@ -285,6 +297,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         prefill_chunk_tokens=args.prefill_chunk,
         expert_format=args.expert_format,
         spare_cache_seconds=args.spare_cache_seconds,
+        prefix_cache=args.prefix_cache,
         tiers=tier_options(args),
     )
     return serve(config)
@@ -307,6 +320,7 @@ def _setup_plan(parser: argparse.ArgumentParser) -> None:
     add_kv_dtype_argument(parser)
     add_expert_format_argument(parser)
     add_prefill_chunk_argument(parser)
+    add_prefix_cache_argument(parser)
     parser.set_defaults(handler=_run_plan)
 
 
@@ -316,13 +330,17 @@ def _run_plan(args: argparse.Namespace) -> int:
     import torch
 
     from moetier.config import default_device
-    from moetier.engine.types import checkpoint_config, resolve_dtype, resolve_window
+    from moetier.engine.spare_caches import borrowed_prefix_snapshots
+    from moetier.engine.types import EngineConfig, checkpoint_config, resolve_dtype, resolve_window
     from moetier.tiers import plan
 
     path = Path(args.model).expanduser()
     hf_config = checkpoint_config(path)
     device = torch.device(args.device) if args.device else default_device()
     bandwidths = {"host_read_gbps": args.host_read_gbps, "pcie_gbps": args.pcie_gbps}
+    prefix = plan.parse_size(args.prefix_cache, "--prefix-cache")
+    # The prefix cache as `moetier serve` reserves it.
+    serving = EngineConfig(max_streams=args.max_streams, prefix_cache_bytes=prefix, enable_prefix_caching=prefix > 0)
     budget = plan.PlanBudget(
         gpu_memory=args.gpu_memory,
         host_memory=args.host_memory,
@@ -333,6 +351,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         device_memory=plan.device_memory(device),
         kv_dtype=args.kv_dtype,
         expert_format=args.expert_format,
+        prefix_cache=prefix,
+        prefix_snapshots=borrowed_prefix_snapshots(path, serving, device) if prefix else None,
         **{k: v for k, v in bandwidths.items() if v is not None},
     )
     print(plan.make_plan(path, budget, resolve_dtype(args.dtype, hf_config, device)).table())

@@ -120,3 +120,17 @@ def test_spare_cache_seconds_reaches_the_engine_and_a_bad_value_is_one_line():
             ServeConfig(spare_cache_seconds=bad)
     with pytest.raises(ConfigError, match="spare_cache_seconds"):
         EngineConfig(spare_cache_seconds=-0.5)
+
+
+def test_prefix_cache_size_reaches_the_serve_config_and_a_bad_one_is_one_line(capsys):
+    from moetier.cli import build_parser
+    from moetier.server.app import ServeConfig
+
+    assert build_parser().parse_args(["serve"]).prefix_cache == "1GiB"
+    assert ServeConfig(prefix_cache="256MiB").prefix_cache == 256 << 20 and ServeConfig().prefix_cache == 1 << 30
+    assert ServeConfig(prefix_cache="0").prefix_cache == 0  # no prefix caching
+    with pytest.raises(ConfigError, match="--prefix-cache: cannot read 'lots'"):
+        ServeConfig(prefix_cache="lots")
+    assert cli.main(["serve", "--prefix-cache=24G", "--no-warmup"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moetier: error:") and "--prefix-cache" in err and err.count("\n") == 1

@@ -318,15 +318,20 @@ def test_spares_serve_the_largest_wants_first_from_the_smallest_room():
 # --- CUDA (run on the GPU machine) -----------------------------------------------------------------------
 
 
-def tiered_options(path, dtype: torch.dtype, streams: int, context: int, slots: int = 4):
-    """Tier options whose plan caches ``slots`` experts (most routed experts miss), everything else as planned."""
-    from moetier.engine.engine import EngineConfig
+def tiered_options(path, dtype: torch.dtype, config, slots: int = 4):
+    """Tier options whose plan for an engine of ``config`` caches ``slots`` experts (most routed experts miss),
+    everything else as planned (its prefix cache too: borrowed snapshots' worth where spare caches are kept)."""
+    from moetier.engine.spare_caches import borrowed_prefix_snapshots
     from moetier.tiers.plan import PlanBudget, TierOptions, make_plan
 
-    prefix = EngineConfig().prefix_cache_bytes
-    roomy = make_plan(path, PlanBudget("3GiB", context=context, max_streams=streams, prefix_cache=prefix), dtype)
-    fixed = roomy.backbone_bytes + roomy.kv_bytes + roomy.workspace_bytes + roomy.staging_bytes + prefix
-    return TierOptions(gpu_memory=fixed + slots * roomy.expert_block_bytes, policy="lfu", cpu_threads=2)
+    snapshots = borrowed_prefix_snapshots(path, config, torch.device("cpu"))
+    budget = PlanBudget("3GiB", context=config.max_model_len, max_streams=config.max_streams,
+                        prefix_cache=config.prefix_cache_bytes, prefix_snapshots=snapshots)  # fmt: skip
+    roomy = make_plan(path, budget, dtype)
+    fixed = roomy.backbone_bytes + roomy.kv_bytes + roomy.workspace_bytes + roomy.staging_bytes
+    # Misses on the CPU tier: the timed route chooser could pick another route (other bf16 roundings) per engine.
+    return TierOptions(gpu_memory=fixed + roomy.prefix_cache_bytes + slots * roomy.expert_block_bytes, policy="lfu",
+                       cpu_threads=2, miss_route="cpu")  # fmt: skip
 
 
 def served_turns(path, dtype: torch.dtype, device: str, spare_seconds: float, tiered: bool, graphs=None):
@@ -335,7 +340,7 @@ def served_turns(path, dtype: torch.dtype, device: str, spare_seconds: float, ti
     from moetier.engine.engine import Engine, EngineConfig
 
     config = EngineConfig(max_model_len=256, max_streams=2, spare_cache_seconds=spare_seconds)
-    tiers = tiered_options(path, dtype, 2, 256) if tiered else None
+    tiers = tiered_options(path, dtype, config) if tiered else None
     engine = Engine.from_path(path, config=config, dtype=dtype, device=device, tokenizer=None, load_progress=False,
                               tiers=tiers)  # fmt: skip
     if graphs is not None:
@@ -368,6 +373,40 @@ def test_served_turns_with_spares_equal_those_without(v4_path, tiered):
     assert 0 < stats.decode_graph_captures_total < fresh_stats.decode_graph_captures_total
     if tiered:  # 4 cached of 5 layers x 8 experts
         assert stats.expert_cache_slots == stats.expert_cache_max_slots == 4
+
+
+def test_the_plan_reserves_borrowed_snapshots_not_the_prefix_bound(v4_path):
+    """With spare caches, V4's prefix snapshots borrow the kept caches' entries: the plan reserves VRAM for
+    SNAPSHOTS_PER_STREAM rolling states a stream (the rest of the 1 GiB bound goes to the expert cache), the prefix
+    cache is bounded by that reservation, and served turns still start from their snapshots."""
+    from dataclasses import replace
+
+    from moetier.engine.engine import Engine, EngineConfig
+    from moetier.engine.spare_caches import SNAPSHOTS_PER_STREAM
+    from moetier.tiers.plan import make_plan
+
+    def engine_for(spare_seconds: float) -> Engine:
+        config = EngineConfig(max_model_len=256, max_streams=2, spare_cache_seconds=spare_seconds)
+        return Engine.from_path(v4_path, config=config, dtype=torch.float32, device="cpu", tokenizer=None,
+                                load_progress=False, tiers=tiered_options(v4_path, torch.float32, config))  # fmt: skip
+
+    owning, borrowing = engine_for(0.0), engine_for(30.0)
+    bound = EngineConfig().prefix_cache_bytes
+    assert owning.plan.prefix_cache_bytes == owning.config.prefix_cache_bytes == bound
+    plan = borrowing.plan
+    reserved = SNAPSHOTS_PER_STREAM * 2 * plan.kv_stream_bytes
+    assert plan.prefix_cache_bytes == borrowing.config.prefix_cache_bytes == reserved < bound
+    assert "16 snapshots borrowing their caches' entries" in plan.table()
+    small = replace(plan.budget, prefix_cache=3 * plan.kv_stream_bytes)  # a bound below 16 snapshots: the bound
+    assert make_plan(v4_path, small, torch.float32).prefix_cache_bytes == 3 * plan.kv_stream_bytes
+    prompt = random_prompt(40, seed=60, vocab=256)
+    for turn in range(3):
+        (tokens,) = [tokens_of(u) for u in run(borrowing, [greedy_request(f"t{turn}", prompt, 12)]).values()]
+        prompt = prompt + tokens + random_prompt(5, seed=61 + turn, vocab=256)
+    stats = borrowing.stats()
+    assert stats.prefix_cache_lookup_hits == 2 and stats.spare_cache_reuses_total == 2
+    # Each borrowed snapshot holds one stream's rolling state at most: the reservation's unit is not an underestimate.
+    assert 0 < stats.prefix_cache_bytes <= stats.prefix_cache_entries * plan.kv_stream_bytes
 
 
 # --- CUDA (run on the GPU machine) -----------------------------------------------------------------------

@@ -50,10 +50,15 @@ def _config() -> EngineConfig:
 
 def gpu_budget(checkpoint, slots: int, reserve: int) -> int:
     """A GPU budget whose plan holds exactly ``slots`` cached experts with KV reserved for ``reserve`` streams."""
-    prefix = _config().prefix_cache_bytes
-    budget = PlanBudget("3GiB", context=CONTEXT, max_streams=STREAMS, kv_reserve_streams=reserve, prefix_cache=prefix)
+    from moetier.engine.spare_caches import borrowed_prefix_snapshots
+
+    config = _config()  # its prefix cache as the engine reserves it (borrowed snapshots' worth for V4)
+    snapshots = borrowed_prefix_snapshots(checkpoint, config, torch.device("cpu"))
+    budget = PlanBudget("3GiB", context=CONTEXT, max_streams=STREAMS, kv_reserve_streams=reserve,
+                        prefix_cache=config.prefix_cache_bytes, prefix_snapshots=snapshots)  # fmt: skip
     roomy = make_plan(checkpoint, budget, torch.float32)
-    fixed = roomy.backbone_bytes + roomy.kv_bytes + roomy.workspace_bytes + roomy.staging_bytes + prefix
+    fixed = roomy.backbone_bytes + roomy.kv_bytes + roomy.workspace_bytes + roomy.staging_bytes
+    fixed += roomy.prefix_cache_bytes
     return fixed + slots * roomy.expert_block_bytes
 
 

@@ -161,6 +161,7 @@ def test_cli_flag_parses_and_plan_reports_fp8_bytes(checkpoints, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--expert-format", "int4"])
     base = ["plan", "--model", str(checkpoints[1]), "--gpu-memory", "1GiB", "--device", "cpu", "--dtype", "bf16"]
+    base += ["--prefix-cache", "0"]  # 1GiB of VRAM for tiny models: the default 1GiB prefix cache would not fit
     assert cli.main([*base, "--context", "128", "--expert-format", "fp8"]) == 0
     assert "home copy (fp8 + scales)" in capsys.readouterr().out
 

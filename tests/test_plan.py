@@ -169,6 +169,7 @@ def test_kv_estimates_per_attention_kind():
 
 def test_plan_cli_prints_the_table(checkpoint, capsys):
     args = ["plan", "--model", str(checkpoint), "--gpu-memory", "8MiB", "--context", "256", "--max-streams", "2"]
+    args += ["--prefix-cache", "0"]  # the default 1GiB (as `moetier serve` reserves it) would not fit 8MiB
     assert cli.main([*args, "--device", "cpu", "--dtype", "fp32", "--host-read-gbps", "50"]) == 0
     out = capsys.readouterr().out
     assert "placement plan for" in out and "expert cache:" in out and "host read 50 GB/s" in out
@@ -184,6 +185,8 @@ def test_plan_cli_prints_the_table(checkpoint, capsys):
         (["--gpu-memory", "80%"], "percentage"),
         (["--gpu-memory", "10KiB"], "short of the backbone"),
         (["--gpu-memory", "1GiB", "--context", "100000"], "max_position_embeddings"),
+        (["--gpu-memory", "1GiB", "--prefix-cache", "lots"], "--prefix-cache: cannot read 'lots'"),
+        (["--gpu-memory", "1GiB"], "raise --gpu-memory by"),  # the default 1GiB prefix cache does not fit
     ],
 )
 def test_plan_cli_bad_input_is_one_line_exit_2(checkpoint, capsys, extra, fragment):
@@ -201,6 +204,15 @@ def test_prefix_cache_memory_is_reserved_before_the_expert_cache(checkpoint):
     plan = make_plan(checkpoint, PlanBudget(budget, context=256, max_streams=2, prefix_cache=reserved), torch.float32)
     assert plan.cache_slots == 2 and plan.vram_used_bytes == budget
     assert "prefix cache" in plan.table()
+
+
+def test_prefix_snapshots_never_reserve_more_than_the_bound(checkpoint):
+    """Qwen3 keeps no per-stream state (its snapshots own their rows): the bound is reserved; bad counts refused."""
+    budget = PlanBudget("1GiB", context=256, max_streams=2, prefix_cache=1 << 20, prefix_snapshots=4)
+    assert make_plan(checkpoint, budget, torch.float32).prefix_cache_bytes == 1 << 20
+    for bad in (0, True, 2.5):
+        with pytest.raises(ConfigError, match="prefix_snapshots must be an integer >= 1"):
+            PlanBudget("1GiB", prefix_snapshots=bad)
 
 
 # --- the prefill chunk ------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ from moetier.engine.sampling import (
     token_logprobs,
 )
 from moetier.engine.scheduler import Scheduler, Sequence
-from moetier.engine.spare_caches import SpareCaches
+from moetier.engine.spare_caches import SpareCaches, borrowed_prefix_snapshots, graphs_read_caches
 from moetier.engine.types import (
     EngineBusyError,
     EngineConfig,
@@ -146,7 +146,7 @@ class Engine:
         self.generation_config: dict[str, Any] = self.loaded.checkpoint.read_json("generation_config.json") or {}
         self.eos_token_ids = self._eos_ids()
 
-        self.config = self.config.with_chunk_from(self.plan)  # auto chunk: the plan's, or the default
+        self.config = self.config.with_plan(self.plan)  # auto chunk: the plan's, or the default; the prefix VRAM
         capacity = self.config.kv_token_budget or self.config.max_streams * self.max_model_len
         self.kv_layout = resolve_kv_layout(self.config.kv_layout, self.model, self.device)
         paged = self.kv_layout == "paged"
@@ -207,6 +207,7 @@ class Engine:
             self.config.prefill_chunk_tokens,
             self.config.prefix_cache_bytes if self.config.enable_prefix_caching else 0,
             kv_dtype=self.config.kv_dtype,
+            prefix_snapshots=borrowed_prefix_snapshots(self.path, self.config, load_config.device),
         )
         logger.info("%s", plan.table())
         return plan, load_planned(self.path, load_config, plan, tiers, progress)
@@ -252,7 +253,7 @@ class Engine:
     def _graphs_read_caches(self, paged: bool) -> bool:
         """Whether decode graphs read the sequences' caches in place (contiguous caches of such a family): their
         moves and new caches capture the graphs again, so reservations double and caches are reused."""
-        return not paged and getattr(self.model, "decode_graphs_read_caches", False)
+        return graphs_read_caches(self.model, paged)
 
     def _size_kv(self) -> None:
         """Allocate the paged KV pools for the KV-token budget (once, before any cache) and log the KV cache."""

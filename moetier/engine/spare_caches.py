@@ -23,11 +23,41 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from moetier.engine.model_runner import KvListener
+    from moetier.engine.types import EngineConfig
     from moetier.models.base import SequenceCache
+
+
+# Borrowed prefix snapshots (moetier.models.deepseek_v4_snapshot) the placement plan reserves VRAM for, per stream:
+# a turn publishes its prompt's and its reply's, so a stream's last four turns stay servable (a retried turn too).
+SNAPSHOTS_PER_STREAM = 8
+
+
+def graphs_read_caches(model: object, paged: bool) -> bool:
+    """Whether decode graphs read ``model``'s (a CausalLM or its class) caches in place: contiguous caches of a
+    family with ``decode_graphs_read_caches`` (DeepSeek-V4). Its finished caches are worth keeping."""
+    return not paged and bool(getattr(model, "decode_graphs_read_caches", False))
+
+
+def borrowed_prefix_snapshots(path: str | Path, config: EngineConfig, device: torch.device) -> int | None:
+    """Before the checkpoint at ``path`` loads: how many prefix snapshots a placement plan reserves VRAM for where
+    they will borrow the kept caches' entries (``config`` keeps spare caches, its family's decode graphs read its
+    contiguous caches); None where snapshots own their state (the plan reserves the whole prefix-cache bound)."""
+    from moetier.engine.kv_sizing import resolve_kv_layout
+    from moetier.engine.types import checkpoint_config
+    from moetier.models import model_class_for
+
+    family = model_class_for(checkpoint_config(Path(path)).get("architectures"))
+    paged = resolve_kv_layout(config.kv_layout, family, device) == "paged"
+    if config.spare_cache_seconds <= 0 or not graphs_read_caches(family, paged):
+        return None
+    return SNAPSHOTS_PER_STREAM * config.max_streams
 
 
 @dataclass

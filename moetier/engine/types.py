@@ -41,7 +41,7 @@ class EngineConfig:
     - ``max_model_len``: longest sequence, prompt + output; ``None`` = the model's window.
     - ``prefill_chunk_tokens``: prefill tokens per step, so a long prompt never freezes the streams;
       ``None`` (auto) = the placement plan's choice with tiered experts (bigger chunks amortise streaming
-      the experts), else :data:`DEFAULT_PREFILL_CHUNK`. See :meth:`with_chunk_from`.
+      the experts), else :data:`DEFAULT_PREFILL_CHUNK`. See :meth:`with_plan`.
     - ``max_waiting``: bound of the waiting queue; beyond it ``add_request`` raises EngineBusyError.
     - ``kv_token_budget``: KV tokens all running sequences may reserve together; ``None`` =
       ``max_streams * max_model_len``.
@@ -128,13 +128,19 @@ class EngineConfig:
             raise ConfigError(f"kv_layout must be one of auto, {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         _positive_int("kv_block_tokens", self.kv_block_tokens)
 
-    def with_chunk_from(self, plan: Any) -> EngineConfig:
-        """This config with ``prefill_chunk_tokens`` resolved: the given one, else the placement plan's
-        (``plan.prefill_chunk_tokens``; ``plan`` None: every expert resident), else the default."""
-        if self.prefill_chunk_tokens is not None:
-            return self
-        chunk = DEFAULT_PREFILL_CHUNK if plan is None else plan.prefill_chunk_tokens
-        return replace(self, prefill_chunk_tokens=chunk)
+    def with_plan(self, plan: Any) -> EngineConfig:
+        """This config resolved against the placement plan (``plan`` None: every expert resident):
+        ``prefill_chunk_tokens`` the given one, else the plan's (``plan.prefill_chunk_tokens``), else the default;
+        ``prefix_cache_bytes`` (and the reserve within it) at most the VRAM the plan reserved for the prefix cache
+        (``plan.prefix_cache_bytes``: less than the bound where snapshots borrow their caches' entries)."""
+        chunk = self.prefill_chunk_tokens
+        if chunk is None:
+            chunk = DEFAULT_PREFILL_CHUNK if plan is None else plan.prefill_chunk_tokens
+        prefix = self.prefix_cache_bytes
+        if plan is not None and self.enable_prefix_caching:
+            prefix = min(prefix, plan.prefix_cache_bytes)
+        reserve = min(self.prefix_cache_reserve_bytes, prefix)
+        return replace(self, prefill_chunk_tokens=chunk, prefix_cache_bytes=prefix, prefix_cache_reserve_bytes=reserve)
 
     def load_config(self, dtype: torch.dtype, device: torch.device, max_model_len: int) -> ModelLoadConfig:
         """How the engine loads its checkpoint: ``dtype`` on ``device``, experts in ``expert_format``."""

@@ -34,9 +34,10 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
 # Keys (window + entry slots) the kernel takes. Each program (a head) reads them in serial blocks, twice, where the
-# torch ops' products spread over the device: past ~1k keys (HCA beyond ~128k tokens) the kernel would fall behind
-# them (estimated ~0.5 us a block of 32 keys against their ~40 us, launch-bound; not measured yet).
-MAX_KEYS = 128 + 1024
+# torch ops' products spread over the device. Measured on an H100 in CUDA graphs (`moetier bench v4-kernels`,
+# results/h100-20261206-54085cd-kernels): 16/64 entries 32.0/36.8 us against the torch ops' 48.8/46.9 us, 256 entries
+# 70.9 against 49.3, CSA's top-512 picks 119.4 against 50.9: the crossover is near 128 entries.
+MAX_KEYS = 128 + 128
 
 _BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on with the torch ops
 

@@ -68,7 +68,8 @@ class ServeConfig:
     up to ``max_streams`` before reporting ready (:mod:`moetier.engine.warmup`). ``expert_format``: the
     routed experts' home copy, ``dense``, ``fp8`` or ``fp4`` (:class:`moetier.config.ModelLoadConfig`).
     ``spare_cache_seconds``: how long a finished request's cache waits for the next request (DeepSeek-V4:
-    its decode graphs replay; 0 = off; :class:`moetier.engine.types.EngineConfig`).
+    its decode graphs replay; 0 = off; :class:`moetier.engine.types.EngineConfig`). ``prefix_cache``: the prefix
+    cache's VRAM bound (bytes or a size string, ``1GiB``; 0 = no prefix caching), stored as bytes.
     """
 
     model: str | None = None
@@ -92,9 +93,13 @@ class ServeConfig:
     warmup: bool = True
     expert_format: str = "dense"
     spare_cache_seconds: float = 30.0
+    prefix_cache: int | str = 1 << 30
 
     def __post_init__(self) -> None:
+        from moetier.tiers.plan import parse_size
+
         check_expert_format(self.expert_format)
+        self.prefix_cache = parse_size(self.prefix_cache, "--prefix-cache")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port!r}")
         if isinstance(self.max_streams, bool) or not isinstance(self.max_streams, int) or self.max_streams < 1:
@@ -159,6 +164,8 @@ def load_serving_model(config: ServeConfig) -> ServingModel:
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         expert_format=config.expert_format,
         spare_cache_seconds=config.spare_cache_seconds,
+        enable_prefix_caching=config.prefix_cache > 0,
+        prefix_cache_bytes=config.prefix_cache,
     )
     tokenizer = "auto" if (path / "tokenizer.json").is_file() else None
     engine = Engine.from_path(

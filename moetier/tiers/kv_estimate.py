@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,3 +84,49 @@ def _v4_kv(config: Any) -> KvEstimate:
             per_stream += 2 * rate * 2 * config.index_head_dim + 2 * rate * config.index_head_dim
     note = "V4 compressed entries per token; window + open windows per stream"
     return KvEstimate(per_token, per_stream, note, scales)
+
+
+def prefix_reservation(budget: Any, stream_bytes: int) -> tuple[int, str]:
+    """The prefix cache's VRAM and its note: the budget's bound, or, where snapshots borrow their caches' entries
+    and hold one stream's rolling state (``stream_bytes``) each, that many snapshots' worth (within the bound)."""
+    bound, snapshots = int(budget.prefix_cache), budget.prefix_snapshots
+    if snapshots is None or stream_bytes <= 0 or snapshots * stream_bytes >= bound:
+        return bound, "snapshots of earlier prompts"
+    # An owned V4 snapshot of a 100k-token V4-Flash context is 0.64 GiB (bf16); a borrowed one is its rolling
+    # state alone (~11 MiB), so the rest of the bound goes to the expert cache.
+    return snapshots * stream_bytes, (
+        f"{snapshots} snapshots borrowing their caches' entries, {stream_bytes / (1 << 20):.1f} MiB each"
+    )
+
+
+def kv_shortfall(
+    gpu: int, fixed: int, wanted: int, budget: Any, kv_bytes: Callable[[int, int], int], prefix: int = 0
+) -> str:
+    """The one-line refusal of a plan whose KV cache does not fit what ``fixed`` (``prefix`` of it the prefix
+    cache's) leaves of ``gpu``, naming the knobs that would make it fit (``kv_bytes(context, streams)``: the KV
+    rule)."""
+    room = gpu - fixed
+    streams, context = budget.reserved_streams, budget.context
+    fit_context = _largest(context, lambda c: kv_bytes(c, streams) <= room)
+    fit_streams = _largest(streams, lambda s: kv_bytes(context, s) <= room)
+    hints = [f"raise --gpu-memory by {gib(fixed + wanted - gpu)} GiB"]
+    if fit_context:
+        hints.append(f"lower --context to {fit_context}")
+    if fit_streams:
+        hints.append(f"lower --max-streams to {fit_streams}")
+    if prefix:
+        hints.append(f"lower --prefix-cache (it reserves {gib(prefix)} GiB)")
+    return (
+        f"the KV cache of {streams} stream(s) x {context} tokens needs {gib(wanted)} GiB but only "
+        f"{gib(max(room, 0))} GiB of --gpu-memory {gib(gpu)} GiB is left after the backbone, workspace, "
+        f"staging slots and prefix cache; " + ", or ".join(hints)
+    )
+
+
+def _largest(limit: int, fits) -> int:
+    """The largest ``n`` in ``[1, limit]`` with ``fits(n)`` (``fits`` monotone), or 0."""
+    low, high = 0, limit
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low

@@ -36,7 +36,12 @@ from moetier.errors import ConfigError
 from moetier.models.base import ExpertTarget, IgnoreTarget
 from moetier.tiers.dispatcher import make_dispatcher
 from moetier.tiers.experts import ExpertLayout, ExpertStore
-from moetier.tiers.kv_estimate import KvEstimate, kv_estimate  # noqa: F401 - re-exported
+from moetier.tiers.kv_estimate import (  # noqa: F401 - KvEstimate re-exported
+    KvEstimate,
+    kv_estimate,
+    kv_shortfall,
+    prefix_reservation,
+)
 from moetier.tiers.tiered_config import MISS_ROUTES
 from moetier.tiers.tiered_dispatcher import default_staging_slots
 from moetier.tiers.workspace import WORKSPACE_HIDDEN_ROWS as WORKSPACE_HIDDEN_ROWS  # re-export
@@ -170,6 +175,10 @@ class PlanBudget:
     ``workspace`` / ``kv_bytes_per_token``: override the stated estimates. ``kv_dtype``: the KV cache's
     storage (``auto`` = the load dtype, ``bf16``, ``fp8`` = one byte per element plus per-token scales).
     ``expert_format``: the experts' home copy, ``dense``, ``fp8`` or ``fp4`` (``ModelLoadConfig.expert_format``).
+    ``prefix_cache``: the most VRAM the engine's prefix-cache snapshots may hold. ``prefix_snapshots``: where the
+    snapshots borrow their caches' entries (DeepSeek-V4 with spare caches: each holds one stream's rolling state,
+    :mod:`moetier.models.deepseek_v4_snapshot`), how many of them the plan reserves for (at most ``prefix_cache``);
+    None: snapshots own their state, the whole ``prefix_cache`` is reserved.
     """
 
     gpu_memory: int | str
@@ -183,7 +192,8 @@ class PlanBudget:
     host_read_gbps: float = DEFAULT_HOST_READ_GBPS
     pcie_gbps: float = DEFAULT_PCIE_GBPS
     device_memory: int | None = None
-    prefix_cache: int | str = 0  # VRAM the engine's prefix-cache snapshots may hold
+    prefix_cache: int | str = 0
+    prefix_snapshots: int | None = None
     kv_dtype: str = "auto"
     # Streams whose KV is reserved up front (None = all ``max_streams``); the others borrow expert-cache slots.
     kv_reserve_streams: int | None = None
@@ -207,6 +217,9 @@ class PlanBudget:
         if self.staging_slots is not None and self.staging_slots < 1:
             raise ConfigError(f"staging_slots must be >= 1, got {self.staging_slots}")
         _check_reserve_streams(self.kv_reserve_streams)
+        snapshots = self.prefix_snapshots
+        if snapshots is not None and (isinstance(snapshots, bool) or not isinstance(snapshots, int) or snapshots < 1):
+            raise ConfigError(f"prefix_snapshots must be an integer >= 1, got {snapshots!r}")
         if self.kv_bytes_per_token is not None and self.kv_bytes_per_token < 0:
             raise ConfigError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
         if self.kv_dtype not in ("auto", "bf16", "fp8"):
@@ -256,6 +269,9 @@ class PlacementPlan:
     kv_stream_bytes: int = 0
     prefill_chunk_tokens: int = 512
     chunk_note: str = "given"
+    # The VRAM reserved for prefix snapshots: the budget's bound, or what its borrowed snapshots hold.
+    prefix_cache_bytes: int = 0
+    prefix_note: str = "snapshots of earlier prompts"
 
     def __post_init__(self) -> None:
         if min(self.backbone_bytes, self.kv_bytes, self.workspace_bytes, self.cache_slots) < 0:
@@ -279,7 +295,7 @@ class PlacementPlan:
     @property
     def vram_used_bytes(self) -> int:
         fixed = self.backbone_bytes + self.kv_bytes + self.workspace_bytes + self.staging_bytes
-        return fixed + int(self.budget.prefix_cache) + self.cache_bytes
+        return fixed + self.prefix_cache_bytes + self.cache_bytes
 
     @property
     def cache_share(self) -> float:
@@ -328,7 +344,7 @@ class PlacementPlan:
             ("backbone (attention, norms, routers, shared experts, embeddings)", self.backbone_bytes, "VRAM"),
             (f"KV cache: {self._kv_streams()} x {b.context} tokens ({self.kv_note})", self.kv_bytes, "VRAM"),
             ("activation workspace (estimate)", self.workspace_bytes, "VRAM"),
-            ("prefix cache (snapshots of earlier prompts)", int(b.prefix_cache), "VRAM"),
+            (f"prefix cache ({self.prefix_note})", self.prefix_cache_bytes, "VRAM"),
             (f"staging slots for prefill / copied misses: {self.staging_slots}", self.staging_bytes, "VRAM"),
             (
                 f"expert cache: {self.cache_slots} of {self.total_experts} experts ({100 * self.cache_share:.1f}%)",
@@ -399,12 +415,13 @@ def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.b
             "raise --gpu-memory (or use a smaller model or dtype)"
         )
     wanted = kv_bytes(budget.context, budget.reserved_streams)
-    room = gpu - (sizes.backbone + staging * block + int(budget.prefix_cache) + wanted)
+    prefix, prefix_note = prefix_reservation(budget, kv.per_stream * element)
+    room = gpu - (sizes.backbone + staging * block + prefix + wanted)
     chunk = _prefill_chunk(cfg, budget, element, room, total_experts * block)
     workspace = chunk.workspace
-    fixed = sizes.backbone + workspace + staging * block + int(budget.prefix_cache)
+    fixed = sizes.backbone + workspace + staging * block + prefix
     if fixed + wanted > gpu:
-        raise ConfigError(_kv_shortfall(gpu, fixed, wanted, budget, kv_bytes))
+        raise ConfigError(kv_shortfall(gpu, fixed, wanted, budget, kv_bytes, prefix))
     slots = min(total_experts, (gpu - fixed - wanted) // block)
     plan = PlacementPlan(
         model=str(path),
@@ -426,6 +443,8 @@ def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.b
         kv_stream_bytes=kv_bytes(0, 1),
         prefill_chunk_tokens=chunk.tokens,
         chunk_note=chunk.note,
+        prefix_cache_bytes=prefix,
+        prefix_note=prefix_note,
     )
     plan.warnings.extend(_host_warnings(plan, budget))
     return plan
@@ -446,32 +465,6 @@ def _prefill_chunk(cfg: Any, budget: PlanBudget, element: int, room: int, expert
     allowance = workspace_allowance(room, expert_bytes) if given is None else given
     choice = choose_prefill_chunk(estimate, allowance, auto_chunk_limit(budget.context * budget.max_streams))
     return choice if given is None else replace(choice, workspace=given, note=f"{choice.note}; workspace given")
-
-
-def _kv_shortfall(gpu: int, fixed: int, wanted: int, budget: PlanBudget, kv_bytes) -> str:
-    room = gpu - fixed
-    streams, context = budget.reserved_streams, budget.context
-    fit_context = _largest(context, lambda c: kv_bytes(c, streams) <= room)
-    fit_streams = _largest(streams, lambda s: kv_bytes(context, s) <= room)
-    hints = [f"raise --gpu-memory by {gib(fixed + wanted - gpu)} GiB"]
-    if fit_context:
-        hints.append(f"lower --context to {fit_context}")
-    if fit_streams:
-        hints.append(f"lower --max-streams to {fit_streams}")
-    return (
-        f"the KV cache of {streams} stream(s) x {context} tokens needs {gib(wanted)} GiB but only "
-        f"{gib(max(room, 0))} GiB of --gpu-memory {gib(gpu)} GiB is left after the backbone, workspace and "
-        f"staging slots; " + ", or ".join(hints)
-    )
-
-
-def _largest(limit: int, fits) -> int:
-    """The largest ``n`` in ``[1, limit]`` with ``fits(n)`` (``fits`` monotone), or 0."""
-    low, high = 0, limit
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid - 1)
-    return low
 
 
 def _host_warnings(plan: PlacementPlan, budget: PlanBudget) -> list[str]:
@@ -554,12 +547,14 @@ def plan_for(
     prefill_chunk_tokens: int | None = None,
     prefix_cache_bytes: int = 0,
     kv_dtype: str = "auto",
+    prefix_snapshots: int | None = None,
 ) -> PlacementPlan:
     """The plan an engine loads ``load_config`` with (its dtype, device and expert format): ``options``'
     budgets for ``max_streams`` x ``context`` tokens; ``prefill_chunk_tokens`` None lets the plan choose
-    the chunk (``plan.prefill_chunk_tokens``)."""
+    the chunk (``plan.prefill_chunk_tokens``); ``prefix_snapshots`` as :class:`PlanBudget`'s."""
     budget = PlanBudget(
         prefix_cache=prefix_cache_bytes,
+        prefix_snapshots=prefix_snapshots,
         kv_dtype=kv_dtype,
         gpu_memory=options.gpu_memory,
         host_memory=options.host_memory,
