@@ -352,7 +352,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         kv_dtype=args.kv_dtype,
         expert_format=args.expert_format,
         prefix_cache=prefix,
-        prefix_snapshots=borrowed_prefix_snapshots(path, serving, device) if prefix else None,
+        prefix_snapshots=borrowed_prefix_snapshots(hf_config, serving, device),
         **{k: v for k, v in bandwidths.items() if v is not None},
     )
     print(plan.make_plan(path, budget, resolve_dtype(args.dtype, hf_config, device)).table())

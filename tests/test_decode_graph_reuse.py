@@ -322,9 +322,10 @@ def tiered_options(path, dtype: torch.dtype, config, slots: int = 4):
     """Tier options whose plan for an engine of ``config`` caches ``slots`` experts (most routed experts miss),
     everything else as planned (its prefix cache too: borrowed snapshots' worth where spare caches are kept)."""
     from moetier.engine.spare_caches import borrowed_prefix_snapshots
+    from moetier.engine.types import checkpoint_config
     from moetier.tiers.plan import PlanBudget, TierOptions, make_plan
 
-    snapshots = borrowed_prefix_snapshots(path, config, torch.device("cpu"))
+    snapshots = borrowed_prefix_snapshots(checkpoint_config(path), config, torch.device("cpu"))
     budget = PlanBudget("3GiB", context=config.max_model_len, max_streams=config.max_streams,
                         prefix_cache=config.prefix_cache_bytes, prefix_snapshots=snapshots)  # fmt: skip
     roomy = make_plan(path, budget, dtype)

@@ -51,9 +51,10 @@ def _config() -> EngineConfig:
 def gpu_budget(checkpoint, slots: int, reserve: int) -> int:
     """A GPU budget whose plan holds exactly ``slots`` cached experts with KV reserved for ``reserve`` streams."""
     from moetier.engine.spare_caches import borrowed_prefix_snapshots
+    from moetier.engine.types import checkpoint_config
 
     config = _config()  # its prefix cache as the engine reserves it (borrowed snapshots' worth for V4)
-    snapshots = borrowed_prefix_snapshots(checkpoint, config, torch.device("cpu"))
+    snapshots = borrowed_prefix_snapshots(checkpoint_config(checkpoint), config, torch.device("cpu"))
     budget = PlanBudget("3GiB", context=CONTEXT, max_streams=STREAMS, kv_reserve_streams=reserve,
                         prefix_cache=config.prefix_cache_bytes, prefix_snapshots=snapshots)  # fmt: skip
     roomy = make_plan(checkpoint, budget, torch.float32)

@@ -132,7 +132,7 @@ class Engine:
             target = torch.device(device) if device is not None else default_device()
             load_config = self.config.load_config(resolve_dtype(dtype, hf_config, target), target, self.max_model_len)
             if tiers is not None:
-                self.plan, self.loaded = self._load_tiered(load_config, tiers, load_progress)
+                self.plan, self.loaded = self._load_tiered(hf_config, load_config, tiers, load_progress)
             else:
                 self.loaded = load_model(
                     self.path, load_config, dispatcher, progress=load_progress, dispatcher_options=dispatcher_options
@@ -193,7 +193,9 @@ class Engine:
         """
         return cls(path, **kwargs)
 
-    def _load_tiered(self, load_config: ModelLoadConfig, tiers: Any, progress: bool) -> tuple[Any, LoadedModel]:
+    def _load_tiered(
+        self, hf_config: dict, load_config: ModelLoadConfig, tiers: Any, progress: bool
+    ) -> tuple[Any, LoadedModel]:
         from moetier.tiers.plan import load_planned, plan_for
 
         capacity = self.config.kv_token_budget or self.config.max_streams * self.max_model_len
@@ -207,7 +209,7 @@ class Engine:
             self.config.prefill_chunk_tokens,
             self.config.prefix_cache_bytes if self.config.enable_prefix_caching else 0,
             kv_dtype=self.config.kv_dtype,
-            prefix_snapshots=borrowed_prefix_snapshots(self.path, self.config, load_config.device),
+            prefix_snapshots=borrowed_prefix_snapshots(hf_config, self.config, load_config.device),
         )
         logger.info("%s", plan.table())
         return plan, load_planned(self.path, load_config, plan, tiers, progress)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -45,15 +44,14 @@ def graphs_read_caches(model: object, paged: bool) -> bool:
     return not paged and bool(getattr(model, "decode_graphs_read_caches", False))
 
 
-def borrowed_prefix_snapshots(path: str | Path, config: EngineConfig, device: torch.device) -> int | None:
-    """Before the checkpoint at ``path`` loads: how many prefix snapshots a placement plan reserves VRAM for where
-    they will borrow the kept caches' entries (``config`` keeps spare caches, its family's decode graphs read its
-    contiguous caches); None where snapshots own their state (the plan reserves the whole prefix-cache bound)."""
+def borrowed_prefix_snapshots(hf_config: dict, config: EngineConfig, device: torch.device) -> int | None:
+    """Before a checkpoint (its ``config.json``: ``hf_config``) loads: how many prefix snapshots a placement plan
+    reserves VRAM for where they will borrow the kept caches' entries (``config`` keeps spare caches, the family's
+    decode graphs read its contiguous caches); None where snapshots own their state (the whole prefix-cache bound)."""
     from moetier.engine.kv_sizing import resolve_kv_layout
-    from moetier.engine.types import checkpoint_config
     from moetier.models import model_class_for
 
-    family = model_class_for(checkpoint_config(Path(path)).get("architectures"))
+    family = model_class_for(hf_config.get("architectures"))
     paged = resolve_kv_layout(config.kv_layout, family, device) == "paged"
     if config.spare_cache_seconds <= 0 or not graphs_read_caches(family, paged):
         return None
