@@ -20,7 +20,9 @@
 # FP4 e2m1 + ue8m0 scales (DeepSeek-V4's release format, --expert-format fp4: 0.27x the miss bytes of bf16 with
 # the default e8m0 scale bytes, 0.31x with MOETIER_FP4_SCALES=float32).
 # KV_LAYOUT_CHECK=1 adds two decode runs with fp8 KV, contiguous then paged (KV_LAYOUT_PROMPT: their prompt
-# length, default 64, e.g. 32768 for long-context decode; KV_LAYOUT_MODES, default resident,tiered; KV_LAYOUT_DTYPE).
+# length, default 64, e.g. 32768 for long-context decode; KV_LAYOUT_MODES, default resident,tiered; KV_LAYOUT_DTYPE;
+# KV_LAYOUT_LAYOUTS, default "contiguous paged"; KV_LAYOUT_ENV="VAR=A VAR=B": those runs once per setting, e.g.
+# "MOETIER_V4_ATTENTION=no-split MOETIER_V4_ATTENTION=auto" for the long-context A/B of the split attention).
 # CPU_TIER=1 adds the C kernel's tests on this host's ISAs and `moetier bench cpu-tier` (torch vs the C kernel at CPU_TIER_THREADS, default 8,14,16, for the
 # expert formats in CPU_TIER_FORMATS, default bf16,fp8,fp4; CPU_TIER_ARGS: its extra flags, e.g. "--paths c --tokens 1,4").
 # GPU_EXPERTS=1 adds `moetier bench gpu-experts` (the device's routed-expert kernels alone, bf16/fp8/fp4,
@@ -267,9 +269,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
         done
     fi
     if [ -n "${KV_LAYOUT_CHECK:-}" ]; then  # fp8 KV, contiguous then paged: the paged read's cost in decode
-        for layout in contiguous paged; do
-            bench decode 300 --streams 1,4 --repeats 2 --modes "${KV_LAYOUT_MODES:-resident,tiered}" \
-                --kv-dtype "${KV_LAYOUT_DTYPE:-fp8}" --kv-layout "$layout" --prompt-len "${KV_LAYOUT_PROMPT:-64}"
+        for setting in ${KV_LAYOUT_ENV:-none}; do  # KV_LAYOUT_ENV="VAR=A VAR=B": the runs once per setting
+            for layout in ${KV_LAYOUT_LAYOUTS:-contiguous paged}; do
+                [ "$setting" != none ] && export "${setting?}"  # not a subshell: bench folds its status in
+                bench decode 300 --streams 1,4 --repeats 2 --modes "${KV_LAYOUT_MODES:-resident,tiered}" \
+                    --kv-dtype "${KV_LAYOUT_DTYPE:-fp8}" --kv-layout "$layout" --prompt-len "${KV_LAYOUT_PROMPT:-64}"
+                [ "$setting" != none ] && unset "${setting%%=*}"
+            done
         done
     fi
     if [ -z "${SKIP_PREFILL:-}" ]; then

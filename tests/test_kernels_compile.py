@@ -29,6 +29,22 @@ def _attention(picked: bool, dtype: str, gathered: bool = False) -> tuple:
     return v4_attention._attend_kernel, {**sig, "scale": "fp32", "slots": "i32"}, consts, 8
 
 
+def _split(picked: bool, values: bool) -> tuple:
+    """The split attention's launches (logits and chunk stats; values), bf16."""
+    pointers = dict.fromkeys(["ring", "new_key", "entries"], "*bf16") | {"position": "*i64", "ids": "*i64"}
+    pointers |= dict.fromkeys(["sinks", "logits", "stats"], "*fp32")
+    counts = dict.fromkeys(["capacity", "rate"], "i32")
+    tail = dict.fromkeys(["slots", "splits", "row_stride"], "i32")
+    consts = {"W": 128, "D": 512, "C": v4_attention.CHUNK_KEYS, "WINDOW_SPLITS": 2, "PICKED": picked, "GATHERED": False}
+    if values:
+        sig = {**pointers, "out": "*bf16", **counts, **tail}
+        consts |= {"DS": v4_attention.CHANNELS_PER_PROGRAM, "S": 64}
+        return v4_attention._split_values_kernel, sig, consts, 4
+    sig = {"q": "*bf16", **pointers, **counts, "scale": "fp32", **tail}
+    consts |= {"S": v4_attention.keys_per_block(512), "ROUND": True}
+    return v4_attention._split_logits_kernel, sig, consts, 8
+
+
 def _pool(rate: int, dim: int, overlap: bool) -> tuple:
     width = 2 * dim if overlap else dim
     window, rows, channels = v4_compress.pool_blocks(rate, dim, overlap)
@@ -66,6 +82,10 @@ def _kernels() -> dict[str, tuple]:
         "attention top-k picks bf16": _attention(True, "bf16"),
         "attention top-k picks read out (fp8 store)": _attention(True, "bf16", gathered=True),
         "attention fp32": _attention(False, "fp32"),
+        "split attention logits": _split(False, False),
+        "split attention logits, top-k picks": _split(True, False),
+        "split attention values": _split(False, True),
+        "split attention values, top-k picks": _split(True, True),
         "compressor pool HCA": _pool(128, 512, False),
         "compressor pool CSA": _pool(4, 512, True),
         "compressor pool indexer": _pool(4, 128, True),

@@ -38,17 +38,20 @@ def case(name, dtype, heads, dim, window, position, capacity, slots, ids, rate, 
     pos = torch.tensor([position], device=device)
     sinks = torch.randn(heads, generator=g).to(device)
     picks = None if ids is None else torch.tensor(ids, device=device)
-    ring_k, ring_r = ring.clone(), ring.clone()
+    ring_r = ring.clone()
     if gathered:  # the picked rows read out in their order (an fp8 store's read of them): row j is entry ids[j]
         entries = entries[picks.clamp(max=capacity - 1)]
     step = lambda ring: k.AttentionStep(q, ring, new, pos, entries, picks, slots, rate, sinks, dim ** -0.5,
                                         gathered=gathered)
     fits = k.fits(step(ring))
-    ours, ref = k.attend_triton(step(ring_k)), k.attend_reference(step(ring_r))
-    results.append({"case": name, "dtype": str(dtype), "fits": fits, "finite": bool(ours.isfinite().all()),
-                    "nearest": nearest,
-                    "error": float((ours.double() - ref.double()).norm() / ref.double().norm()),
-                    "ring": bool(torch.equal(ring_k.nan_to_num(), ring_r.nan_to_num()))})
+    ref = k.attend_reference(step(ring_r))
+    for split in (False, True):  # one program a head, and the split kernels
+        ring_k = ring.clone()
+        ours = k.attend_triton(step(ring_k), split=split)
+        results.append({"case": name, "split": split, "dtype": str(dtype), "fits": fits,
+                        "finite": bool(ours.isfinite().all()), "nearest": nearest,
+                        "error": float((ours.double() - ref.double()).norm() / ref.double().norm()),
+                        "ring": bool(torch.equal(ring_k.nan_to_num(), ring_r.nan_to_num()))})
 
 for dtype in (torch.float32, torch.bfloat16):
     case("filling ring, no entries", dtype, 4, 32, 8, 3, None, 0, None, 1)
@@ -59,12 +62,16 @@ for dtype in (torch.float32, torch.bfloat16):
     case("store shorter than the slots", dtype, 16, 32, 40, 100, 3, 16, None, 8)
     case("empty store", dtype, 16, 32, 40, 100, 0, 16, None, 8)
     case("no entry complete yet", dtype, 16, 32, 8, 2, 4, 16, None, 8)
+    # Several of the split kernels' chunks: a window past one chunk (not a multiple of it), many slots, many picks.
+    case("long window, filling", dtype, 4, 32, 130, 100, None, 0, None, 1)
+    case("many entries, some complete", dtype, 4, 64, 40, 1000, 300, 290, None, 4)
+    case("many top-k picks", dtype, 4, 32, 16, 600, 300, 150, list(range(0, 300, 2)), 4)
 print(json.dumps(results))
 """
 
 
 def _assert_results(results: list[dict], bf16_bound: float) -> None:
-    assert len(results) == 16
+    assert len(results) == 2 * 2 * 11  # two dtypes, two kernels, eleven cases
     for r in results:
         # bf16 roundings to nearest (CUDA; the interpreter made to round so): measured 0 interpreted, the torch
         # ops' bits; else the interpreter's truncation of the logits twice and the probabilities, measured <= 1.7%.
@@ -107,6 +114,28 @@ def test_the_attention_falls_back_where_the_kernel_does_not_fit():
     got = k.attend(step(q, ours, new, pos))  # on the CPU: the torch ops
     assert torch.equal(got, k.attend_reference(step(q, ref, new, pos)))
     assert torch.equal(ours, ref) and torch.equal(ours[3], new)
+
+
+@pytest.mark.parametrize(
+    ("choice", "entries", "expected"),
+    [("auto", 64, "per-head"), ("auto", 200, "split"), ("split", 64, "split"), ("no-split", 64, "per-head"),
+     ("no-split", 200, "torch"), ("nonsense", 200, "split")],
+)  # fmt: skip
+def test_the_kernel_choice_follows_the_key_count_and_the_knob(monkeypatch, choice, entries, expected):
+    """Past PER_HEAD_KEYS keys the split kernels (unless MOETIER_V4_ATTENTION=no-split: the torch ops, as before
+    them); "split" everywhere; an unknown value is "auto"."""
+    from moetier.kernels import v4_attention as k
+
+    ran: list[str] = []
+    monkeypatch.setenv("MOETIER_V4_ATTENTION", choice)
+    monkeypatch.setattr(k, "triton_usable", lambda q: True)
+    for name, fn in (("split", "attend_split"), ("per-head", "attend_per_head"), ("torch", "attend_reference")):
+        monkeypatch.setattr(k, fn, lambda step, name=name: ran.append(name))
+    ring = torch.randn(k.PER_HEAD_KEYS - 128, 32)
+    step = k.AttentionStep(torch.randn(4, 32), ring, torch.randn(32), torch.tensor([3]), torch.randn(entries, 32),
+                           None, entries, 4, torch.randn(4), 0.1)  # fmt: skip
+    k.attend(step)
+    assert ran == [expected] and not k._BROKEN
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,9 @@ top-6 over a 4096 hidden, a 129k vocabulary). On CUDA each side is captured ``--
 as a decode step replays them, and the graph's replays are timed with events: the device time per call including
 the gaps between a graph's kernels, what a step pays. Off CUDA both sides run eagerly and the timings only smoke-test
 the bench (the kernels run on CUDA only). The attention runs at several entry-slot counts (``--slots``), the
-long-context question: where its serial blocks per head fall behind the torch ops' products
-(:data:`moetier.kernels.v4_attention.MAX_KEYS`).
+long-context question, through both its kernels: one program a head (whose serial blocks per head fall behind the
+torch ops' products past a few hundred keys) and the split kernels; where one gives way to the other is
+:data:`moetier.kernels.v4_attention.PER_HEAD_KEYS`.
 """
 
 from __future__ import annotations
@@ -67,8 +68,11 @@ def _randn(*shape: int, device: torch.device, dtype: torch.dtype = torch.bfloat1
     return torch.randn(*shape, generator=g).to(dtype).to(device)
 
 
-def attention_sides(slots: int, picked: bool, device: torch.device, g: torch.Generator) -> tuple[Side, Side]:
-    """One sequence's attention past its window's fill, ``slots`` entries complete (CSA's ``picked`` top-k rows)."""
+def attention_sides(
+    slots: int, picked: bool, split: bool, device: torch.device, g: torch.Generator
+) -> tuple[Side, Side]:
+    """One sequence's attention past its window's fill, ``slots`` entries complete (CSA's ``picked`` top-k rows),
+    through the ``split`` kernels or one program a head."""
     heads, dim, window, rate = 64, 512, 128, 4 if picked else 128
     capacity = 4 * slots if picked else slots
     q, ring = _randn(heads, dim, device=device, g=g), _randn(window, dim, device=device, g=g)
@@ -77,9 +81,10 @@ def attention_sides(slots: int, picked: bool, device: torch.device, g: torch.Gen
     ids = torch.randperm(capacity, generator=g)[:slots].to(device) if picked else None
     sinks = torch.randn(heads, generator=g).to(device)
     step = v4_attention.AttentionStep(q, ring, new, position, entries, ids, slots, rate, sinks, dim**-0.5)
-    # On CUDA the kernel itself, past MAX_KEYS too: where that limit should sit is what this case measures.
-    kernel = v4_attention.attend_triton if device.type == "cuda" else v4_attention.attend
-    return lambda: kernel(step), lambda: v4_attention.attend_reference(step)
+    # On CUDA the kernel asked for, whatever the key count: where each should run is what this case measures.
+    if device.type == "cuda":
+        return lambda: v4_attention.attend_triton(step, split=split), lambda: v4_attention.attend_reference(step)
+    return lambda: v4_attention.attend(step), lambda: v4_attention.attend_reference(step)
 
 
 def compressor_sides(rate: int, dim: int, overlap: bool, device: torch.device, g: torch.Generator) -> tuple[Side, Side]:
@@ -141,8 +146,9 @@ def cases(names: list[str], slots: list[int], device: torch.device) -> list[tupl
     g = torch.Generator().manual_seed(0)
     found: list[tuple[str, Side, Side]] = []
     if "attention" in names:
-        found += [(f"attention, {n} entries", *attention_sides(n, False, device, g)) for n in slots]
-        found.append(("attention, CSA top-512 picks", *attention_sides(512, True, device, g)))
+        for split, kind in ((False, "one program a head"), (True, "split")):
+            found += [(f"attention {kind}, {n} entries", *attention_sides(n, False, split, device, g)) for n in slots]
+            found.append((f"attention {kind}, CSA top-512 picks", *attention_sides(512, True, split, device, g)))
     if "compressor" in names:
         for name, rate, dim, overlap in (("HCA", 128, 512, False), ("CSA", 4, 512, True), ("indexer", 4, 128, True)):
             found.append(

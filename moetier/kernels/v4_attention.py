@@ -16,10 +16,18 @@ probability ``exp(l - m) / sum`` rounded to the dtype before the values' product
 rescaled sums). What differs is the order of the float32 sums and the exponential, so bf16 outputs match the
 torch ops to a rounding on CUDA (tested), and bit for bit under Triton's interpreter made to round as CUDA does.
 Off CUDA the torch ops run (:func:`attend_reference`); the interpreter runs the kernel in the CPU tests.
+
+Past :data:`PER_HEAD_KEYS` keys (a long context's compressed entries: HCA's grow by one every 128 tokens, CSA attends
+its top-512 picks) one program a head reads too many keys in series, and the torch ops' products win. There the
+keys are split (:func:`attend_split`): a first launch gives each (head, chunk of :data:`CHUNK_KEYS` keys) a program
+that writes its logits and its chunk's (max, sum); a second gives each (head, slice of channels) a program that
+joins the chunks' sums into the softmax's and multiplies the rounded probabilities into its channels of the
+values. The roundings are the same as one program a head's; only the float32 sums are grouped otherwise.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -33,11 +41,19 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch 
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
-# Keys (window + entry slots) the kernel takes. Each program (a head) reads them in serial blocks, twice, where the
+# Keys (window + entry slots) one program a head takes. Each program reads them in serial blocks, twice, where the
 # torch ops' products spread over the device. Measured on an H100 in CUDA graphs (`moetier bench v4-kernels`,
 # results/h100-20261206-54085cd-kernels): 16/64 entries 32.0/36.8 us against the torch ops' 48.8/46.9 us, 256 entries
-# 70.9 against 49.3, CSA's top-512 picks 119.4 against 50.9: the crossover is near 128 entries.
-MAX_KEYS = 128 + 128
+# 70.9 against 49.3, CSA's top-512 picks 119.4 against 50.9: the crossover is near 128 entries. Past it the split
+# kernels run (:func:`attend_split`).
+PER_HEAD_KEYS = 128 + 128
+# Keys the split kernels take: their logits' workspace is float32 [heads, keys] (4 MiB at 64 heads), as the torch
+# ops' logits are; a 1M-token context's HCA entries are 8192.
+MAX_KEYS = 128 + 16384
+# Keys a program of the split kernels' first launch reads (its logits, max and sum); channels a program of the
+# second multiplies (at most 64: a 512-wide head is 8 programs).
+CHUNK_KEYS = 64
+CHANNELS_PER_PROGRAM = 64
 
 _BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on with the torch ops
 
@@ -183,6 +199,98 @@ if triton is not None:
             start += S
         tl.store(out + h * D + d, acc.to(out.dtype.element_ty))
 
+    @triton.jit
+    def _split_logits_kernel(
+        q, ring, new_key, position, entries, ids, sinks, logits, stats, capacity, rate, scale, slots, splits,
+        row_stride, W: tl.constexpr, D: tl.constexpr, S: tl.constexpr, C: tl.constexpr, WINDOW_SPLITS: tl.constexpr,
+        PICKED: tl.constexpr, GATHERED: tl.constexpr, ROUND: tl.constexpr,
+    ):  # fmt: skip
+        # Program (head h, chunk i): chunks 0 .. WINDOW_SPLITS - 1 are the window's rows (C a chunk, the last one
+        # masked past W), the rest the entry slots. Its logits go to the head's workspace row (window row r at r,
+        # slot j at WINDOW_SPLITS * C + j, -inf where masked), its (max, sum) to ``stats[h, i]``. The max starts at
+        # the head's sink logit, as the softmax's does: a chunk of masked keys gives (sink, 0), never exp(-inf + inf).
+        h = tl.program_id(0)
+        i = tl.program_id(1)
+        d = tl.arange(0, D)
+        p = tl.load(position)
+        ready = (p + 1) // rate
+        query = tl.load(q + h * D + d).to(tl.float32)
+        fresh = tl.load(new_key + d)
+        if (h == 0) & (i == 0):  # the ring row this step owns; every program reads the new key in its place
+            tl.store(ring + (p % W) * D + d, fresh)
+        m = tl.load(sinks + h)
+        total = m * 0.0
+        row = logits + h * row_stride
+        if i < WINDOW_SPLITS:
+            for b in range(0, C // S):
+                start = i * C + b * S
+                keys, valid = _window_keys(ring, fresh, d, start, p, W, S, D)
+                s = _logits(query, keys, valid, scale, ROUND)
+                r = start + tl.arange(0, S)
+                tl.store(row + r, s, mask=r < W)
+                m_new = tl.maximum(m, tl.max(s, axis=0))
+                total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
+                m = m_new
+        else:
+            for b in range(0, C // S):
+                start = (i - WINDOW_SPLITS) * C + b * S
+                keys, valid = _entry_keys(entries, ids, start, slots, ready, capacity, d, S, D, PICKED, GATHERED)
+                s = _logits(query, keys, valid, scale, ROUND)
+                j = start + tl.arange(0, S)
+                tl.store(row + WINDOW_SPLITS * C + j, s, mask=j < slots)
+                m_new = tl.maximum(m, tl.max(s, axis=0))
+                total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
+                m = m_new
+        tl.store(stats + (h * splits + i) * 2, m)
+        tl.store(stats + (h * splits + i) * 2 + 1, total)
+
+    @triton.jit
+    def _split_values_kernel(
+        ring, new_key, position, entries, ids, sinks, logits, stats, out, capacity, rate, slots, splits, row_stride,
+        W: tl.constexpr, D: tl.constexpr, DS: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
+        WINDOW_SPLITS: tl.constexpr, PICKED: tl.constexpr, GATHERED: tl.constexpr,
+    ):  # fmt: skip
+        # Program (head h, channels c * DS ..): the softmax's max and denominator from the chunks' (max, sum), then
+        # the probabilities (from the stored logits, rounded to the model's dtype) times its channels of every key.
+        h = tl.program_id(0)
+        d = tl.program_id(1) * DS + tl.arange(0, DS)
+        p = tl.load(position)
+        ready = (p + 1) // rate
+        sink = tl.load(sinks + h)
+        at = h * splits * 2
+        m = sink
+        start = 0
+        while start < splits:
+            i = start + tl.arange(0, 64)
+            m = tl.maximum(m, tl.max(tl.load(stats + at + i * 2, mask=i < splits, other=float("-inf")), axis=0))
+            start += 64
+        total = tl.exp(sink - m)
+        start = 0
+        while start < splits:
+            i = start + tl.arange(0, 64)
+            chunk_m = tl.load(stats + at + i * 2, mask=i < splits, other=float("-inf"))
+            chunk_total = tl.load(stats + at + i * 2 + 1, mask=i < splits, other=0.0)
+            total += tl.sum(chunk_total * tl.exp(chunk_m - m), axis=0)
+            start += 64
+        fresh = tl.load(new_key + d)
+        row = logits + h * row_stride
+        acc = tl.zeros([DS], tl.float32)
+        for start in range(0, W, S):
+            keys, valid = _window_keys(ring, fresh, d, start, p, W, S, D)
+            r = start + tl.arange(0, S)
+            s = tl.load(row + r, mask=r < W, other=float("-inf"))
+            probs = (tl.exp(s - m) / total).to(keys.dtype).to(tl.float32)
+            acc += tl.sum(probs[:, None] * keys.to(tl.float32), axis=0)
+        start = 0
+        while start < slots:
+            keys, valid = _entry_keys(entries, ids, start, slots, ready, capacity, d, S, D, PICKED, GATHERED)
+            j = start + tl.arange(0, S)
+            s = tl.load(row + WINDOW_SPLITS * C + j, mask=j < slots, other=float("-inf"))
+            probs = (tl.exp(s - m) / total).to(keys.dtype).to(tl.float32)
+            acc += tl.sum(probs[:, None] * keys.to(tl.float32), axis=0)
+            start += S
+        tl.store(out + h * D + d, acc.to(out.dtype.element_ty))
+
 
 def keys_per_block(dim: int) -> int:
     """Keys a program reads at once: ``[keys, dim]`` of at most 16k values (64 a thread of 8 warps), at most 64."""
@@ -194,12 +302,17 @@ def usable(q: torch.Tensor) -> bool:
     return triton_usable(q) and not _BROKEN
 
 
+def key_count(step: AttentionStep) -> int:
+    """The keys ``step`` attends: its window's rows and its entry slots (or CSA's picks)."""
+    entries = 0 if step.entries is None else step.ids.shape[0] if step.ids is not None else step.slots
+    return step.ring.shape[0] + entries
+
+
 def fits(step: AttentionStep) -> bool:
-    """Whether :func:`attend`'s arguments suit the kernel (else it runs the torch ops): at most :data:`MAX_KEYS`
+    """Whether :func:`attend`'s arguments suit the kernels (else it runs the torch ops): at most :data:`MAX_KEYS`
     keys among them."""
     q, ring, new_key, position, entries, ids, slots, _, sinks, _, _, _ = step.parts()
     heads, dim = q.shape
-    keys = ring.shape[0] + (0 if entries is None else ids.shape[0] if ids is not None else slots)
     tensors = [q, ring, new_key] + ([] if entries is None else [entries])
     return (
         q.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -209,25 +322,83 @@ def fits(step: AttentionStep) -> bool:
         and position.dtype == torch.int64 and position.numel() == 1 and position.device == q.device
         and sinks.dtype == torch.float32 and sinks.shape == (heads,) and sinks.is_contiguous()
         and (ids is None or (ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_contiguous()))
-        and keys <= MAX_KEYS
+        and key_count(step) <= MAX_KEYS
     )  # fmt: skip
 
 
-def attend_triton(step: AttentionStep) -> torch.Tensor:
-    """The kernel (the caller checked :func:`fits`; see :func:`attend`)."""
-    q, ring, new_key, position, entries, ids, slots, rate, sinks, scale, out, gathered = step.parts()
+def _kernel_arguments(step: AttentionStep) -> tuple[torch.Tensor, torch.Tensor, int, int, dict]:
+    """What both kernels take of ``step``: the entries' table and ids (stand-ins where none: never read, masked),
+    the slot count, the entries' capacity and the constexprs of the keys' kind."""
+    entries, ids = step.entries, step.ids
+    slots = 0 if entries is None else (ids.shape[0] if ids is not None else step.slots)
+    capacity = 0 if entries is None else entries.shape[0]
+    table = entries if entries is not None and capacity else step.ring
+    picks = ids if ids is not None else step.position
+    kinds = {"PICKED": ids is not None, "GATHERED": step.gathered and ids is not None}
+    return table, picks, slots, capacity, kinds
+
+
+def attend_per_head(step: AttentionStep) -> torch.Tensor:
+    """The kernel of one program a head (the caller checked :func:`fits`; see :func:`attend`)."""
+    q, ring, new_key, position, _, _, _, rate, sinks, scale, out, _ = step.parts()
     heads, dim = q.shape
     out = torch.empty_like(q) if out is None else out
-    slots = 0 if entries is None else (ids.shape[0] if ids is not None else slots)
-    capacity = 0 if entries is None else entries.shape[0]
-    table = entries if entries is not None and capacity else ring  # never read where no entry is (masked)
+    table, picks, slots, capacity, kinds = _kernel_arguments(step)
     _attend_kernel[(heads,)](
-        q, ring, new_key, position, table, ids if ids is not None else position, sinks, out, capacity,
-        max(rate, 1), scale, slots, W=ring.shape[0], D=dim, S=keys_per_block(dim),
-        PICKED=ids is not None, GATHERED=gathered and ids is not None, ROUND=q.dtype != torch.float32,
-        num_warps=8 if dim >= 256 else 4,
+        q, ring, new_key, position, table, picks, sinks, out, capacity, max(rate, 1), scale, slots,
+        W=ring.shape[0], D=dim, S=keys_per_block(dim), ROUND=q.dtype != torch.float32,
+        num_warps=8 if dim >= 256 else 4, **kinds,
     )  # fmt: skip
     return out
+
+
+def attend_split(step: AttentionStep) -> torch.Tensor:
+    """The split kernels, two launches (the caller checked :func:`fits`; see the module's docstring)."""
+    q, ring, new_key, position, _, _, _, rate, sinks, scale, out, _ = step.parts()
+    heads, dim = q.shape
+    out = torch.empty_like(q) if out is None else out
+    table, picks, slots, capacity, kinds = _kernel_arguments(step)
+    window_splits = triton.cdiv(ring.shape[0], CHUNK_KEYS)
+    splits = window_splits + triton.cdiv(slots, CHUNK_KEYS)
+    row_stride = window_splits * CHUNK_KEYS + slots
+    logits = torch.empty(heads, row_stride, device=q.device, dtype=torch.float32)
+    stats = torch.empty(heads, splits, 2, device=q.device, dtype=torch.float32)
+    shared = {"W": ring.shape[0], "D": dim, "C": CHUNK_KEYS, "WINDOW_SPLITS": window_splits, **kinds}
+    _split_logits_kernel[(heads, splits)](
+        q, ring, new_key, position, table, picks, sinks, logits, stats, capacity, max(rate, 1), scale, slots,
+        splits, row_stride, S=min(keys_per_block(dim), CHUNK_KEYS), ROUND=q.dtype != torch.float32,
+        num_warps=8 if dim >= 256 else 4, **shared,
+    )  # fmt: skip
+    channels = min(dim, CHANNELS_PER_PROGRAM)
+    _split_values_kernel[(heads, dim // channels)](
+        ring, new_key, position, table, picks, sinks, logits, stats, out, capacity, max(rate, 1), slots, splits,
+        row_stride, DS=channels, S=max(1, min(64, 4096 // channels)), num_warps=4, **shared,
+    )  # fmt: skip
+    return out
+
+
+def kernel_choice() -> str:
+    """``MOETIER_V4_ATTENTION``: "split" (the split kernels at any key count), "no-split" (past :data:`PER_HEAD_KEYS`
+    keys the torch ops, as before the split kernels: an A/B's knob), else "auto" (split past :data:`PER_HEAD_KEYS`);
+    read on every call (a CUDA graph reads it at its capture)."""
+    value = os.environ.get("MOETIER_V4_ATTENTION", "auto").strip().lower()
+    return value if value in ("split", "no-split") else "auto"
+
+
+def attend_triton(step: AttentionStep, split: bool | None = None) -> torch.Tensor:
+    """The kernels (the caller checked :func:`fits`; see :func:`attend`): as ``split`` says, or (None) split past
+    :data:`PER_HEAD_KEYS` keys unless :func:`kernel_choice` says "split"."""
+    if split is None:
+        split = kernel_choice() == "split" or key_count(step) > PER_HEAD_KEYS
+    return attend_split(step) if split else attend_per_head(step)
+
+
+def _kernel_fits(step: AttentionStep) -> bool:
+    """Whether a kernel takes ``step`` (Triton on its device, :func:`fits`, and not past :data:`PER_HEAD_KEYS` keys
+    where :func:`kernel_choice` says "no-split")."""
+    if not (triton_usable(step.q) and fits(step)):
+        return False
+    return kernel_choice() != "no-split" or key_count(step) <= PER_HEAD_KEYS
 
 
 def attend(step: AttentionStep) -> torch.Tensor:
@@ -243,7 +414,7 @@ def attend(step: AttentionStep) -> torch.Tensor:
     return kernel_or_reference(
         _BROKEN,
         "V4 decode attention kernel",
-        triton_usable(step.q) and fits(step),
+        _kernel_fits(step),
         lambda: attend_triton(step),
         lambda: attend_reference(step),
     )
