@@ -331,8 +331,10 @@ def tiered_options(path, dtype: torch.dtype, config, slots: int = 4):
     roomy = make_plan(path, budget, dtype)
     fixed = roomy.backbone_bytes + roomy.kv_bytes + roomy.workspace_bytes + roomy.staging_bytes
     # Misses on the CPU tier: the timed route chooser could pick another route (other bf16 roundings) per engine.
+    # The cache never shrinks: a kept spare cache's KV would borrow a slot (4 -> 3 slots measured), and another
+    # hit/miss split is other bf16 roundings (a token of the pair differed on an H100 without this floor).
     return TierOptions(gpu_memory=fixed + roomy.prefix_cache_bytes + slots * roomy.expert_block_bytes, policy="lfu",
-                       cpu_threads=2, miss_route="cpu")  # fmt: skip
+                       cpu_threads=2, miss_route="cpu", min_cache_slots=slots)  # fmt: skip
 
 
 def served_turns(path, dtype: torch.dtype, device: str, spare_seconds: float, tiered: bool, graphs=None):

@@ -118,12 +118,12 @@ def test_the_attention_falls_back_where_the_kernel_does_not_fit():
 
 @pytest.mark.parametrize(
     ("choice", "entries", "expected"),
-    [("auto", 64, "per-head"), ("auto", 200, "split"), ("split", 64, "split"), ("no-split", 64, "per-head"),
+    [("auto", 64, "split"), ("auto", 1024, "split"), ("auto", 1025, "torch"), ("no-split", 64, "per-head"),
      ("no-split", 200, "torch"), ("nonsense", 200, "split")],
 )  # fmt: skip
 def test_the_kernel_choice_follows_the_key_count_and_the_knob(monkeypatch, choice, entries, expected):
-    """Past PER_HEAD_KEYS keys the split kernels (unless MOETIER_V4_ATTENTION=no-split: the torch ops, as before
-    them); "split" everywhere; an unknown value is "auto"."""
+    """The split kernels to MAX_KEYS keys, the torch ops past; MOETIER_V4_ATTENTION=no-split: one program a head to
+    PER_HEAD_KEYS keys, the torch ops past (the kernels before the split ones); an unknown value is "auto"."""
     from moetier.kernels import v4_attention as k
 
     ran: list[str] = []
@@ -131,7 +131,7 @@ def test_the_kernel_choice_follows_the_key_count_and_the_knob(monkeypatch, choic
     monkeypatch.setattr(k, "triton_usable", lambda q: True)
     for name, fn in (("split", "attend_split"), ("per-head", "attend_per_head"), ("torch", "attend_reference")):
         monkeypatch.setattr(k, fn, lambda step, name=name: ran.append(name))
-    ring = torch.randn(k.PER_HEAD_KEYS - 128, 32)
+    ring = torch.randn(128, 32)
     step = k.AttentionStep(torch.randn(4, 32), ring, torch.randn(32), torch.tensor([3]), torch.randn(entries, 32),
                            None, entries, 4, torch.randn(4), 0.1)  # fmt: skip
     k.attend(step)

@@ -7,8 +7,8 @@ as a decode step replays them, and the graph's replays are timed with events: th
 the gaps between a graph's kernels, what a step pays. Off CUDA both sides run eagerly and the timings only smoke-test
 the bench (the kernels run on CUDA only). The attention runs at several entry-slot counts (``--slots``), the
 long-context question, through both its kernels: one program a head (whose serial blocks per head fall behind the
-torch ops' products past a few hundred keys) and the split kernels; where one gives way to the other is
-:data:`moetier.kernels.v4_attention.PER_HEAD_KEYS`.
+torch ops' products past ~128 entries) and the split kernels (the default: where they give way to the torch ops is
+:data:`moetier.kernels.v4_attention.MAX_KEYS`).
 """
 
 from __future__ import annotations

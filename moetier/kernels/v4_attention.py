@@ -1,14 +1,15 @@
-"""DeepSeek-V4's fixed-shape decode attention (:mod:`moetier.models.deepseek_v4_static_decode`), one kernel a sequence.
+"""DeepSeek-V4's fixed-shape decode attention (:mod:`moetier.models.deepseek_v4_static_decode`), two kernels a sequence.
 
 In torch a V4 decode layer's attention core is ~20 kernels a step (the window key into its ring, the rows' masks,
 zeroing masked keys, the logits' product, scale and mask, the sink's concatenation, the softmax, the cast and the
 values' product): ~35 us of a 1-token step on the H200 for ~2 us of work, in every layer
-(results/h200-20261204-eb488f1-stamps-rope-exact/ad9776c-angles). Here one launch per sequence, one program a head,
-does all of it: the new key is written to ring row ``p % window`` (and used in place of that row), window rows past
-``p`` are masked while the ring fills, compressed entries ``w`` are masked unless ``w < (p + 1) // rate`` (for CSA's
-top-k, the entries at ``ids``, read in place or, from an fp8 store, read out first), and the softmax joins the
-per-head sink logit, all from the position on the device. A first version's 16-head tensor-core tiles made 4
-programs a sequence: 20-25 us a call on the H200 (results/h200-20261204-f53dfd5-v4-attention-tiles).
+(results/h200-20261204-eb488f1-stamps-rope-exact/ad9776c-angles). Here two launches a sequence (below; or one, one
+program a head) do all of it: the new key is written to ring row ``p % window`` (and used in place of that row),
+window rows past ``p`` are masked while the ring fills, compressed entries ``w`` are masked unless
+``w < (p + 1) // rate`` (for CSA's top-k, the entries at ``ids``, read in place or, from an fp8 store, read out
+first), and the softmax joins the per-head sink logit, all from the position on the device. A first version's
+16-head tensor-core tiles made 4 programs a sequence: 20-25 us a call on the H200
+(results/h200-20261204-f53dfd5-v4-attention-tiles).
 
 The arithmetic keeps torch's roundings where they are cheap to keep: the logits are rounded to the model's dtype,
 scaled, rounded again (as ``bmm`` then ``mul_`` in that dtype), and two passes over the keys give each key's
@@ -17,12 +18,15 @@ rescaled sums). What differs is the order of the float32 sums and the exponentia
 torch ops to a rounding on CUDA (tested), and bit for bit under Triton's interpreter made to round as CUDA does.
 Off CUDA the torch ops run (:func:`attend_reference`); the interpreter runs the kernel in the CPU tests.
 
-Past :data:`PER_HEAD_KEYS` keys (a long context's compressed entries: HCA's grow by one every 128 tokens, CSA attends
-its top-512 picks) one program a head reads too many keys in series, and the torch ops' products win. There the
-keys are split (:func:`attend_split`): a first launch gives each (head, chunk of :data:`CHUNK_KEYS` keys) a program
-that writes its logits and its chunk's (max, sum); a second gives each (head, slice of channels) a program that
-joins the chunks' sums into the softmax's and multiplies the rounded probabilities into its channels of the
-values. The roundings are the same as one program a head's; only the float32 sums are grouped otherwise.
+One program a head reads every key in series, twice: past ~128 entries the torch ops' products win (a long
+context's compressed entries: HCA's grow by one every 128 tokens, CSA attends its top-512 picks). The split kernels
+(:func:`attend_split`, the default) spread the keys: a first launch gives each (head, chunk of :data:`CHUNK_KEYS`
+keys) a program that writes its logits and its chunk's (max, sum); a second gives each (head, slice of channels) a
+program that joins the chunks' sums into the softmax's and multiplies the rounded probabilities into its channels of
+the values. The roundings are those of one program a head; only the float32 sums are grouped otherwise. Measured on
+an H100 (results/h100-20261206-4963084-split-attention): 15.6 us a call at 16 entries (one program a head: 32.0, the
+torch ops 48.4), 32.7 on CSA's top-512 picks (119.0, 50.8), 50.7 at 1024 entries (189.4, 55.2), 164.8 at 4096
+(663.8, 64.4): the torch ops past :data:`MAX_KEYS`.
 """
 
 from __future__ import annotations
@@ -41,15 +45,11 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch 
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
-# Keys (window + entry slots) one program a head takes. Each program reads them in serial blocks, twice, where the
-# torch ops' products spread over the device. Measured on an H100 in CUDA graphs (`moetier bench v4-kernels`,
-# results/h100-20261206-54085cd-kernels): 16/64 entries 32.0/36.8 us against the torch ops' 48.8/46.9 us, 256 entries
-# 70.9 against 49.3, CSA's top-512 picks 119.4 against 50.9: the crossover is near 128 entries. Past it the split
-# kernels run (:func:`attend_split`).
+# Keys the kernels take: past ~1150 entries (linear between the measured 1024 and 4096) the torch ops are faster than
+# the split kernels, whose second launch's programs each read every key in series (a head's slice of channels).
+MAX_KEYS = 128 + 1024
+# Keys one program a head takes where MOETIER_V4_ATTENTION=no-split (the kernels before the split ones: an A/B).
 PER_HEAD_KEYS = 128 + 128
-# Keys the split kernels take: their logits' workspace is float32 [heads, keys] (4 MiB at 64 heads), as the torch
-# ops' logits are; a 1M-token context's HCA entries are 8192.
-MAX_KEYS = 128 + 16384
 # Keys a program of the split kernels' first launch reads (its logits, max and sum); channels a program of the
 # second multiplies (at most 64: a 512-wide head is 8 programs).
 CHUNK_KEYS = 64
@@ -378,23 +378,23 @@ def attend_split(step: AttentionStep) -> torch.Tensor:
 
 
 def kernel_choice() -> str:
-    """``MOETIER_V4_ATTENTION``: "split" (the split kernels at any key count), "no-split" (past :data:`PER_HEAD_KEYS`
-    keys the torch ops, as before the split kernels: an A/B's knob), else "auto" (split past :data:`PER_HEAD_KEYS`);
-    read on every call (a CUDA graph reads it at its capture)."""
+    """``MOETIER_V4_ATTENTION``: "no-split" (one program a head to :data:`PER_HEAD_KEYS` keys, the torch ops past:
+    the kernels before the split ones, an A/B's knob), else "auto" (the split kernels); read on every call (a CUDA
+    graph reads it at its capture)."""
     value = os.environ.get("MOETIER_V4_ATTENTION", "auto").strip().lower()
-    return value if value in ("split", "no-split") else "auto"
+    return "no-split" if value == "no-split" else "auto"
 
 
 def attend_triton(step: AttentionStep, split: bool | None = None) -> torch.Tensor:
-    """The kernels (the caller checked :func:`fits`; see :func:`attend`): as ``split`` says, or (None) split past
-    :data:`PER_HEAD_KEYS` keys unless :func:`kernel_choice` says "split"."""
+    """The kernels (the caller checked :func:`fits`; see :func:`attend`): as ``split`` says, or (None) split unless
+    :func:`kernel_choice` says "no-split"."""
     if split is None:
-        split = kernel_choice() == "split" or key_count(step) > PER_HEAD_KEYS
+        split = kernel_choice() != "no-split"
     return attend_split(step) if split else attend_per_head(step)
 
 
 def _kernel_fits(step: AttentionStep) -> bool:
-    """Whether a kernel takes ``step`` (Triton on its device, :func:`fits`, and not past :data:`PER_HEAD_KEYS` keys
+    """Whether a kernel takes ``step`` (Triton on its device, :func:`fits`, and at most :data:`PER_HEAD_KEYS` keys
     where :func:`kernel_choice` says "no-split")."""
     if not (triton_usable(step.q) and fits(step)):
         return False
