@@ -333,12 +333,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     from moetier.engine.spare_caches import borrowed_prefix_snapshots
     from moetier.engine.types import EngineConfig, checkpoint_config, resolve_dtype, resolve_window
     from moetier.tiers import plan
+    from moetier.units import parse_size
 
     path = Path(args.model).expanduser()
     hf_config = checkpoint_config(path)
     device = torch.device(args.device) if args.device else default_device()
     bandwidths = {"host_read_gbps": args.host_read_gbps, "pcie_gbps": args.pcie_gbps}
-    prefix = plan.parse_size(args.prefix_cache, "--prefix-cache")
+    prefix = parse_size(args.prefix_cache, "--prefix-cache")
     # The prefix cache as `moetier serve` reserves it.
     serving = EngineConfig(max_streams=args.max_streams, prefix_cache_bytes=prefix, enable_prefix_caching=prefix > 0)
     budget = plan.PlanBudget(

@@ -20,7 +20,6 @@ from moetier.tiers.plan import (
     checkpoint_sizes,
     kv_estimate,
     make_plan,
-    parse_size,
 )
 from moetier.tiers.tiered_dispatcher import default_staging_slots
 from moetier.tiers.workspace import (
@@ -31,6 +30,7 @@ from moetier.tiers.workspace import (
     workspace_allowance,
     workspace_estimate,
 )
+from moetier.units import parse_size
 from moetier.weights.checkpoint import Checkpoint
 
 # The tiny Qwen3-MoE of tests/test_qwen3_moe.py: 4 layers (layer 1 dense), 8 experts of width 32, top-2.

@@ -88,7 +88,7 @@ class HFBenchConfig:
 
     def budgets(self) -> dict[str, int]:
         """``{"gpu": bytes, "cpu": bytes}`` (cpu absent when not given)."""
-        from moetier.tiers.plan import parse_size
+        from moetier.units import parse_size
 
         out = {"gpu": parse_size(self.gpu_memory, "--gpu-memory", _gpu_total())}
         if self.host_memory is not None:

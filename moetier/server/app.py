@@ -96,7 +96,7 @@ class ServeConfig:
     prefix_cache: int | str = 1 << 30
 
     def __post_init__(self) -> None:
-        from moetier.tiers.plan import parse_size
+        from moetier.units import parse_size
 
         check_expert_format(self.expert_format)
         self.prefix_cache = parse_size(self.prefix_cache, "--prefix-cache")

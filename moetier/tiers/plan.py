@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,7 @@ from moetier.tiers.workspace import (
     workspace_allowance,
     workspace_estimate,
 )
-from moetier.units import gib
+from moetier.units import gib, parse_size
 from moetier.weights.checkpoint import Checkpoint
 from moetier.weights.formats import format_for
 from moetier.weights.quant_experts import expert_layout_for
@@ -65,48 +64,6 @@ DEFAULT_HOST_READ_GBPS = 118.6
 DEFAULT_PCIE_GBPS = 55.4
 # The smallest useful KV cache: one stream of this many tokens (or the requested context if shorter).
 MIN_CONTEXT = 4096
-
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z%]*)\s*$")
-
-
-def parse_size(value: str | int, what: str = "size", total: int | None = None) -> int:
-    """Bytes from ``24GiB``, ``24GB`` (decimal), ``512MiB``, a plain byte count, or ``80%`` of ``total``.
-
-    Raises a one-line :class:`ConfigError` naming ``what`` for anything else (``24G`` is ambiguous:
-    say GiB or GB).
-    """
-    if isinstance(value, bool):
-        raise ConfigError(f"{what} must be a size like 24GiB, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{what} must not be negative, got {value}")
-        return value
-    match = _SIZE.match(str(value))
-    if match is None:
-        raise ConfigError(f"{what}: cannot read {value!r}; write a size like 24GiB, 24GB, 512MiB or 80%")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    if unit == "%":
-        if total is None:
-            raise ConfigError(f"{what}: {value!r} is a percentage, but the device's memory is unknown; give GiB")
-        if not 0 < number <= 100:
-            raise ConfigError(f"{what}: a percentage must be in (0, 100], got {value!r}")
-        return int(total * number / 100)
-    if unit == "" and number.is_integer():
-        return int(number)
-    if unit not in _UNITS:
-        raise ConfigError(f"{what}: unknown unit {match.group(2)!r} in {value!r}; use B, KB, MB, GB, KiB, MiB or GiB")
-    return int(number * _UNITS[unit])
 
 
 @dataclass(frozen=True)
