@@ -148,6 +148,25 @@ if triton is not None:
         return keys, valid
 
     @triton.jit
+    def _running_softmax(m, total, s):
+        """The largest logit and the sum of ``exp(l - max)`` so far, ``(m, total)``, joined by a block's logits."""
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        return m_new, total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
+
+    @triton.jit
+    def _step_inputs(q, ring, new_key, position, rate, h, owner, W: tl.constexpr, D: tl.constexpr):
+        """A head's program's start: the channels, the position, the entries complete, the head's query (float32)
+        and the new key, written to its ring row by the ``owner`` program (every program reads it in that row's
+        place)."""
+        d = tl.arange(0, D)
+        p = tl.load(position)
+        query = tl.load(q + h * D + d).to(tl.float32)
+        fresh = tl.load(new_key + d)
+        if owner:
+            tl.store(ring + (p % W) * D + d, fresh)
+        return d, p, (p + 1) // rate, query, fresh
+
+    @triton.jit
     def _attend_kernel(
         q, ring, new_key, position, entries, ids, sinks, out, capacity, rate, scale, slots,
         W: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PICKED: tl.constexpr, GATHERED: tl.constexpr,
@@ -159,29 +178,19 @@ if triton is not None:
         # One program a head: a decode step's few keys (window + entries) are read by every head from L2, and
         # ~64 programs keep as many SMs busy where a [16-head] tensor-core tile kept 4 (20-25 us a call, H200).
         h = tl.program_id(0)
-        d = tl.arange(0, D)
-        p = tl.load(position)
-        ready = (p + 1) // rate
-        query = tl.load(q + h * D + d).to(tl.float32)
-        fresh = tl.load(new_key + d)
-        if h == 0:  # the ring row this step owns; every program reads the new key in its place
-            tl.store(ring + (p % W) * D + d, fresh)
+        d, p, ready, query, fresh = _step_inputs(q, ring, new_key, position, rate, h, h == 0, W, D)
         # Pass 1: the head's largest logit and the softmax's denominator (the sink included, as exp(sink - m)).
         m = tl.load(sinks + h)
         total = m * 0.0 + 1.0  # exp(sink - sink); a float32 tensor, as the loop carries it
         for start in range(0, W, S):
             keys, valid = _window_keys(ring, fresh, d, start, p, W, S, D)
             s = _logits(query, keys, valid, scale, ROUND)
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
-            m = m_new
+            m, total = _running_softmax(m, total, s)
         start = 0
         while start < slots:
             keys, valid = _entry_keys(entries, ids, start, slots, ready, capacity, d, S, D, PICKED, GATHERED)
             s = _logits(query, keys, valid, scale, ROUND)
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
-            m = m_new
+            m, total = _running_softmax(m, total, s)
             start += S
         # Pass 2: the probabilities, rounded to the model's dtype as torch's ``.to(q.dtype)``, times the keys.
         acc = tl.zeros([D], tl.float32)
@@ -211,13 +220,7 @@ if triton is not None:
         # the head's sink logit, as the softmax's does: a chunk of masked keys gives (sink, 0), never exp(-inf + inf).
         h = tl.program_id(0)
         i = tl.program_id(1)
-        d = tl.arange(0, D)
-        p = tl.load(position)
-        ready = (p + 1) // rate
-        query = tl.load(q + h * D + d).to(tl.float32)
-        fresh = tl.load(new_key + d)
-        if (h == 0) & (i == 0):  # the ring row this step owns; every program reads the new key in its place
-            tl.store(ring + (p % W) * D + d, fresh)
+        d, p, ready, query, fresh = _step_inputs(q, ring, new_key, position, rate, h, (h == 0) & (i == 0), W, D)
         m = tl.load(sinks + h)
         total = m * 0.0
         row = logits + h * row_stride
@@ -228,9 +231,7 @@ if triton is not None:
                 s = _logits(query, keys, valid, scale, ROUND)
                 r = start + tl.arange(0, S)
                 tl.store(row + r, s, mask=r < W)
-                m_new = tl.maximum(m, tl.max(s, axis=0))
-                total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
-                m = m_new
+                m, total = _running_softmax(m, total, s)
         else:
             for b in range(0, C // S):
                 start = (i - WINDOW_SPLITS) * C + b * S
@@ -238,9 +239,7 @@ if triton is not None:
                 s = _logits(query, keys, valid, scale, ROUND)
                 j = start + tl.arange(0, S)
                 tl.store(row + WINDOW_SPLITS * C + j, s, mask=j < slots)
-                m_new = tl.maximum(m, tl.max(s, axis=0))
-                total = total * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new), axis=0)
-                m = m_new
+                m, total = _running_softmax(m, total, s)
         tl.store(stats + (h * splits + i) * 2, m)
         tl.store(stats + (h * splits + i) * 2 + 1, total)
 
