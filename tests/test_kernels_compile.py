@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moetier.kernels import rope_rotate, swiglu, v4_attention, v4_compress, v4_router  # noqa: E402
+from moetier.kernels import rope_rotate, swiglu, v4_attention, v4_attention_tiles, v4_compress, v4_router  # noqa: E402
 
 TARGETS = [80, 86, 89, 90]
 CUDA = {"LIBDEVICE": True}  # the kernels that take libdevice's functions where compiled (the interpreter has none)
@@ -43,6 +43,24 @@ def _split(picked: bool, values: bool) -> tuple:
     sig = {"q": "*bf16", **pointers, **counts, "scale": "fp32", **tail}
     consts |= {"S": v4_attention.keys_per_block(512), "ROUND": True}
     return v4_attention._split_logits_kernel, sig, consts, 8
+
+
+def _tiles(picked: bool, dtype: str, values: bool = False, grouped: bool = False) -> tuple:
+    """The tile attention's launches (logits and chunk stats; values, alone or in groups of keys; the groups' sum)."""
+    tiles = v4_attention_tiles
+    pointers = dict.fromkeys(["ring", "new_key", "entries"], f"*{dtype}") | {"position": "*i64", "ids": "*i64"}
+    pointers |= dict.fromkeys(["sinks", "logits", "stats"], "*fp32")
+    counts = dict.fromkeys(["capacity", "rate"], "i32")
+    tail = dict.fromkeys(["slots", "splits", "row_stride", "heads"], "i32")
+    consts = {"W": 128, "D": 512, "HB": tiles.HEADS_PER_TILE, "S": tiles.TILE_KEYS, "C": v4_attention.CHUNK_KEYS}
+    consts |= {"WINDOW_SPLITS": 2, "PICKED": picked, "GATHERED": False, "IEEE": dtype == "fp32"}
+    if values:
+        sig = {**pointers, "out": f"*{dtype}", "partials": "*fp32", **counts, **tail, "group_keys": "i32"}
+        consts |= {"DS": v4_attention.CHANNELS_PER_PROGRAM, "GROUPED": grouped}
+        return tiles._tile_values_kernel, sig, consts, 4
+    sig = {"q": f"*{dtype}", **pointers, **counts, "scale": "fp32", **tail}
+    consts |= {"DK": tiles.TILE_CHANNELS, "ROUND": dtype != "fp32"}
+    return tiles._tile_logits_kernel, sig, consts, 4
 
 
 def _pool(rate: int, dim: int, overlap: bool) -> tuple:
@@ -86,6 +104,18 @@ def _kernels() -> dict[str, tuple]:
         "split attention logits, top-k picks": _split(True, False),
         "split attention values": _split(False, True),
         "split attention values, top-k picks": _split(True, True),
+        "tile attention logits": _tiles(False, "bf16"),
+        "tile attention logits, top-k picks": _tiles(True, "bf16"),
+        "tile attention logits fp32": _tiles(False, "fp32"),
+        "tile attention values": _tiles(False, "bf16", values=True),
+        "tile attention values, groups of keys": _tiles(False, "bf16", values=True, grouped=True),
+        "tile attention values, top-k picks fp32": _tiles(True, "fp32", values=True),
+        "tile attention groups' sum": (
+            v4_attention_tiles._group_sum_kernel,
+            {"partials": "*fp32", "out": "*bf16", "heads": "i32", "groups": "i32"},
+            {"D": 512, "DS": v4_attention.CHANNELS_PER_PROGRAM},
+            2,
+        ),
         "compressor pool HCA": _pool(128, 512, False),
         "compressor pool CSA": _pool(4, 512, True),
         "compressor pool indexer": _pool(4, 128, True),

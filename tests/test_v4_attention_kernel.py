@@ -22,9 +22,10 @@ from moetier.kernels import v4_attention as k
 device = sys.argv[1]
 nearest = device == "cuda"
 if device == "cpu":  # the interpreter truncates float32 to bf16: round to nearest even, as CUDA does
-    from interpreted import nearest_bf16
+    from interpreted import nearest_bf16, widened_bf16_dots
 
     nearest = nearest_bf16()
+    assert widened_bf16_dots()  # the tile kernels' bf16 tl.dot, which this interpreter gets wrong
 g = torch.Generator().manual_seed(0)
 results = []
 
@@ -45,10 +46,10 @@ def case(name, dtype, heads, dim, window, position, capacity, slots, ids, rate, 
                                         gathered=gathered)
     fits = k.fits(step(ring))
     ref = k.attend_reference(step(ring_r))
-    for split in (False, True):  # one program a head, and the split kernels
+    for kernel in k.KERNELS:  # one program a head, the split kernels, the tile kernels
         ring_k = ring.clone()
-        ours = k.attend_triton(step(ring_k), split=split)
-        results.append({"case": name, "split": split, "dtype": str(dtype), "fits": fits,
+        ours = k.attend_triton(step(ring_k), kernel)
+        results.append({"case": name, "kernel": kernel, "dtype": str(dtype), "fits": fits,
                         "finite": bool(ours.isfinite().all()), "nearest": nearest,
                         "error": float((ours.double() - ref.double()).norm() / ref.double().norm()),
                         "ring": bool(torch.equal(ring_k.nan_to_num(), ring_r.nan_to_num()))})
@@ -66,12 +67,14 @@ for dtype in (torch.float32, torch.bfloat16):
     case("long window, filling", dtype, 4, 32, 130, 100, None, 0, None, 1)
     case("many entries, some complete", dtype, 4, 64, 40, 1000, 300, 290, None, 4)
     case("many top-k picks", dtype, 4, 32, 16, 600, 300, 150, list(range(0, 300, 2)), 4)
+    # The tile kernels' groups of keys (partials summed by a third launch), heads not a multiple of a tile's.
+    case("groups of keys", dtype, 20, 64, 130, 5000, 1300, 1250, None, 4)
 print(json.dumps(results))
 """
 
 
 def _assert_results(results: list[dict], bf16_bound: float) -> None:
-    assert len(results) == 2 * 2 * 11  # two dtypes, two kernels, eleven cases
+    assert len(results) == 2 * 3 * 12  # two dtypes, three kernels, twelve cases
     for r in results:
         # bf16 roundings to nearest (CUDA; the interpreter made to round so): measured 0 interpreted, the torch
         # ops' bits; else the interpreter's truncation of the logits twice and the probabilities, measured <= 1.7%.
@@ -118,19 +121,23 @@ def test_the_attention_falls_back_where_the_kernel_does_not_fit():
 
 @pytest.mark.parametrize(
     ("choice", "entries", "expected"),
-    [("auto", 64, "split"), ("auto", 1024, "split"), ("auto", 1025, "torch"), ("no-split", 64, "per-head"),
-     ("no-split", 200, "torch"), ("nonsense", 200, "split")],
+    [("auto", 64, "split"), ("auto", 256, "split"), ("auto", 257, "tiles"), ("auto", 16384, "tiles"),
+     ("auto", 16385, "torch"), ("split", 1024, "split"), ("split", 1025, "torch"), ("tiles", 16, "tiles"),
+     ("no-split", 64, "per-head"), ("no-split", 200, "torch"), ("nonsense", 200, "split")],
 )  # fmt: skip
 def test_the_kernel_choice_follows_the_key_count_and_the_knob(monkeypatch, choice, entries, expected):
-    """The split kernels to MAX_KEYS keys, the torch ops past; MOETIER_V4_ATTENTION=no-split: one program a head to
-    PER_HEAD_KEYS keys, the torch ops past (the kernels before the split ones); an unknown value is "auto"."""
+    """auto: the split kernels to TILES_FROM keys, the tile kernels past, to MAX_KEYS, then the torch ops; the knob's
+    A/B values: split (to SPLIT_KEYS), tiles (every count), no-split (one program a head to PER_HEAD_KEYS); an unknown
+    value is "auto"."""
     from moetier.kernels import v4_attention as k
+    from moetier.kernels import v4_attention_tiles
 
     ran: list[str] = []
     monkeypatch.setenv("MOETIER_V4_ATTENTION", choice)
     monkeypatch.setattr(k, "triton_usable", lambda q: True)
     for name, fn in (("split", "attend_split"), ("per-head", "attend_per_head"), ("torch", "attend_reference")):
         monkeypatch.setattr(k, fn, lambda step, name=name: ran.append(name))
+    monkeypatch.setattr(v4_attention_tiles, "attend_tiles", lambda step: ran.append("tiles"))
     ring = torch.randn(128, 32)
     step = k.AttentionStep(torch.randn(4, 32), ring, torch.randn(32), torch.tensor([3]), torch.randn(entries, 32),
                            None, entries, 4, torch.randn(4), 0.1)  # fmt: skip

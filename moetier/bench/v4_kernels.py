@@ -6,9 +6,9 @@ top-6 over a 4096 hidden, a 129k vocabulary). On CUDA each side is captured ``--
 as a decode step replays them, and the graph's replays are timed with events: the device time per call including
 the gaps between a graph's kernels, what a step pays. Off CUDA both sides run eagerly and the timings only smoke-test
 the bench (the kernels run on CUDA only). The attention runs at several entry-slot counts (``--slots``), the
-long-context question, through both its kernels: one program a head (whose serial blocks per head fall behind the
-torch ops' products past ~128 entries) and the split kernels (the default: where they give way to the torch ops is
-:data:`moetier.kernels.v4_attention.MAX_KEYS`).
+long-context question, through each of its kernels: one program a head (to 256 entries: its serial blocks per head
+fall behind the torch ops' products past ~128), the split kernels and the tile kernels (where ``auto`` switches
+from one to the other is :data:`moetier.kernels.v4_attention.TILES_FROM`).
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ def _randn(*shape: int, device: torch.device, dtype: torch.dtype = torch.bfloat1
 
 
 def attention_sides(
-    slots: int, picked: bool, split: bool, device: torch.device, g: torch.Generator
+    slots: int, picked: bool, kernel: str, device: torch.device, g: torch.Generator
 ) -> tuple[Side, Side]:
     """One sequence's attention past its window's fill, ``slots`` entries complete (CSA's ``picked`` top-k rows),
-    through the ``split`` kernels or one program a head."""
+    through ``kernel`` (one of :data:`moetier.kernels.v4_attention.KERNELS`)."""
     heads, dim, window, rate = 64, 512, 128, 4 if picked else 128
     capacity = 4 * slots if picked else slots
     q, ring = _randn(heads, dim, device=device, g=g), _randn(window, dim, device=device, g=g)
@@ -83,7 +83,7 @@ def attention_sides(
     step = v4_attention.AttentionStep(q, ring, new, position, entries, ids, slots, rate, sinks, dim**-0.5)
     # On CUDA the kernel asked for, whatever the key count: where each should run is what this case measures.
     if device.type == "cuda":
-        return lambda: v4_attention.attend_triton(step, split=split), lambda: v4_attention.attend_reference(step)
+        return lambda: v4_attention.attend_triton(step, kernel), lambda: v4_attention.attend_reference(step)
     return lambda: v4_attention.attend(step), lambda: v4_attention.attend_reference(step)
 
 
@@ -146,9 +146,13 @@ def cases(names: list[str], slots: list[int], device: torch.device) -> list[tupl
     g = torch.Generator().manual_seed(0)
     found: list[tuple[str, Side, Side]] = []
     if "attention" in names:
-        for split, kind in ((False, "one program a head"), (True, "split")):
-            found += [(f"attention {kind}, {n} entries", *attention_sides(n, False, split, device, g)) for n in slots]
-            found.append((f"attention {kind}, CSA top-512 picks", *attention_sides(512, True, split, device, g)))
+        # One program a head is timed to 256 entries only (its A/B's range; past it ~0.3 ms and more a call).
+        for kernel in ("per-head", "split", "tiles"):
+            counts = [n for n in slots if kernel != "per-head" or n <= 256]
+            found += [
+                (f"attention {kernel}, {n} entries", *attention_sides(n, False, kernel, device, g)) for n in counts
+            ]
+            found.append((f"attention {kernel}, CSA top-512 picks", *attention_sides(512, True, kernel, device, g)))
     if "compressor" in names:
         for name, rate, dim, overlap in (("HCA", 128, 512, False), ("CSA", 4, 512, True), ("indexer", 4, 128, True)):
             found.append(
@@ -195,7 +199,7 @@ def markdown_table(receipt: dict[str, Any]) -> str:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated: {', '.join(CASES)}")
-    parser.add_argument("--slots", default="16,64,256,1024,4096", help="the attention's entry-slot counts")
+    parser.add_argument("--slots", default="16,64,256,512,1024,4096,16384", help="the attention's entry-slot counts")
     parser.add_argument("--calls", type=int, default=20, help="calls a CUDA graph (or eager loop)")
     parser.add_argument("--device", default=None, help="default: cuda when available")
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON + Markdown receipt")

@@ -45,11 +45,16 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch 
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
-# Keys the kernels take: past ~1150 entries (linear between the measured 1024 and 4096) the torch ops are faster than
-# the split kernels, whose second launch's programs each read every key in series (a head's slice of channels).
-MAX_KEYS = 128 + 1024
+# Keys the kernels take (the tile kernels' workspace grows with them: 8 MiB at V4-Flash widths, a 2M-token HCA).
+MAX_KEYS = 128 + 16384
+# Keys the split kernels take where MOETIER_V4_ATTENTION=split: past ~1150 (linear between the measured 1024 and 4096
+# entries) the torch ops were faster, since their second launch's programs each read every key in series.
+SPLIT_KEYS = 128 + 1024
+# Past this many keys "auto" takes the tile kernels (:mod:`moetier.kernels.v4_attention_tiles`), below the split ones.
+TILES_FROM = 128 + 256
 # Keys one program a head takes where MOETIER_V4_ATTENTION=no-split (the kernels before the split ones: an A/B).
 PER_HEAD_KEYS = 128 + 128
+KERNELS = ("per-head", "split", "tiles")
 # Keys a program of the split kernels' first launch reads (its logits, max and sum); channels a program of the
 # second multiplies (at most 64: a 512-wide head is 8 programs).
 CHUNK_KEYS = 64
@@ -378,26 +383,39 @@ def attend_split(step: AttentionStep) -> torch.Tensor:
 
 def kernel_choice() -> str:
     """``MOETIER_V4_ATTENTION``: "no-split" (one program a head to :data:`PER_HEAD_KEYS` keys, the torch ops past:
-    the kernels before the split ones, an A/B's knob), else "auto" (the split kernels); read on every call (a CUDA
-    graph reads it at its capture)."""
+    the kernels before the split ones), "split" (the split kernels to :data:`SPLIT_KEYS` keys, the torch ops past),
+    "tiles" (the tile kernels for every count), else "auto" (the split kernels to :data:`TILES_FROM` keys, the tile
+    kernels past); read on every call (a CUDA graph reads it at its capture). The first three are an A/B's knobs."""
     value = os.environ.get("MOETIER_V4_ATTENTION", "auto").strip().lower()
-    return "no-split" if value == "no-split" else "auto"
+    return value if value in ("no-split", "split", "tiles") else "auto"
 
 
-def attend_triton(step: AttentionStep, split: bool | None = None) -> torch.Tensor:
-    """The kernels (the caller checked :func:`fits`; see :func:`attend`): as ``split`` says, or (None) split unless
-    :func:`kernel_choice` says "no-split"."""
-    if split is None:
-        split = kernel_choice() != "no-split"
-    return attend_split(step) if split else attend_per_head(step)
+def kernel_for(step: AttentionStep, choice: str | None = None) -> str | None:
+    """The kernel :func:`attend` runs for ``step`` under ``choice`` (default :func:`kernel_choice`): one of
+    :data:`KERNELS`, or None (the torch ops) past the choice's key count. The caller checked :func:`fits`."""
+    choice, keys = choice or kernel_choice(), key_count(step)
+    if choice == "no-split":
+        return "per-head" if keys <= PER_HEAD_KEYS else None
+    if choice == "split":
+        return "split" if keys <= SPLIT_KEYS else None
+    return "tiles" if choice == "tiles" or keys > TILES_FROM else "split"
+
+
+def attend_triton(step: AttentionStep, kernel: str | None = None) -> torch.Tensor:
+    """A kernel of :data:`KERNELS` (the caller checked :func:`fits`; see :func:`attend`): ``kernel``, or (None) the
+    one :func:`kernel_for` names."""
+    kernel = kernel or kernel_for(step) or "tiles"
+    if kernel == "tiles":
+        from moetier.kernels.v4_attention_tiles import attend_tiles  # it imports this module's parts
+
+        return attend_tiles(step)
+    return attend_split(step) if kernel == "split" else attend_per_head(step)
 
 
 def _kernel_fits(step: AttentionStep) -> bool:
-    """Whether a kernel takes ``step`` (Triton on its device, :func:`fits`, and at most :data:`PER_HEAD_KEYS` keys
-    where :func:`kernel_choice` says "no-split")."""
-    if not (triton_usable(step.q) and fits(step)):
-        return False
-    return kernel_choice() != "no-split" or key_count(step) <= PER_HEAD_KEYS
+    """Whether a kernel takes ``step`` (Triton on its device, :func:`fits`, and a kernel for its key count under
+    :func:`kernel_choice`)."""
+    return triton_usable(step.q) and fits(step) and kernel_for(step) is not None
 
 
 def attend(step: AttentionStep) -> torch.Tensor:
