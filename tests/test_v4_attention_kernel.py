@@ -121,14 +121,13 @@ def test_the_attention_falls_back_where_the_kernel_does_not_fit():
 
 @pytest.mark.parametrize(
     ("choice", "entries", "expected"),
-    [("auto", 64, "split"), ("auto", 256, "split"), ("auto", 257, "tiles"), ("auto", 16384, "tiles"),
-     ("auto", 16385, "torch"), ("split", 1024, "split"), ("split", 1025, "torch"), ("tiles", 16, "tiles"),
-     ("no-split", 64, "per-head"), ("no-split", 200, "torch"), ("nonsense", 200, "split")],
+    [("auto", 16, "tiles"), ("auto", 16384, "tiles"), ("auto", 16385, "torch"), ("split", 1024, "split"),
+     ("split", 1025, "torch"),
+     ("no-split", 64, "per-head"), ("no-split", 200, "torch"), ("nonsense", 200, "tiles")],
 )  # fmt: skip
 def test_the_kernel_choice_follows_the_key_count_and_the_knob(monkeypatch, choice, entries, expected):
-    """auto: the split kernels to TILES_FROM keys, the tile kernels past, to MAX_KEYS, then the torch ops; the knob's
-    A/B values: split (to SPLIT_KEYS), tiles (every count), no-split (one program a head to PER_HEAD_KEYS); an unknown
-    value is "auto"."""
+    """auto: the tile kernels to MAX_KEYS keys, then the torch ops; the knob's A/B values: split (the split kernels to
+    SPLIT_KEYS keys), no-split (one program a head to PER_HEAD_KEYS); an unknown value is "auto"."""
     from moetier.kernels import v4_attention as k
     from moetier.kernels import v4_attention_tiles
 

@@ -7,8 +7,7 @@ as a decode step replays them, and the graph's replays are timed with events: th
 the gaps between a graph's kernels, what a step pays. Off CUDA both sides run eagerly and the timings only smoke-test
 the bench (the kernels run on CUDA only). The attention runs at several entry-slot counts (``--slots``), the
 long-context question, through each of its kernels: one program a head (to 256 entries: its serial blocks per head
-fall behind the torch ops' products past ~128), the split kernels and the tile kernels (where ``auto`` switches
-from one to the other is :data:`moetier.kernels.v4_attention.TILES_FROM`).
+fall behind the torch ops' products past ~128), the split kernels and the tile kernels (the default).
 """
 
 from __future__ import annotations

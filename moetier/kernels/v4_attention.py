@@ -20,13 +20,15 @@ Off CUDA the torch ops run (:func:`attend_reference`); the interpreter runs the 
 
 One program a head reads every key in series, twice: past ~128 entries the torch ops' products win (a long
 context's compressed entries: HCA's grow by one every 128 tokens, CSA attends its top-512 picks). The split kernels
-(:func:`attend_split`, the default) spread the keys: a first launch gives each (head, chunk of :data:`CHUNK_KEYS`
-keys) a program that writes its logits and its chunk's (max, sum); a second gives each (head, slice of channels) a
-program that joins the chunks' sums into the softmax's and multiplies the rounded probabilities into its channels of
-the values. The roundings are those of one program a head; only the float32 sums are grouped otherwise. Measured on
-an H100 (results/h100-20261206-4963084-split-attention): 15.6 us a call at 16 entries (one program a head: 32.0, the
-torch ops 48.4), 32.7 on CSA's top-512 picks (119.0, 50.8), 50.7 at 1024 entries (189.4, 55.2), 164.8 at 4096
-(663.8, 64.4): the torch ops past :data:`MAX_KEYS`.
+(:func:`attend_split`) spread the keys: a first launch gives each (head, chunk of :data:`CHUNK_KEYS` keys) a program
+that writes its logits and its chunk's (max, sum); a second gives each (head, slice of channels) a program that joins
+the chunks' sums into the softmax's and multiplies the rounded probabilities into its channels of the values. The
+tile kernels (:mod:`moetier.kernels.v4_attention_tiles`, the default) do the same with 16 heads a program on tensor
+cores, so the keys are read once a tile of heads, and sum the values in groups of keys. The roundings are those of one
+program a head; only the float32 sums are grouped otherwise. Measured on an H100, us a call
+(results/h100-20261206-e18caff-attention-tiles; torch ops in brackets): 16 entries one program a head 32.3, split
+15.9, tiles 11.3 [54.2]; CSA's top-512 picks 119.8, 32.8, 20.8 [52.1]; 1024 entries split 51.1, tiles 16.8 [56.2];
+4096: 166.3, 20.7 [65.2]; 16384: 623.6, 57.9 [134.5].
 """
 
 from __future__ import annotations
@@ -50,8 +52,6 @@ MAX_KEYS = 128 + 16384
 # Keys the split kernels take where MOETIER_V4_ATTENTION=split: past ~1150 (linear between the measured 1024 and 4096
 # entries) the torch ops were faster, since their second launch's programs each read every key in series.
 SPLIT_KEYS = 128 + 1024
-# Past this many keys "auto" takes the tile kernels (:mod:`moetier.kernels.v4_attention_tiles`), below the split ones.
-TILES_FROM = 128 + 256
 # Keys one program a head takes where MOETIER_V4_ATTENTION=no-split (the kernels before the split ones: an A/B).
 PER_HEAD_KEYS = 128 + 128
 KERNELS = ("per-head", "split", "tiles")
@@ -384,10 +384,11 @@ def attend_split(step: AttentionStep) -> torch.Tensor:
 def kernel_choice() -> str:
     """``MOETIER_V4_ATTENTION``: "no-split" (one program a head to :data:`PER_HEAD_KEYS` keys, the torch ops past:
     the kernels before the split ones), "split" (the split kernels to :data:`SPLIT_KEYS` keys, the torch ops past),
-    "tiles" (the tile kernels for every count), else "auto" (the split kernels to :data:`TILES_FROM` keys, the tile
-    kernels past); read on every call (a CUDA graph reads it at its capture). The first three are an A/B's knobs."""
+    else "auto" (the tile kernels of :mod:`moetier.kernels.v4_attention_tiles` to :data:`MAX_KEYS` keys: faster than
+    either at every count measured, results/h100-20261206-e18caff-attention-tiles); read on every call (a CUDA graph
+    reads it at its capture). The other two are an A/B's knobs."""
     value = os.environ.get("MOETIER_V4_ATTENTION", "auto").strip().lower()
-    return value if value in ("no-split", "split", "tiles") else "auto"
+    return value if value in ("no-split", "split") else "auto"
 
 
 def kernel_for(step: AttentionStep, choice: str | None = None) -> str | None:
@@ -398,7 +399,7 @@ def kernel_for(step: AttentionStep, choice: str | None = None) -> str | None:
         return "per-head" if keys <= PER_HEAD_KEYS else None
     if choice == "split":
         return "split" if keys <= SPLIT_KEYS else None
-    return "tiles" if choice == "tiles" or keys > TILES_FROM else "split"
+    return "tiles"
 
 
 def attend_triton(step: AttentionStep, kernel: str | None = None) -> torch.Tensor:
