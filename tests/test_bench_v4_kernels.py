@@ -15,7 +15,7 @@ def test_every_case_runs_both_sides_and_the_receipt_says_so(tmp_path, capsys):
     assert main(["bench", "v4-kernels", "--calls", "1", "--slots", "16", "--out", str(tmp_path)]) == 0
     receipt = json.loads(next(tmp_path.glob("v4-kernels-*.json")).read_text())
     names = [r["case"] for r in receipt["results"]]
-    assert len(names) == 2 * 2 + 3 + 4 + 2 + 2 and "attention split, CSA top-512 picks" in names
+    assert len(names) == 3 * 2 + 3 + 4 + 2 + 2 and "attention tiles, CSA top-512 picks" in names  # 3 kernels
     assert all(r["kernel_us"] > 0 and r["torch_us"] > 0 for r in receipt["results"]) and not receipt["broken"]
     assert "an eager loop: no kernel" in next(tmp_path.glob("v4-kernels-*.md")).read_text()
 
