@@ -128,27 +128,38 @@ if triton is not None:
         return tl.where(valid, s, float("-inf"))
 
     @triton.jit
-    def _window_keys(ring, new_key, d, start, p, W: tl.constexpr, S: tl.constexpr, D: tl.constexpr):
-        """Ring rows ``start .. start + S``: zeros where masked (past ``p`` while the ring fills), the new key at
-        its row."""
+    def _window_rows(start, p, W: tl.constexpr, S: tl.constexpr):
+        """Ring rows ``start .. start + S`` and which of them count (not past ``p`` while the ring fills)."""
         r = start + tl.arange(0, S)
-        valid = (r < W) & (r <= p)
+        return r, (r < W) & (r <= p)
+
+    @triton.jit
+    def _window_keys(ring, new_key, d, start, p, W: tl.constexpr, S: tl.constexpr, D: tl.constexpr):
+        """Ring rows ``start .. start + S``: zeros where masked (:func:`_window_rows`), the new key at its row."""
+        r, valid = _window_rows(start, p, W, S)
         keys = tl.load(ring + r[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
         keys = tl.where((r == p % W)[:, None], new_key[None, :], keys)
         return keys, valid
+
+    @triton.jit
+    def _entry_rows(
+        ids, start, count, ready, capacity, S: tl.constexpr, PICKED: tl.constexpr, GATHERED: tl.constexpr
+    ):  # fmt: skip
+        """Entry slots ``start .. start + S``: the rows of ``entries`` they read (rows ``ids`` for CSA's top-k;
+        ``GATHERED``: read out already, row ``j``) and which of them count (complete, inside the store)."""
+        j = start + tl.arange(0, S)
+        inside = j < count
+        row = tl.load(ids + j, mask=inside, other=0) if PICKED else j
+        at = j if GATHERED else row
+        return at, inside & (row < ready) & (at < capacity)
 
     @triton.jit
     def _entry_keys(
         entries, ids, start, count, ready, capacity, d,
         S: tl.constexpr, D: tl.constexpr, PICKED: tl.constexpr, GATHERED: tl.constexpr,
     ):  # fmt: skip
-        """Entry slots ``start .. start + S`` (rows ``ids`` for CSA's top-k; ``GATHERED``: read out already, row
-        ``j`` of ``entries``): zeros where not yet complete."""
-        j = start + tl.arange(0, S)
-        inside = j < count
-        row = tl.load(ids + j, mask=inside, other=0) if PICKED else j
-        at = j if GATHERED else row
-        valid = inside & (row < ready) & (at < capacity)
+        """Entry slots ``start .. start + S`` (:func:`_entry_rows`): zeros where not yet complete."""
+        at, valid = _entry_rows(ids, start, count, ready, capacity, S, PICKED, GATHERED)
         keys = tl.load(entries + at[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
         return keys, valid
 

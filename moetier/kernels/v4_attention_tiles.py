@@ -32,7 +32,7 @@ from moetier.kernels.v4_attention import (
 if triton is not None:
     import triton.language as tl
 
-    from moetier.kernels.v4_attention import _entry_keys, _window_keys
+    from moetier.kernels.v4_attention import _entry_keys, _entry_rows, _window_keys, _window_rows
 
 # Heads a program takes (tl.dot's smallest tile side); keys a values program sums (a multiple of the blocks).
 HEADS_PER_TILE = 16
@@ -56,15 +56,11 @@ if triton is not None:
         ids, start, p, ready, capacity, slots, in_window,
         W: tl.constexpr, S: tl.constexpr, PICKED: tl.constexpr, GATHERED: tl.constexpr,
     ):  # fmt: skip
-        """Which of keys ``start .. start + S`` count (the masks of ``_window_keys`` / ``_entry_keys``)."""
-        j = start + tl.arange(0, S)
+        """Which of keys ``start .. start + S`` of the window (``in_window``) or of the entry slots count."""
         if in_window:
-            valid = (j < W) & (j <= p)
+            _rows, valid = _window_rows(start, p, W, S)  # a name per branch: the rows' types differ
         else:
-            inside = j < slots
-            row = tl.load(ids + j, mask=inside, other=0) if PICKED else j
-            at = j if GATHERED else row
-            valid = inside & (row < ready) & (at < capacity)
+            _at, valid = _entry_rows(ids, start, slots, ready, capacity, S, PICKED, GATHERED)
         return valid
 
     @triton.jit
