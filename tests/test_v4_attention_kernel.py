@@ -125,7 +125,7 @@ def test_the_attention_falls_back_where_the_kernel_does_not_fit():
      ("split", 1025, "torch"),
      ("no-split", 64, "per-head"), ("no-split", 200, "torch"), ("nonsense", 200, "tiles")],
 )  # fmt: skip
-def test_the_kernel_choice_follows_the_key_count_and_the_knob(monkeypatch, choice, entries, expected):
+def test_the_kernel_choice_follows_the_key_count_and_the_knob(monkeypatch, caplog, choice, entries, expected):
     """auto: the tile kernels to MAX_KEYS keys, then the torch ops; the knob's A/B values: split (the split kernels to
     SPLIT_KEYS keys), no-split (one program a head to PER_HEAD_KEYS); an unknown value is "auto"."""
     from moetier.kernels import v4_attention as k
@@ -134,14 +134,19 @@ def test_the_kernel_choice_follows_the_key_count_and_the_knob(monkeypatch, choic
     ran: list[str] = []
     monkeypatch.setenv("MOETIER_V4_ATTENTION", choice)
     monkeypatch.setattr(k, "triton_usable", lambda q: True)
+    monkeypatch.setattr(k, "_WARNED_CHOICES", set())
     for name, fn in (("split", "attend_split"), ("per-head", "attend_per_head"), ("torch", "attend_reference")):
         monkeypatch.setattr(k, fn, lambda step, name=name: ran.append(name))
     monkeypatch.setattr(v4_attention_tiles, "attend_tiles", lambda step: ran.append("tiles"))
     ring = torch.randn(128, 32)
     step = k.AttentionStep(torch.randn(4, 32), ring, torch.randn(32), torch.tensor([3]), torch.randn(entries, 32),
                            None, entries, 4, torch.randn(4), 0.1)  # fmt: skip
-    k.attend(step)
-    assert ran == [expected] and not k._BROKEN
+    with caplog.at_level("WARNING", logger=k.__name__):
+        k.attend(step)
+        k.attend(step)
+    assert ran == [expected] * 2 and not k._BROKEN
+    warned = [r.getMessage() for r in caplog.records if "MOETIER_V4_ATTENTION" in r.getMessage()]
+    assert len(warned) == (choice == "nonsense"), warned  # once a value, and only for an unknown one
 
 
 @pytest.fixture(scope="module")

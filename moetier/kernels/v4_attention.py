@@ -33,6 +33,7 @@ program a head; only the float32 sums are grouped otherwise. Measured on an H100
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, fields
 
@@ -392,14 +393,23 @@ def attend_split(step: AttentionStep) -> torch.Tensor:
     return out
 
 
+_log = logging.getLogger(__name__)
+_WARNED_CHOICES: set[str] = set()
+
+
 def kernel_choice() -> str:
     """``MOETIER_V4_ATTENTION``: "no-split" (one program a head to :data:`PER_HEAD_KEYS` keys, the torch ops past:
     the kernels before the split ones), "split" (the split kernels to :data:`SPLIT_KEYS` keys, the torch ops past),
     else "auto" (the tile kernels of :mod:`moetier.kernels.v4_attention_tiles` to :data:`MAX_KEYS` keys: faster than
     either at every count measured, results/h100-20261206-e18caff-attention-tiles); read on every call (a CUDA graph
-    reads it at its capture). The other two are an A/B's knobs."""
+    reads it at its capture). The other two are an A/B's knobs; any other value is "auto", with one warning a value."""
     value = os.environ.get("MOETIER_V4_ATTENTION", "auto").strip().lower()
-    return value if value in ("no-split", "split") else "auto"
+    if value in ("no-split", "split", "auto"):
+        return value
+    if value not in _WARNED_CHOICES:  # a typo in an A/B must not pass for the knob's value
+        _WARNED_CHOICES.add(value)
+        _log.warning("MOETIER_V4_ATTENTION=%r is not auto, split or no-split: running auto", value)
+    return "auto"
 
 
 def kernel_for(step: AttentionStep, choice: str | None = None) -> str | None:
