@@ -17,6 +17,7 @@ from moetier.bench.prefill import (
     run_prefill_bench,
     write_receipt,
 )
+from moetier.bench.trace_kernels import heaviest_kernels
 from moetier.errors import ConfigError
 from moetier.models.deepseek_v4 import DeepseekV4ForCausalLM
 from moetier.tiers.dispatcher import ResidentDispatcher
@@ -182,3 +183,5 @@ def test_overlap_summary_measures_hidden_copy_time():
     assert summary["copy_hidden_share"] == pytest.approx(0.2) and summary["window_s"] == pytest.approx(270e-6)
     assert summary["hidden_share_of_shorter"] == pytest.approx(0.2)  # equal busy times here
     assert intersection_length([(0, 10), (20, 30)], [(5, 25)]) == 10
+    heaviest = heaviest_kernels(trace)
+    assert heaviest == [{"name": "gemm", "count": 2, "us": 160.0}]  # kernels only, by name, summed

@@ -10,8 +10,6 @@ time) near 1 is perfect overlap, whichever side bounds the run.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 Interval = tuple[float, float]
@@ -78,7 +76,3 @@ def overlap_summary(trace: dict[str, Any]) -> dict[str, float | int]:
         "hidden_share_of_shorter": overlap / min(copy_busy, kernel_busy) if min(copy_busy, kernel_busy) else 0.0,
         "copy_engine_utilisation": copy_busy / window if window else 0.0,
     }
-
-
-def summarise_trace_file(path: Path) -> dict[str, float | int]:
-    return overlap_summary(json.loads(Path(path).read_text()))

@@ -27,6 +27,7 @@ routes from that recorded trace (:mod:`moetier.bench.trace_routing`), rewound be
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,7 +59,7 @@ from moetier.tiers.tiered_dispatcher import TieredDispatcher
 
 MODES = ("resident", "sync", "tiered", "copy", "cpu")
 DEFAULT_MODES = ("resident", "sync", "tiered")
-PROFILED_MODES = ("sync", "tiered")
+PROFILED_MODES = ("sync", "copy", "tiered")
 
 
 @dataclass
@@ -261,7 +262,8 @@ def _profile_chunks(model: CausalLM, ids: torch.Tensor, chunk: int) -> dict[str,
 
     from torch.profiler import ProfilerActivity, profile
 
-    from moetier.bench.overlap import summarise_trace_file
+    from moetier.bench.overlap import overlap_summary
+    from moetier.bench.trace_kernels import heaviest_kernels
 
     cuda = model.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -271,7 +273,15 @@ def _profile_chunks(model: CausalLM, ids: torch.Tensor, chunk: int) -> dict[str,
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        summary = summarise_trace_file(trace)
+        events = json.loads(trace.read_text())
+    summary: dict[str, Any] = overlap_summary(events)
+    # Where the time went: the device's heaviest kernels, and the host's heaviest ops (a host-bound prefill
+    # shows its launches' and waits' time here, not in the kernels').
+    summary["heaviest_kernels"] = heaviest_kernels(events)
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    summary["heaviest_host_ops"] = [
+        {"name": e.key, "count": e.count, "self_ms": round(e.self_cpu_time_total / 1e3, 3)} for e in host
+    ]
     summary["tokens"] = int(ids.shape[0])
     summary["chunk_tokens"] = chunk
     return summary
@@ -506,6 +516,10 @@ def markdown_table(receipt: dict[str, Any]) -> str:
             f"({100 * prof.get('hidden_share_of_shorter', 0.0):.0f}% of the shorter side hidden) "
             f"in a {prof['window_s']:.3f} s window"
         )
+        for key, unit in (("heaviest_kernels", "us"), ("heaviest_host_ops", "self_ms")):
+            top = ", ".join(f"{g['name'][:48]} x{g['count']} {g[unit]:.1f}" for g in prof.get(key, [])[:6])
+            if top:
+                lines.append(f"  - {key.replace('_', ' ')} ({unit}): {top}")
     lines += [f"- {note}" for note in receipt["notes"]]
     return "\n".join(lines) + "\n"
 

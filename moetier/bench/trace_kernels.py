@@ -99,6 +99,12 @@ def _step(events: list[dict]) -> StepKernels:
     return StepKernels(len(events), busy, span, sorted(groups.values(), key=lambda g: -g.us))
 
 
+def heaviest_kernels(trace: dict, top: int = 12) -> list[dict]:
+    """The whole trace's kernels grouped by :func:`short_name`, the ``top`` heaviest (name, count, us)."""
+    kernels = [e for e in device_events(trace) if e.get("cat") == "kernel"]
+    return [asdict(g) for g in _step(kernels).groups[:top]] if kernels else []
+
+
 def summary(found: list[StepKernels], top: int = 25) -> dict:
     """The steps after the first: the medians of count, busy and span (a step the host delayed stretches its span
     alone), and the last step's ``top`` heaviest names."""
