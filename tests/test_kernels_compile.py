@@ -15,7 +15,15 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moetier.kernels import rope_rotate, swiglu, v4_attention, v4_attention_tiles, v4_compress, v4_router  # noqa: E402
+from moetier.kernels import (  # noqa: E402
+    fp4_dequant,
+    rope_rotate,
+    swiglu,
+    v4_attention,
+    v4_attention_tiles,
+    v4_compress,
+    v4_router,
+)
 
 TARGETS = [80, 86, 89, 90]
 CUDA = {"LIBDEVICE": True}  # the kernels that take libdevice's functions where compiled (the interpreter has none)
@@ -127,7 +135,16 @@ def _kernels() -> dict[str, tuple]:
         "router sigmoid": _route(False, True),
         "swiglu clamped": (swiglu._swiglu_kernel, gated | {"limit": "fp32"}, {"CLAMP": True, "BLOCK": 1024} | CUDA, 4),
         "rope angles": (rope_rotate._angles_kernel, angles, {"R": 64, "ROUND": 1, "ROWS": 16} | CUDA, 1),
+        "fp4 dequant, e8m0 bytes to bf16": _fp4_dequant("*u8", "*bf16"),
+        "fp4 dequant, float32 scales to fp16": _fp4_dequant("*fp32", "*fp16"),
     }
+
+
+def _fp4_dequant(scales: str, out: str) -> tuple:
+    """A prefill's fat expert dequantised (V4-Flash's release tiles: a scale for 32 values of a row)."""
+    sig = {"packed": "*u8", "scales": scales, "out": out} | dict.fromkeys(["rows", "row_bytes", "scale_cols"], "i32")
+    consts = {"ROWS_PER_SCALE": 1, "BYTES_PER_SCALE": 16, "EXPONENT_BYTES": scales == "*u8"}
+    return fp4_dequant._dequant_kernel, sig, consts | {"BR": fp4_dequant.BLOCK_ROWS, "BC": fp4_dequant.BLOCK_BYTES}, 4
 
 
 KERNELS = _kernels()

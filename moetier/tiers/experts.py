@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier.errors import ConfigError
-from moetier.weights.fp4 import dequantize_fp4
+from moetier.kernels.fp4_dequant import dequantize_fp4_into
 from moetier.weights.fp8 import dequantize_blocks, scale_grid
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -252,10 +252,9 @@ class ExpertWeights:
         """Dense weights in ``dtype`` (a new block), dequantised exactly as the loader does at load time."""
         if self.tile is None:  # dense: nothing to do
             return self
-        if self.quant_kind == "fp4-block":  # FP4Format.dequantize's own function
-            gate, up, down = (dequantize_fp4(q, s, dtype) for q, s in self._quantized_pairs())
-        else:
-            gate, up, down = (dequantize_blocks(q, s, self.tile, dtype) for q, s in self._quantized_pairs())
+        if self.quant_kind == "fp4-block":  # FP4Format.dequantize's bits, each matrix written into its part
+            return self._fp4_dequantized(dtype)
+        gate, up, down = (dequantize_blocks(q, s, self.tile, dtype) for q, s in self._quantized_pairs())
         block = torch.cat([gate.flatten(), up.flatten(), down.flatten()])
         inter, hidden = gate.shape
         return ExpertWeights(
@@ -263,6 +262,16 @@ class ExpertWeights:
             gate_up=block[: 2 * inter * hidden].view(2 * inter, hidden),
             down=block[2 * inter * hidden :].view(hidden, inter),
         )
+
+    def _fp4_dequantized(self, dtype: torch.dtype) -> ExpertWeights:
+        """One dense block, gate and up then down, each dequantised in place (one kernel each on a GPU)."""
+        inter, hidden = self.gate_q.shape[0], 2 * self.gate_q.shape[1]
+        block = torch.empty(3 * inter * hidden, dtype=dtype, device=self.gate_q.device)
+        gate_up = block[: 2 * inter * hidden].view(2 * inter, hidden)
+        down = block[2 * inter * hidden :].view(hidden, inter)
+        for out, (q, s) in zip((gate_up[:inter], gate_up[inter:], down), self._quantized_pairs(), strict=True):
+            dequantize_fp4_into(out, q, s)
+        return ExpertWeights(block=block, gate_up=gate_up, down=down)
 
     def _quantized_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(stored values, scales) of gate, up and down."""

@@ -1,0 +1,108 @@
+"""An FP4 expert matrix dequantised on the device in one kernel: packed e2m1 bytes and their block scales to dense
+weights, the bits of :func:`moetier.weights.fp4.dequantize_fp4`.
+
+A prefill chunk's fat experts run as dense GEMMs, so each FP4 expert is first dequantised to the model's dtype.
+The torch ops do that in ~10 kernels (int32 codes, a byte-table lookup, the scales' ``ldexp``, the float32
+product, the cast, the three matrices' concatenation), each a pass over float32 temporaries: on an H100, a
+16384-token prefill of the 3-layer fp4 bench model spent ~400 of its 643 ms of kernel time there (~0.3 ms an
+expert, against ~50 ms of GEMMs; results/h100-20261206-dad1319-fp4-prefill-profile). Here one pass reads the
+packed bytes and the scales and writes the dense matrix into the caller's buffer (a view of one block holding
+gate, up and down: no concatenation): ~60 MB of traffic an expert, ~25 us at HBM speed.
+
+The bits are the torch ops': a nibble's value and an e8m0 scale (``2 ** (e - 127)``) are built exactly from their
+bit fields, their float32 product is IEEE's, and one round to nearest even makes the target dtype. Off CUDA (the
+CPU tier, the tests' reference) and for shapes the kernel does not take, the torch ops run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetier.kernels.guard import kernel_or_reference
+from moetier.kernels.rmsnorm import triton_usable
+from moetier.weights.fp4 import dequantize_fp4, scale_to_float
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs run the torch ops.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+BLOCK_ROWS, BLOCK_BYTES = 16, 128  # a program: 16 rows x 128 packed bytes (256 values)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on with the torch ops
+
+
+if triton is not None:
+
+    @triton.jit
+    def _e2m1(nibbles):
+        """int32 nibbles (0..15) -> their e2m1 values in float32, exactly: sign bit 3, exponent bits 2-1 (bias 1,
+        0 subnormal), mantissa bit 0."""
+        exponent, mantissa = (nibbles >> 1) & 3, nibbles & 1
+        normal = ((exponent + 126) << 23) | (mantissa << 22)  # (1 + m / 2) * 2 ** (e - 1)
+        magnitude = tl.where(exponent == 0, mantissa * (126 << 23), normal)
+        # The sign as a bit, not a negation (Triton's is 0 - x): nibble 8 is -0.0, as the torch ops' byte table has it.
+        return (magnitude | ((nibbles >> 3) << 31)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _dequant_kernel(
+        packed, scales, out, rows, row_bytes, scale_cols,
+        ROWS_PER_SCALE: tl.constexpr, BYTES_PER_SCALE: tl.constexpr, EXPONENT_BYTES: tl.constexpr,
+        BR: tl.constexpr, BC: tl.constexpr,
+    ):  # fmt: skip
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        keep = (r < rows)[:, None] & (c < row_bytes)[None, :]
+        codes = tl.load(packed + r[:, None] * row_bytes + c[None, :], mask=keep, other=0).to(tl.int32) & 0xFF
+        at = (r // ROWS_PER_SCALE)[:, None] * scale_cols + (c // BYTES_PER_SCALE)[None, :]
+        if EXPONENT_BYTES:  # e8m0 bytes: 2 ** (e - 127); e = 0 is the subnormal 2 ** -127 (bits 0x00400000)
+            e = tl.load(scales + at, mask=keep, other=127).to(tl.int32) & 0xFF
+            factor = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
+        else:
+            factor = tl.load(scales + at, mask=keep, other=1.0)
+        low, high = _e2m1(codes & 15) * factor, _e2m1(codes >> 4) * factor  # element 2j is byte j's low nibble
+        values = tl.reshape(tl.join(low, high), (BR, 2 * BC))
+        oc = tl.program_id(1) * (2 * BC) + tl.arange(0, 2 * BC)
+        put = (r < rows)[:, None] & (oc < 2 * row_bytes)[None, :]
+        tl.store(out + r[:, None] * (2 * row_bytes) + oc[None, :], values.to(out.dtype.element_ty), mask=put)
+
+
+def _fits(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether the kernel takes these: 2-D, contiguous, on one device, a scale grid whose blocks hold whole bytes."""
+    if packed.dim() != 2 or scale.dim() != 2 or out.dtype not in _DTYPES or packed.element_size() != 1:
+        return False
+    rows, row_bytes = packed.shape
+    grid_rows, grid_cols = scale.shape
+    if list(out.shape) != [rows, 2 * row_bytes] or not (grid_rows and grid_cols):
+        return False
+    if rows % grid_rows or (2 * row_bytes) % grid_cols or ((2 * row_bytes) // grid_cols) % 2:
+        return False  # a block that splits a byte's two values: the torch ops
+    same_device = out.device == packed.device == scale.device
+    return same_device and out.is_contiguous() and packed.is_contiguous() and scale.is_contiguous()
+
+
+def _dequantize_triton(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, row_bytes = packed.shape
+    grid_rows, grid_cols = scale.shape
+    exponent_bytes = scale.dtype == torch.uint8
+    if not exponent_bytes and scale.dtype != torch.float32:
+        scale = scale_to_float(scale).contiguous()  # other float scales (e8m0fnu, bf16): by value, as the torch ops
+    grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(row_bytes, BLOCK_BYTES))
+    _dequant_kernel[grid](
+        packed.view(torch.uint8), scale, out, rows, row_bytes, grid_cols,
+        ROWS_PER_SCALE=rows // grid_rows, BYTES_PER_SCALE=row_bytes // grid_cols, EXPONENT_BYTES=exponent_bytes,
+        BR=BLOCK_ROWS, BC=BLOCK_BYTES, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def dequantize_fp4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``out`` (``[N, K]``, its dtype the target's) := ``dequantize_fp4(packed, scale, out.dtype)`` for ``packed``
+    ``[N, K/2]`` bytes and ``scale`` ``[N/bn, K/bk]``; in one kernel where Triton runs on their device and the
+    shapes fit, else the torch ops (which also raise the shape errors). Returns ``out``."""
+    return kernel_or_reference(
+        _BROKEN, "FP4 dequantisation kernel", triton_usable(packed) and _fits(out, packed, scale),
+        lambda: _dequantize_triton(out, packed, scale), lambda: out.copy_(dequantize_fp4(packed, scale, out.dtype)),
+    )  # fmt: skip
