@@ -17,6 +17,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from moetier.kernels import (  # noqa: E402
     fp4_dequant,
+    fp8_dequant,
     rope_rotate,
     swiglu,
     v4_attention,
@@ -137,7 +138,16 @@ def _kernels() -> dict[str, tuple]:
         "rope angles": (rope_rotate._angles_kernel, angles, {"R": 64, "ROUND": 1, "ROWS": 16} | CUDA, 1),
         "fp4 dequant, e8m0 bytes to bf16": _fp4_dequant("*u8", "*bf16"),
         "fp4 dequant, float32 scales to fp16": _fp4_dequant("*fp32", "*fp16"),
+        "fp8 dequant, e4m3 to bf16": _fp8_dequant(False),
+        "fp8 dequant, e5m2 to bf16": _fp8_dequant(True),
     }
+
+
+def _fp8_dequant(e5m2: bool) -> tuple:
+    """A prefill's fat fp8 expert dequantised (DeepSeek-V3's release tiles: 128 x 128)."""
+    sig = {"values": "*u8", "scales": "*fp32", "out": "*bf16"} | dict.fromkeys(["rows", "cols", "scale_cols"], "i32")
+    consts = {"TILE_ROWS": 128, "TILE_COLS": 128, "E5M2": e5m2}
+    return fp8_dequant._dequant_kernel, sig, consts | {"BR": fp8_dequant.BLOCK_ROWS, "BC": fp8_dequant.BLOCK_COLS}, 4
 
 
 def _fp4_dequant(scales: str, out: str) -> tuple:

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from moetier.errors import ConfigError
 from moetier.kernels.fp4_dequant import dequantize_fp4_into
-from moetier.weights.fp8 import dequantize_blocks, scale_grid
+from moetier.kernels.fp8_dequant import dequantize_fp8_into
+from moetier.weights.fp8 import scale_grid
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUANT_KINDS = ("fp8-block", "fp4-block")
@@ -249,28 +250,20 @@ class ExpertWeights:
         return self.gate_scale is not None and self.gate_scale.dtype == torch.uint8
 
     def dequantized(self, dtype: torch.dtype) -> ExpertWeights:
-        """Dense weights in ``dtype`` (a new block), dequantised exactly as the loader does at load time."""
+        """Dense weights in ``dtype`` (a new block), dequantised exactly as the loader does at load time: gate, up
+        then down written into one block, each matrix in one kernel on a GPU (:mod:`moetier.kernels.fp4_dequant`,
+        :mod:`moetier.kernels.fp8_dequant`: the loader's functions' bits), the loader's functions elsewhere."""
         if self.tile is None:  # dense: nothing to do
             return self
-        if self.quant_kind == "fp4-block":  # FP4Format.dequantize's bits, each matrix written into its part
-            return self._fp4_dequantized(dtype)
-        gate, up, down = (dequantize_blocks(q, s, self.tile, dtype) for q, s in self._quantized_pairs())
-        block = torch.cat([gate.flatten(), up.flatten(), down.flatten()])
-        inter, hidden = gate.shape
-        return ExpertWeights(
-            block=block,
-            gate_up=block[: 2 * inter * hidden].view(2 * inter, hidden),
-            down=block[2 * inter * hidden :].view(hidden, inter),
-        )
-
-    def _fp4_dequantized(self, dtype: torch.dtype) -> ExpertWeights:
-        """One dense block, gate and up then down, each dequantised in place (one kernel each on a GPU)."""
-        inter, hidden = self.gate_q.shape[0], 2 * self.gate_q.shape[1]
+        inter, hidden = self.gate_q.shape[0], self.down_q.shape[0]  # the rows: packed fp4 halves the columns
         block = torch.empty(3 * inter * hidden, dtype=dtype, device=self.gate_q.device)
         gate_up = block[: 2 * inter * hidden].view(2 * inter, hidden)
         down = block[2 * inter * hidden :].view(hidden, inter)
         for out, (q, s) in zip((gate_up[:inter], gate_up[inter:], down), self._quantized_pairs(), strict=True):
-            dequantize_fp4_into(out, q, s)
+            if self.quant_kind == "fp4-block":
+                dequantize_fp4_into(out, q, s)
+            else:
+                dequantize_fp8_into(out, q, s, self.tile)
         return ExpertWeights(block=block, gate_up=gate_up, down=down)
 
     def _quantized_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
