@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -53,47 +55,56 @@ def widened_bf16_dots() -> bool:
 
 
 def quicker_device_calls() -> bool:
-    """Make the interpreter skip re-patching ``triton.language`` at every call of a ``@triton.jit`` helper inside
-    a kernel (Triton 3.6's interpreter patches every builtin again at each such call, a program at a time, and never
-    undoes it: ~20% of an interpreted kernel's time): the launch patched the same modules already, with the same
-    builder, and undoes that at its end. Only the time changes. False where this interpreter has no such parts (a
-    changed Triton): it runs as it is."""
+    """Make the interpreter skip re-patching ``triton.language`` at each call of a ``@triton.jit`` helper inside a
+    kernel: Triton 3.6's interpreter patches every builtin again at each such call, in every program, and never
+    undoes it (a fifth to a half of the kernel checks' time, measured), though the launch patched the same modules
+    with the same builder already and undoes that at its end. A helper whose modules the launch did not patch
+    (Triton's own, through ``triton.language.core``) is patched at its first call in the launch, as before. Only the
+    time changes. False where this interpreter has no such parts (a changed Triton): it runs as it is."""
     import inspect
+    import threading
 
     import triton.language as tl
     from triton.runtime import interpreter
 
     patch, executor = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
-    if patch is None or executor is None or getattr(patch, "quicker", False):
-        return patch is not None and executor is not None
-    launch = {"pending": False, "langs": None}
+    if patch is None or executor is None:
+        return False
+    if getattr(patch, "quicker", False):
+        return True
+    launch = threading.local()  # this thread's launch: whether its own patch is next, the modules patched so far
 
     def langs_of(fn):
         return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
 
     def patch_lang(fn):
-        if launch["pending"]:  # the launch's own patch, undone at its end
-            launch["pending"] = False
-            launch["langs"] = langs_of(fn)
-            return patch(fn)
-        langs = langs_of(fn)
-        if launch["langs"] is None:
-            return patch(fn)
-        if langs <= launch["langs"]:
-            return None  # a helper called inside the launch: its modules are patched already
-        launch["langs"] |= langs  # patched from here to the launch's end, as the interpreter leaves them
+        patched = getattr(launch, "langs", None)
+        if getattr(launch, "pending", False):  # the launch's own patch (its scope undone at its end)
+            launch.pending, launch.langs = False, langs_of(fn)
+        elif patched is not None:  # a helper called inside the launch
+            langs = langs_of(fn)
+            if langs <= patched:
+                return None  # its modules are patched already (the interpreter drops a helper's scope)
+            launch.langs = patched | langs
         return patch(fn)
 
     patch_lang.quicker = True
     run = executor.__call__
 
     def call(self, *args, **kwargs):
-        launch["pending"], launch["langs"] = True, None
+        launch.pending, launch.langs = True, None
         try:
             return run(self, *args, **kwargs)
         finally:
-            launch["pending"], launch["langs"] = False, None
+            launch.pending, launch.langs = False, None
 
     interpreter._patch_lang = patch_lang
     executor.__call__ = call
     return True
+
+
+def quicker_prelude() -> str:
+    """Source that a check script run in a fresh interpreter under ``TRITON_INTERPRET`` takes first: this directory on
+    its path, then :func:`quicker_device_calls`."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return f"import sys\nsys.path.insert(0, {here!r})\nimport interpreted\ninterpreted.quicker_device_calls()\n"

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from interpreted import quicker_prelude
 
 pytest.importorskip("triton")
 
@@ -82,8 +83,10 @@ print(json.dumps(results))
 
 def _run_script(code: str, device: str, **env: str) -> list[dict]:
     """Run ``code`` in a fresh interpreter (Triton's interpreter when ``device`` is cpu: it is chosen before
-    Triton is imported) with ``env`` added; its last output line is the JSON result."""
+    Triton is imported, and made quicker by interpreted.quicker_device_calls, the same results) with ``env`` added;
+    its last output line is the JSON result."""
     env = {**os.environ, **env, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
+    code = (quicker_prelude() if device == "cpu" else "") + code
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
