@@ -97,6 +97,7 @@ def test_fp4_dequant_runs_the_torch_ops_off_cuda_and_where_the_kernel_does_not_f
     assert not k._fits(out, packed, torch.ones(8, 32, dtype=torch.uint8))  # a scale a value: bytes split
     assert not k._fits(out[:, :16], packed, scale)  # the wrong output shape
     assert not k._fits(torch.empty(8, 32, dtype=torch.float64), packed, scale)
+    assert not k._fits(out, packed, scale.to(torch.int16))  # integer scales other than e8m0 bytes
     assert not k._fits(torch.empty(32, 8, dtype=torch.bfloat16).t(), packed, scale)  # not contiguous
     with pytest.raises(ValueError, match="does not divide"):  # the torch ops' own error for a bad grid
         k.dequantize_fp4_into(out, packed, torch.ones(3, 1, dtype=torch.uint8))

@@ -93,6 +93,7 @@ def test_fp8_dequant_runs_the_torch_ops_off_cuda_and_where_the_kernel_does_not_f
     )
     assert not k._fits(out, values.float(), scale, (8, 16))  # not float8
     assert not k._fits(out, values, scale, (4, 16))  # the wrong grid for the tile
+    assert not k._fits(out, values, torch.ones(1, 1, dtype=torch.int32), (8, 16))  # integer scales
     assert not k._fits(out[:, :8], values, scale, (8, 16))
     with pytest.raises(ValueError, match="do not tile"):  # the torch ops' own error
         k.dequantize_fp8_into(out, values, scale, (4, 16))

@@ -73,6 +73,8 @@ def _fits(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether the kernel takes these: 2-D, contiguous, on one device, a scale grid whose blocks hold whole bytes."""
     if packed.dim() != 2 or scale.dim() != 2 or out.dtype not in _DTYPES or packed.element_size() != 1:
         return False
+    if scale.dtype != torch.uint8 and not scale.is_floating_point():
+        return False  # the torch ops raise on it: a bad input must not mark the kernel broken for every later call
     rows, row_bytes = packed.shape
     grid_rows, grid_cols = scale.shape
     if list(out.shape) != [rows, 2 * row_bytes] or not (grid_rows and grid_cols):

@@ -70,8 +70,8 @@ def _fits(out: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, tile: tu
     """Whether the kernel takes these: 2-D e4m3/e5m2 values, contiguous, on one device, the tile's scale grid."""
     if values.dim() != 2 or values.dtype not in _VALUES or out.dtype not in _DTYPES or out.shape != values.shape:
         return False
-    if tuple(scale.shape) != scale_grid(tuple(values.shape), tile):
-        return False  # the torch ops raise the shape error
+    if tuple(scale.shape) != scale_grid(tuple(values.shape), tile) or not scale.is_floating_point():
+        return False  # the torch ops raise the error: a bad input must not mark the kernel broken for later calls
     same_device = out.device == values.device == scale.device
     return same_device and out.is_contiguous() and values.is_contiguous() and scale.is_contiguous()
 
