@@ -95,6 +95,7 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
         quick_bounds=True,
         memory_budget_bytes=budget,
         profile=True,
+        host_profile=True,
     )
     receipt = run_prefill_bench(cfg)
     by_key = {(r["mode"], r["prompt_len"]): r for r in receipt["results"]}
@@ -134,8 +135,18 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
     # Off CUDA the profile sees no device copies or kernels, but it ran both profiled modes over two chunks.
     assert set(receipt["profile"]) == {"sync", "tiered"}
     assert all(p["tokens"] == 64 and p["copies"] == 0 for p in receipt["profile"].values())
+    # The host profile ran every mode over two chunks and names where its Python went, heaviest first.
+    assert set(receipt["host_profile"]) == set(DEFAULT_MODES)
+    for summary in receipt["host_profile"].values():
+        top = summary["top_by_own_time"]
+        assert summary["tokens"] == 64 and summary["calls"] > len(top) > 0 and summary["wall_s_under_profiler"] > 0
+        assert [r["own_ms"] for r in top] == sorted((r["own_ms"] for r in top), reverse=True)
+        assert all(r["cum_ms"] >= r["own_ms"] for r in top)
+    cumulative = {r["function"]: r for r in receipt["host_profile"]["tiered"]["top_by_own_time"]}
+    assert any("tiers/" in name or "kernels/" in name or "models/" in name for name in cumulative)
     path = write_receipt(receipt, tmp_path)
     assert json.loads(path.read_text())["kind"] == "prefill"
+    assert "- host profile tiered (64 tokens)" in markdown_table(receipt)
     assert "| tiered | 96 |" in markdown_table(receipt) and path.with_suffix(".md").exists()
 
 

@@ -27,6 +27,7 @@ routes from that recorded trace (:mod:`moetier.bench.trace_routing`), rewound be
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,6 +50,7 @@ from moetier.bench.common import (
     write_receipt_files,
 )
 from moetier.bench.environment import environment
+from moetier.bench.host_profile import host_profile_lines, profile_host
 from moetier.errors import ConfigError
 from moetier.models.base import CausalLM
 from moetier.models.deepseek_v4_attention import workspace_bytes as v4_workspace_bytes
@@ -81,6 +83,7 @@ class PrefillBenchConfig:
     memory_budget_bytes: int | None = None  # replaces the measured free memory in the skip check (tests)
     staging_slots: int | None = None  # tiered modes' staging ring (default: the dispatcher's)
     profile: bool = False
+    host_profile: bool = False  # cProfile of two chunks, per mode (moetier.bench.host_profile)
     routing_trace: Path | None = None  # replay this recorded routing (see moetier.bench.trace_routing)
     expert_format: str = "dense"  # "fp8": the experts' home copy as an fp8 checkpoint stores them
 
@@ -418,6 +421,7 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> dict[str, Any]:
     if trace_info is not None:
         notes.append(trace_routing.summary_note(trace_info))
     profiles: dict[str, dict[str, Any]] = {}
+    host_profiles: dict[str, dict[str, Any]] = {}
     for mode in cfg.modes:
         dispatcher = _dispatcher(mode, store, cfg, device, slots)
         if dispatcher is None:
@@ -447,6 +451,10 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> dict[str, Any]:
             # Profiled once, at the first length with two full chunks (a steady-state picture).
             if cfg.profile and mode in PROFILED_MODES and mode not in profiles and length >= 2 * chunk:
                 profiles[mode] = _profile_chunks(model, prompts[length][: 2 * chunk].to(device), chunk)
+            if cfg.host_profile and mode not in host_profiles and length >= 2 * chunk:
+                ids = prompts[length][: 2 * chunk].to(device)
+                host_profiles[mode] = profile_host(functools.partial(_prefill_once, model, ids, chunk, None))
+                host_profiles[mode]["tokens"] = int(ids.shape[0])
         if hasattr(dispatcher, "close"):
             dispatcher.close()
         del dispatcher
@@ -474,6 +482,7 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> dict[str, Any]:
         "results": results,
         "skipped": skipped,
         "profile": profiles,
+        "host_profile": host_profiles,
         "notes": notes,
         "wall_seconds": time.time() - started,
     }
@@ -520,6 +529,8 @@ def markdown_table(receipt: dict[str, Any]) -> str:
             top = ", ".join(f"{g['name'][:48]} x{g['count']} {g[unit]:.1f}" for g in prof.get(key, [])[:6])
             if top:
                 lines.append(f"  - {key.replace('_', ' ')} ({unit}): {top}")
+    for mode, summary in (receipt.get("host_profile") or {}).items():
+        lines += host_profile_lines(f"{mode} ({summary['tokens']} tokens)", summary)
     lines += [f"- {note}" for note in receipt["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -537,6 +548,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick-bounds", action="store_true", help="measure bandwidths on small buffers (smoke runs)")
     parser.add_argument("--staging-slots", type=int, default=None, help="staging ring of the tiered modes")
     parser.add_argument("--profile", action="store_true", help="profile two chunks of sync and tiered: copy overlap")
+    parser.add_argument(
+        "--host-profile", action="store_true", help="cProfile two chunks of every mode: the host's heaviest functions"
+    )
     parser.set_defaults(handler=run)
 
 
@@ -549,6 +563,7 @@ def run(args: argparse.Namespace) -> int:
         quick_bounds=args.quick_bounds,
         staging_slots=args.staging_slots,
         profile=args.profile,
+        host_profile=args.host_profile,
     )
     receipt = run_prefill_bench(cfg)
     path = write_receipt(receipt, args.out)
