@@ -9,7 +9,7 @@
 # from Dirichlet(alpha) (make-bench-model --routing-skew: small alpha, few hot experts; unset: uniform); GPU_TEST_ARGS adds pytest arguments (e.g. "-k deepseek_v4"); GPU_TEST_TIMEOUT (default 420 s) bounds them;
 # BENCH_ARGS replaces the decode bench's "--profile"; PREFILL_ARGS replaces the prefill bench's
 # "--prompt-lens 8k,32k,128k --profile"; the prefill bench runs once per chunk size in PREFILL_CHUNKS
-# (default "4096 16384"); SHORT_TURNS=1 adds the short-turn prefill (512/2048 tokens, pure CPU and copy
+# (default "4096 16384"), and once per setting in PREFILL_ENV ("VAR=A VAR=B", e.g. an A/B of a switch); SHORT_TURNS=1 adds the short-turn prefill (512/2048 tokens, pure CPU and copy
 # paths against the split). HF_BASELINE=1 adds transformers + accelerate to the decode bench (HF_ARGS:
 # its extra flags). The serve stage starts `moetier serve` on the bench model with SERVE_GPU_MEMORY
 # (default 8GiB: backbone, KV, an auto 4096-token chunk and a few % of the experts) and drives it at 1/2/4 streams
@@ -279,9 +279,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
         done
     fi
     if [ -z "${SKIP_PREFILL:-}" ]; then
-        for chunk in ${PREFILL_CHUNKS:-4096 16384}; do
-            bench prefill 420 --cache-fraction 0.05 --policy lfu --chunk-tokens "$chunk" \
-                ${PREFILL_ARGS---prompt-lens 8k,32k,128k --profile}
+        for setting in ${PREFILL_ENV:-none}; do  # PREFILL_ENV="VAR=A VAR=B": the prefill runs once per setting
+            [ "$setting" != none ] && export "${setting?}" && echo "=== prefill with $setting" >> "$LOG"
+            for chunk in ${PREFILL_CHUNKS:-4096 16384}; do
+                bench prefill 420 --cache-fraction 0.05 --policy lfu --chunk-tokens "$chunk" \
+                    ${PREFILL_ARGS---prompt-lens 8k,32k,128k --profile}
+            done
+            [ "$setting" != none ] && unset "${setting%%=*}"
         done
         if [ -n "${SHORT_TURNS:-}" ]; then
             bench prefill 240 --cache-fraction 0.05 --policy lfu --chunk-tokens 2048 --prompt-lens 512,2048 \

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moetier.kernels import fat_experts
 from moetier.kernels.fp4_blocks import (  # noqa: F401 - re-exported: the bench sweeps through this module
     FP4_BLOCK_H,
     FP4_BLOCK_K,
@@ -330,9 +331,15 @@ def _grouped_placement(hidden: torch.Tensor, groups: Sequence[Group]) -> tuple |
     block must be on the activations' device and laid out alike (one kernel), and the layout is judged
     once (:func:`_layout_fits`) and its constants cached per layout.
     """
-    if _BROKEN or not groups or hidden.dtype not in _DTYPES or not triton_usable(hidden):
+    if _BROKEN or not groups or max(count for _, _, count in groups) > MAX_GROUP_TOKENS:
         return None
-    if max(count for _, _, count in groups) > MAX_GROUP_TOKENS:
+    return layout_placement(hidden, groups)
+
+
+def layout_placement(hidden: torch.Tensor, groups: Sequence[Group]) -> tuple | None:
+    """The kernels' constants when Triton runs on ``hidden``'s device and every block is there, laid out alike
+    in a format the kernels read; else None (any group size: the thin groups' and the fat groups' kernels)."""
+    if not groups or hidden.dtype not in _DTYPES or not triton_usable(hidden):
         return None
     device, key = hidden.device, _layout_key(groups[0][0])
     if any(w.block.device != device or _layout_key(w) != key for w, _, _ in groups):
@@ -554,16 +561,25 @@ def run_experts(
     (a token appears at most once per group). ``pair_tokens_host`` (the same on the host, when the caller
     has it: saves a device sync) and ``per_token`` (the most pairs a token has, top-k: keeps one compiled
     kernel per model) serve the grouped path: groups of at most ``MAX_GROUP_TOKENS`` tokens run in three
-    launches when :func:`grouped_usable`, larger ones (and everything off CUDA) per expert.
+    launches when :func:`grouped_usable`, larger ones (prefill's) in three launches a batch
+    (:mod:`moetier.kernels.fat_experts`) where those kernels run; the rest (everything off CUDA) per expert.
     """
     # Per group, not per call: a group of a given size takes the same kernel whichever call it is in
     # (a resident prefill, a streamed expert, a decode), so placements agree to the order of fp32 sums.
     thin = [g for g in groups if g[2] <= MAX_GROUP_TOKENS]
+    fat = [g for g in groups if g[2] > MAX_GROUP_TOKENS]
     if (placement := _grouped_placement(hidden, thin)) is not None:
         try:
             args = (out, hidden, pair_tokens, pair_gates, thin, swiglu_limit, pair_tokens_host, per_token, placement)
             run_grouped(*args)
-            groups = [g for g in groups if g[2] > MAX_GROUP_TOKENS]
+            thin = []
         except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
             mark_broken(exc)
-    run_per_expert(out, hidden, pair_tokens, pair_gates, groups, swiglu_limit)
+    if fat and fat_experts.fat_enabled() and (placement := layout_placement(hidden, fat)) is not None:
+        try:
+            fat_experts.run_fat(out, hidden, pair_tokens, pair_gates, fat, swiglu_limit, placement, pair_tokens_host)
+            fat = []
+        except Exception as exc:  # noqa: BLE001 - as above
+            fat_experts.mark_broken(exc)
+    eager = [g for g in groups if (thin if g[2] <= MAX_GROUP_TOKENS else fat)]  # neither kernel set took them
+    run_per_expert(out, hidden, pair_tokens, pair_gates, eager, swiglu_limit)
