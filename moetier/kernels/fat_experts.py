@@ -74,6 +74,16 @@ if triton is not None:
         return tl.dot(a, tl.trans(w))
 
     @triton.jit
+    def _tile(table_ptr, blocks_ptr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr):
+        """This program's tile of the table (see :func:`launch_table`): its expert block, its first pair, its first
+        workspace row, and its rows ``m`` with their mask."""
+        entry = table_ptr + 4 * tl.program_id(0)
+        weights = blocks_ptr + block_offset(entry, ALIGN)
+        first, count, row0 = tl.load(entry + 1), tl.load(entry + 2), tl.load(entry + 3)
+        m = tl.arange(0, BLOCK_M)
+        return weights, first, row0, m, m < count
+
+    @triton.jit
     def _gate_up_kernel(
         x_ptr, table_ptr, blocks_ptr, pair_token_ptr, act_ptr, stride_x, limit,
         hidden: tl.constexpr, inter: tl.constexpr, HAS_LIMIT: tl.constexpr, IEEE: tl.constexpr,
@@ -81,13 +91,8 @@ if triton is not None:
         TILE_R: tl.constexpr, TILE_C: tl.constexpr, ALIGN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        tile, block = tl.program_id(0), tl.program_id(1)
-        entry = table_ptr + 4 * tile
-        dtype = x_ptr.dtype.element_ty
-        weights = blocks_ptr + block_offset(entry, ALIGN)
-        first, count, row0 = tl.load(entry + 1), tl.load(entry + 2), tl.load(entry + 3)
-        m = tl.arange(0, BLOCK_M)
-        m_ok = m < count
+        block, dtype = tl.program_id(1), x_ptr.dtype.element_ty
+        weights, first, row0, m, m_ok = _tile(table_ptr, blocks_ptr, ALIGN, BLOCK_M)
         tokens = tl.load(pair_token_ptr + first + m, mask=m_ok, other=0)
         n = block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
@@ -112,13 +117,8 @@ if triton is not None:
         TILE_R: tl.constexpr, TILE_C: tl.constexpr, ALIGN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        tile, block = tl.program_id(0), tl.program_id(1)
-        entry = table_ptr + 4 * tile
-        dtype = act_ptr.dtype.element_ty
-        weights = blocks_ptr + block_offset(entry, ALIGN)
-        first, count, row0 = tl.load(entry + 1), tl.load(entry + 2), tl.load(entry + 3)
-        m = tl.arange(0, BLOCK_M)
-        m_ok = m < count
+        block, dtype = tl.program_id(1), act_ptr.dtype.element_ty
+        weights, first, row0, m, m_ok = _tile(table_ptr, blocks_ptr, ALIGN, BLOCK_M)
         h = block * BLOCK_N + tl.arange(0, BLOCK_N)
         h_ok = h < hidden
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
