@@ -16,6 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from moetier.kernels import (  # noqa: E402
+    fat_experts,
     fp4_dequant,
     fp8_dequant,
     rope_rotate,
@@ -140,7 +141,37 @@ def _kernels() -> dict[str, tuple]:
         "fp4 dequant, float32 scales to fp16": _fp4_dequant("*fp32", "*fp16"),
         "fp8 dequant, e4m3 to bf16": _fp8_dequant(False),
         "fp8 dequant, e5m2 to bf16": _fp8_dequant(True),
+        "fat experts gate/up, dense bf16": _fat(0, down=False),
+        "fat experts gate/up, fp4 e8m0 bytes": _fat(3, down=False),
+        "fat experts gate/up, fp4 float32 scales, clamped": _fat(2, down=False, limit=True),
+        "fat experts gate/up, fp8": _fat(1, down=False),
+        "fat experts down, dense bf16": _fat(0, down=True),
+        "fat experts down, fp4 e8m0 bytes": _fat(3, down=True),
+        "fat experts down, fp8": _fat(1, down=True),
+        "fat experts sum": (
+            fat_experts._sum_kernel,
+            {"y_ptr": "*fp32", "rows_ptr": "*i64", "token_table_ptr": "*i64", "out_ptr": "*fp32"},
+            {"hidden": 4096, "MAX_ROWS": 8, "BLOCK_H": fat_experts.SUM_BLOCK},
+            4,
+        ),
     }
+
+
+def _fat(quant: int, down: bool, limit: bool = False) -> tuple:
+    """A prefill chunk's fat experts (V4-Flash widths; fp4: a scale for 32 values of a row, fp8: 128 x 128 tiles)."""
+    tile = (128, 128) if quant == 1 else (1, 32)
+    consts = {"hidden": 4096, "inter": 2048, "IEEE": False, "QUANT": quant, "TILE_R": tile[0], "TILE_C": tile[1]}
+    consts |= {"ALIGN": 16, "BLOCK_M": fat_experts.BLOCK_M, "BLOCK_N": fat_experts.BLOCK_N}
+    consts |= {"BLOCK_K": fat_experts.BLOCK_K}
+    scale = 1 << 24  # where a quantised block's scale grids start (any byte offset: the layout is the caller's)
+    pointers = {"table_ptr": "*i64", "blocks_ptr": "*u8"}
+    if down:
+        sig = {"act_ptr": "*bf16", **pointers, "pair_gate_ptr": "*bf16", "y_ptr": "*fp32"}
+        consts |= {"DOWN": 0 if quant == 0 else 1 << 23, "DOWN_SCALE": scale}
+        return fat_experts._down_kernel, sig, consts, 4
+    sig = {"x_ptr": "*bf16", **pointers, "pair_token_ptr": "*i64", "act_ptr": "*bf16", "stride_x": "i32"}
+    consts |= {"GATE": 0, "UP": 1 << 22, "GATE_SCALE": scale, "UP_SCALE": scale + (1 << 18), "HAS_LIMIT": limit}
+    return fat_experts._gate_up_kernel, sig | {"limit": "fp32"}, consts, 4
 
 
 def _fp8_dequant(e5m2: bool) -> tuple:

@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
 if triton is not None:
+    from moetier.kernels.fp8_dequant import widened_fp8
 
     @triton.jit
     def block_offset(entry_ptr, ALIGN: tl.constexpr):
@@ -177,22 +178,26 @@ if triton is not None:
     def fp8_tile(block, part, scales, rows, rows_ok, k0, width: tl.constexpr, dtype: tl.constexpr,
                  TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
         """Rows x ``BLOCK_K`` columns from ``k0`` of an e4m3 matrix (as in :func:`fp8_row_dot`), dequantised in
-        ``dtype`` as the loader does (``(float(v) * scale).to(dtype)``): a tensor-core operand."""
+        ``dtype`` as the loader does (``(float(v) * scale).to(dtype)``): a tensor-core operand. The bytes are
+        widened from their bit fields (:func:`~moetier.kernels.fp8_dequant.widened_fp8`): Ampere has no float8
+        conversion."""
         cols = k0 + tl.arange(0, BLOCK_K)
         ok = rows_ok[:, None] & (cols < width)[None, :]
-        raw = tl.load(block + part + rows[:, None] * width + cols[None, :], mask=ok, other=0)
+        raw = tl.load(block + part + rows[:, None] * width + cols[None, :], mask=ok, other=0).to(tl.int32) & 0xFF
         grid = (width + TILE_C - 1) // TILE_C
         scale_at = (rows // TILE_R)[:, None] * grid + (cols // TILE_C)[None, :]
         scale = tl.load(as_f32(block + scales) + scale_at, mask=ok, other=0.0)
-        return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(dtype)
+        return (widened_fp8(raw, False) * scale).to(dtype)
 
     @triton.jit
-    def fp4_tile(block, part, scales, rows, rows_ok, k0, width: tl.constexpr, dtype: tl.constexpr,
-                 TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_K: tl.constexpr, E8M0: tl.constexpr):  # fmt: skip
+    def fp4_tiles(block, part, scales, rows, rows_ok, k0, width: tl.constexpr, dtype: tl.constexpr,
+                  TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_K: tl.constexpr, E8M0: tl.constexpr):  # fmt: skip
         """Rows x ``BLOCK_K`` columns from ``k0`` (even) of a packed fp4 matrix (as in :func:`fp4_row_dot`: column
         ``c`` is byte ``c // 2``'s low nibble when ``c`` is even), dequantised in ``dtype`` as the loader does
-        (``(value * scale).to(dtype)``, float32 or e8m0 scales): a tensor-core operand. A byte's two columns
-        share a scale (``TILE_C`` is even), so the scales are read per byte."""
+        (``(value * scale).to(dtype)``, float32 or e8m0 scales), as two tensor-core operands: the even columns
+        (low nibbles) and the odd ones, ``[rows, BLOCK_K / 2]`` each (interleaving them into one tile is a layout
+        change Hopper's MMA pipeline does not compile). A byte's two columns share a scale (``TILE_C`` is even),
+        so the scales are read per byte."""
         HALF: tl.constexpr = BLOCK_K // 2
         byte = k0 // 2 + tl.arange(0, HALF)
         ok = rows_ok[:, None] & (byte < width // 2)[None, :]
@@ -203,5 +208,4 @@ if triton is not None:
             scale = tl.where(e == 0, 2.0**-127, (e << 23).to(tl.float32, bitcast=True))
         else:
             scale = tl.load(as_f32(block + scales) + scale_at, mask=ok, other=0.0)
-        low, high = (e2m1(raw & 0xF) * scale).to(dtype), (e2m1(raw >> 4) * scale).to(dtype)
-        return tl.reshape(tl.join(low, high), (rows.shape[0], BLOCK_K))
+        return (e2m1(raw & 0xF) * scale).to(dtype), (e2m1(raw >> 4) * scale).to(dtype)

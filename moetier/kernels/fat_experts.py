@@ -50,28 +50,37 @@ Group = tuple[ExpertWeights, int, int]  # (weights, first pair, pair count), as 
 _BROKEN: list[str] = []
 
 if triton is not None:
-    from moetier.kernels.expert_tiles import activation, block_offset, dense_tile, fp4_tile, fp8_tile
+    from moetier.kernels.expert_tiles import activation, block_offset, dense_tile, fp4_tiles, fp8_tile
 
     @triton.jit
-    def _weight_tile(
-        weights, part, scale, rows, rows_ok, k0, width: tl.constexpr, dtype: tl.constexpr,
-        QUANT: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """Rows x ``BLOCK_K`` columns from ``k0`` of one matrix of a block, in ``dtype``, whatever its format."""
-        if QUANT == 0:
-            k = k0 + tl.arange(0, BLOCK_K)
-            return dense_tile(weights, part, rows, k, rows_ok[:, None] & (k < width)[None, :], width, dtype)
-        elif QUANT == 1:
-            return fp8_tile(weights, part, scale, rows, rows_ok, k0, width, dtype, TILE_R, TILE_C, BLOCK_K)
-        else:
-            return fp4_tile(weights, part, scale, rows, rows_ok, k0, width, dtype, TILE_R, TILE_C, BLOCK_K, QUANT == 3)
-
-    @triton.jit
-    def _dot(a, w, IEEE: tl.constexpr):
-        """``a @ w.T`` in float32: exact products for float32 (and under the interpreter, whose bf16 dot is wrong)."""
+    def _dot(acc, a, w, IEEE: tl.constexpr):
+        """``acc + a @ w.T`` in float32: exact products for float32 (and under the interpreter, whose bf16 dot is
+        wrong)."""
         if IEEE:
-            return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        return tl.dot(a, tl.trans(w))
+            return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        return tl.dot(a, tl.trans(w), acc)
+
+    @triton.jit
+    def _step(
+        acc, rows, rows_ok, weights, part, scale, n, n_ok, k0, width: tl.constexpr, dtype: tl.constexpr,
+        QUANT: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """``acc`` plus one ``BLOCK_K`` step from ``k0`` of ``inputs @ matrix.T``: ``rows`` (``[M, 1]`` pointers)
+        are the inputs' rows, ``n`` the matrix's rows (output channels), the matrix one part of an expert block of
+        any format (``QUANT``: 0 dense, 1 fp8, 2 fp4, 3 fp4 with e8m0 scale bytes), ``width`` its columns."""
+        if QUANT >= 2:  # even and odd columns apart: a packed byte holds one of each
+            cols = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            ok = rows_ok[:, None] & (cols < width)[None, :]
+            low, high = fp4_tiles(weights, part, scale, n, n_ok, k0, width, dtype, TILE_R, TILE_C, BLOCK_K, QUANT == 3)
+            acc = _dot(acc, tl.load(rows + cols[None, :], mask=ok, other=0.0), low, IEEE)
+            return _dot(acc, tl.load(rows + cols[None, :] + 1, mask=ok, other=0.0), high, IEEE)
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(rows + k[None, :], mask=rows_ok[:, None] & (k < width)[None, :], other=0.0)
+        if QUANT == 1:
+            w = fp8_tile(weights, part, scale, n, n_ok, k0, width, dtype, TILE_R, TILE_C, BLOCK_K)
+        else:
+            w = dense_tile(weights, part, n, k, n_ok[:, None] & (k < width)[None, :], width, dtype)
+        return _dot(acc, a, w, IEEE)
 
     @triton.jit
     def _tile(table_ptr, blocks_ptr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -91,21 +100,20 @@ if triton is not None:
         TILE_R: tl.constexpr, TILE_C: tl.constexpr, ALIGN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        block, dtype = tl.program_id(1), x_ptr.dtype.element_ty
+        block = tl.program_id(1)
+        dtype = x_ptr.dtype.element_ty
         weights, first, row0, m, m_ok = _tile(table_ptr, blocks_ptr, ALIGN, BLOCK_M)
         tokens = tl.load(pair_token_ptr + first + m, mask=m_ok, other=0)
         n = block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        rows = x_ptr + tokens[:, None] * stride_x
         for k0 in range(0, hidden, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & (k < hidden)[None, :],
-                        other=0.0)  # fmt: skip
-            w_gate = _weight_tile(weights, GATE, GATE_SCALE, n, n_ok, k0, hidden, dtype, QUANT, TILE_R, TILE_C, BLOCK_K)
-            acc_gate += _dot(x, w_gate, IEEE)
-            w_up = _weight_tile(weights, UP, UP_SCALE, n, n_ok, k0, hidden, dtype, QUANT, TILE_R, TILE_C, BLOCK_K)
-            acc_up += _dot(x, w_up, IEEE)
+            acc_gate = _step(acc_gate, rows, m_ok, weights, GATE, GATE_SCALE, n, n_ok, k0, hidden, dtype,
+                             QUANT, TILE_R, TILE_C, BLOCK_K, IEEE)  # fmt: skip
+            acc_up = _step(acc_up, rows, m_ok, weights, UP, UP_SCALE, n, n_ok, k0, hidden, dtype,
+                           QUANT, TILE_R, TILE_C, BLOCK_K, IEEE)  # fmt: skip
         act = activation(acc_gate, acc_up, limit, dtype, HAS_LIMIT)
         tl.store(act_ptr + (row0 + m)[:, None] * inter + n[None, :], act, mask=m_ok[:, None] & n_ok[None, :])
 
@@ -117,17 +125,16 @@ if triton is not None:
         TILE_R: tl.constexpr, TILE_C: tl.constexpr, ALIGN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        block, dtype = tl.program_id(1), act_ptr.dtype.element_ty
+        block = tl.program_id(1)
+        dtype = act_ptr.dtype.element_ty
         weights, first, row0, m, m_ok = _tile(table_ptr, blocks_ptr, ALIGN, BLOCK_M)
         h = block * BLOCK_N + tl.arange(0, BLOCK_N)
         h_ok = h < hidden
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        rows = act_ptr + (row0 + m)[:, None] * inter
         for k0 in range(0, inter, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(act_ptr + (row0 + m)[:, None] * inter + k[None, :], mask=m_ok[:, None] & (k < inter)[None, :],
-                        other=0.0)  # fmt: skip
-            w = _weight_tile(weights, DOWN, DOWN_SCALE, h, h_ok, k0, inter, dtype, QUANT, TILE_R, TILE_C, BLOCK_K)
-            acc += _dot(a, w, IEEE)
+            acc = _step(acc, rows, m_ok, weights, DOWN, DOWN_SCALE, h, h_ok, k0, inter, dtype,
+                        QUANT, TILE_R, TILE_C, BLOCK_K, IEEE)  # fmt: skip
         gate = tl.load(pair_gate_ptr + first + m, mask=m_ok, other=0.0).to(tl.float32)
         y = acc.to(dtype).to(tl.float32) * gate[:, None]
         tl.store(y_ptr + (row0 + m)[:, None] * hidden + h[None, :], y, mask=m_ok[:, None] & h_ok[None, :])

@@ -34,7 +34,7 @@ _BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on
 if triton is not None:
 
     @triton.jit
-    def _widened(codes, E5M2: tl.constexpr):
+    def widened_fp8(codes, E5M2: tl.constexpr):
         """int32 float8 bytes -> their float32 values, exactly (e4m3fn: bias 7, no infinities, S.1111.111 NaN;
         e5m2: bias 15, IEEE's infinities and NaNs); subnormals are the mantissa times the smallest step."""
         if E5M2:
@@ -62,7 +62,7 @@ if triton is not None:
         codes = tl.load(values + r[:, None] * cols + c[None, :], mask=keep, other=0).to(tl.int32) & 0xFF
         at = (r // TILE_ROWS)[:, None] * scale_cols + (c // TILE_COLS)[None, :]
         factor = tl.load(scales + at, mask=keep, other=1.0)
-        dense = _widened(codes, E5M2) * factor
+        dense = widened_fp8(codes, E5M2) * factor
         tl.store(out + r[:, None] * cols + c[None, :], dense.to(out.dtype.element_ty), mask=keep)
 
 
