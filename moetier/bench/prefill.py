@@ -52,10 +52,11 @@ from moetier.bench.common import (
 from moetier.bench.environment import environment
 from moetier.bench.host_profile import host_profile_lines, profile_host
 from moetier.errors import ConfigError
+from moetier.kernels.grouped_experts import run_experts
 from moetier.models.base import CausalLM
 from moetier.models.deepseek_v4_attention import workspace_bytes as v4_workspace_bytes
 from moetier.tiers.dispatcher import ExpertDispatcher, ResidentDispatcher
-from moetier.tiers.experts import ExpertStore, ExpertWeights, swiglu_expert
+from moetier.tiers.experts import ExpertStore, ExpertWeights
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.tiered_dispatcher import TieredDispatcher
 
@@ -135,9 +136,9 @@ class SyncCopyDispatcher(ExpertDispatcher):
     def dispatch(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        out = torch.zeros_like(hidden)
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         if hidden.shape[0] == 0:
-            return out
+            return out.to(hidden.dtype)
         if layer == self._first_layer:
             self.metrics.tokens += hidden.shape[0]
         ids_host = topk_ids.reshape(-1).cpu()
@@ -145,23 +146,24 @@ class SyncCopyDispatcher(ExpertDispatcher):
         experts, counts = torch.unique_consecutive(ids_host[order_host], return_counts=True)
         experts_l, counts_l = experts.tolist(), counts.tolist()
         self._count(layer, experts_l, counts_l)
-        order = order_host.to(hidden.device)
-        tokens_of_pair, gates_of_pair = order // topk_ids.shape[1], topk_weights.reshape(-1)[order]
+        top_k = topk_ids.shape[1]
+        order, tokens_host = order_host.to(hidden.device), order_host // top_k
+        tokens_of_pair, gates_of_pair = order // top_k, topk_weights.reshape(-1)[order]
         starts = [0, *torch.tensor(counts_l).cumsum(0).tolist()]
         for first in range(0, len(experts_l), self.staging_experts):
             batch = range(first, min(first + self.staging_experts, len(experts_l)))
             staged = self._copy_all(layer, [experts_l[i] for i in batch], hidden.device)
-            for row, i in enumerate(batch):
-                if self.trace is not None:
-                    self.trace.append(("compute", layer, experts_l[i]))
-                weights = ExpertWeights.from_block(staged[row], self.store.layout)
-                tokens, gates = (
-                    tokens_of_pair[starts[i] : starts[i + 1]],
-                    gates_of_pair[starts[i] : starts[i + 1], None],
-                )
-                y = swiglu_expert(hidden[tokens], weights, self.store.layout.swiglu_limit) * gates
-                out.index_add_(0, tokens, y.to(out.dtype))
-        return out
+            if self.trace is not None:
+                self.trace += [("compute", layer, experts_l[i]) for i in batch]
+            # The experts compute as every placement computes them (run_experts: the same kernels), so the
+            # baseline differs from the tiered path only in when its copies run.
+            groups = [
+                (ExpertWeights.from_block(staged[row], self.store.layout), starts[i], counts_l[i])
+                for row, i in enumerate(batch)
+            ]
+            limit = self.store.layout.swiglu_limit
+            run_experts(out, hidden, tokens_of_pair, gates_of_pair, groups, limit, tokens_host, top_k)
+        return out.to(hidden.dtype)
 
     def _copy_all(self, layer: int, experts: list[int], device: torch.device) -> torch.Tensor:
         """Copy the experts' blocks into the staging buffer and wait until all have landed."""
