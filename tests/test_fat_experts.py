@@ -29,6 +29,7 @@ from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights
 from moetier.weights.fp4 import scale_to_float
 
 DEVICE = {device!r}
+os.environ["MOETIER_FAT_EXPERTS"] = "1"  # opt-in: the checks run them
 ROUNDS_AS_CUDA = DEVICE == "cuda" or interpreted.nearest_bf16()
 CASES = [
     # name, dtype, quant, hidden, inter, tokens, tokens per expert, swiglu limit, pairs a batch
@@ -105,7 +106,7 @@ for seed, (name, dt, tile, hidden, inter, tokens, counts, limit, batch) in enume
     ref_fat = start.clone().to(DEVICE)
     k.run_per_expert(ref_fat, x.to(DEVICE), pair_tokens.to(DEVICE), gates.to(DEVICE),
                      [g_ for g_ in groups if g_[2] > 16], limit)
-    os.environ.pop("MOETIER_FAT_EXPERTS")
+    os.environ["MOETIER_FAT_EXPERTS"] = "1"
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     results.append({{"case": name, "dtype": dt, "counts": counts, "fat_groups": fat_groups, "off_ran": off_ran,
                     "off_equal": bool(torch.equal(acc, ref_fat)), "broken": list(f._BROKEN) + list(k._BROKEN),
@@ -184,6 +185,15 @@ def test_launch_table_tiles_sorts_rows_by_token_and_counts_each_tokens_rows():
         assert (owner[pair_of_row[mine]] == token).all() and (np.diff(mine) > 0).all()  # in batch order
         assert count == (owner[pair_of_row] == token).sum()
     assert sorted(rows.tolist()) == list(range(pairs)) and table.dtype == np.int64
+
+
+def test_the_fat_kernels_are_off_unless_asked_for(monkeypatch):
+    monkeypatch.delenv("MOETIER_FAT_EXPERTS", raising=False)
+    assert not f.fat_enabled()  # slower than the per-expert path so far: opt-in
+    monkeypatch.setenv("MOETIER_FAT_EXPERTS", "0")
+    assert not f.fat_enabled()
+    monkeypatch.setenv("MOETIER_FAT_EXPERTS", "1")
+    assert f.fat_enabled() or f._BROKEN
 
 
 def test_the_fat_kernels_stay_off_without_triton_on_the_device():

@@ -18,8 +18,17 @@ computed by three launches whatever its size:
 Roundings are the per-expert path's; only the order of the GEMMs' float32 sums differs from cuBLAS's. Every group
 of more than ``MAX_GROUP_TOKENS`` tokens takes this path on a device where it runs, whichever placement computes
 it (resident, cache slot, staging slot), so placements agree to the order of fp32 sums. A batch holds at most
-``MAX_BATCH_PAIRS`` pairs (its float32 rows are the workspace: 128 MiB at hidden 4096). ``MOETIER_FAT_EXPERTS=0``
-(read per call) sends the groups to the per-expert path; after one failure that path runs from then on.
+``MAX_BATCH_PAIRS`` pairs (its float32 rows are the workspace: 128 MiB at hidden 4096). After one failure the
+per-expert path runs from then on.
+
+**Opt-in** (``MOETIER_FAT_EXPERTS=1``, read per call): measured on an H100 (fp4 V4-Flash widths, 3 layers,
+8192-token chunks, `results/h100-20261207-122fb79-fat-experts-ab`) these kernels made prefill slower, not faster:
+resident 29974 -> 16946 tok/s at 8192 tokens, tiered 18627 -> 11982. The host stopped being the bound (its
+profile then waits on the device: ``.cpu()`` of the routing ids ~306 ms of a 16384-token profile) and the kernels
+became it: every (tile, channel block) program dequantises its weight slab again for each 64-token tile of its
+expert, and 64 x 64 tiles are small for the tensor cores. Not yet tried: a larger token tile (an expert of ~200
+tokens is then read once or twice, not four times), dequantising each fat expert once (``fp4_dequant``, ~16 us a
+matrix) and running the dense variant of these kernels, and a kernel-level profile to say which of the two costs.
 """
 
 from __future__ import annotations
@@ -160,8 +169,9 @@ if triton is not None:
 
 
 def fat_enabled() -> bool:
-    """Whether fat groups may take these kernels (``MOETIER_FAT_EXPERTS=0`` turns them off; read per call)."""
-    return triton is not None and not _BROKEN and os.environ.get("MOETIER_FAT_EXPERTS", "1") != "0"
+    """Whether fat groups may take these kernels: only with ``MOETIER_FAT_EXPERTS=1`` (read per call), as they are
+    slower than the per-expert path on the H100 so far (see the module docstring)."""
+    return triton is not None and not _BROKEN and os.environ.get("MOETIER_FAT_EXPERTS", "0") == "1"
 
 
 def mark_broken(exc: BaseException) -> None:
