@@ -89,6 +89,13 @@ for seed, (name, dt, tile, hidden, inter, tokens, counts, limit, batch) in enume
         fn(*args, pair_tokens, 4) if which == "kernel" else fn(*args)
         out[which] = acc.double().cpu()
     fat_groups = list(ran)
+    dense_vs_torch = None
+    if tile is not None:  # MOETIER_FAT_EXPERTS=dense: each expert dequantised first, then the dense kernels
+        os.environ["MOETIER_FAT_EXPERTS"] = "dense"
+        acc = start.clone().to(DEVICE)
+        k.run_experts(acc, x.to(DEVICE), pair_tokens.to(DEVICE), gates.to(DEVICE), groups, limit, pair_tokens, 4)
+        dense_vs_torch = ((acc.double().cpu() - out["torch"]).norm() / out["torch"].norm()).item()
+        os.environ["MOETIER_FAT_EXPERTS"] = "1"
     ref = start.double()
     for w, s, c in groups:  # float64 over the loader's dtype-rounded weights and the inputs
         dense = w.dequantized(dtype) if w.quantized else w
@@ -111,7 +118,8 @@ for seed, (name, dt, tile, hidden, inter, tokens, counts, limit, batch) in enume
     results.append({{"case": name, "dtype": dt, "counts": counts, "fat_groups": fat_groups, "off_ran": off_ran,
                     "off_equal": bool(torch.equal(acc, ref_fat)), "broken": list(f._BROKEN) + list(k._BROKEN),
                     "kernel_vs_torch": rel(out["kernel"], out["torch"]), "kernel_vs_ref": rel(out["kernel"], ref),
-                    "torch_vs_ref": rel(out["torch"], ref), "rounds_as_cuda": ROUNDS_AS_CUDA}})
+                    "torch_vs_ref": rel(out["torch"], ref), "rounds_as_cuda": ROUNDS_AS_CUDA,
+                    "dense_vs_torch": dense_vs_torch}})
 print(json.dumps(results))
 """
 
@@ -133,10 +141,13 @@ def _check(results: list[dict]) -> None:
         fat = [c for c in r["counts"] if c > 16]
         assert not r["broken"] and r["off_ran"] == [] and r["off_equal"], r
         assert sum(r["fat_groups"]) == len(fat) and r["fat_groups"], r  # the kernels, not the eager path, ran them
+        if r["case"] != "dense":
+            assert r["dense_vs_torch"] is not None, r
         if r["dtype"] == "float32":
-            assert r["kernel_vs_torch"] < 1e-5, r
+            assert r["kernel_vs_torch"] < 1e-5 and (r["dense_vs_torch"] or 0.0) < 1e-5, r
         elif r["rounds_as_cuda"]:  # issue 4's bf16 bar, and no worse than cuBLAS / torch against float64
             assert r["kernel_vs_torch"] < 0.005 and r["kernel_vs_ref"] < 1.5 * r["torch_vs_ref"] + 1e-4, r
+            assert (r["dense_vs_torch"] or 0.0) < 0.005, r
         else:  # a changed interpreter that truncates to bf16
             assert r["kernel_vs_torch"] < 0.03 and r["kernel_vs_ref"] < 0.03, r
     assert [r["fat_groups"] for r in results if r["counts"] == [30, 20, 25, 18]] == [[1, 2, 1]]  # 45-pair batches
@@ -165,6 +176,7 @@ def test_batches_keep_the_order_and_cap_the_pairs():
     runs = f.batches(groups, 45)
     assert [[g[2] for g in run] for run in runs] == [[30], [20, 25], [18], [100]]  # a group over the cap alone
     assert [g for run in runs for g in run] == groups
+    assert [[g[2] for g in run] for run in f.batches(groups, 1000, 2)] == [[30, 20], [25, 18], [100]]
 
 
 def test_launch_table_tiles_sorts_rows_by_token_and_counts_each_tokens_rows():

@@ -52,6 +52,7 @@ except ImportError:  # pragma: no cover - depends on the installation
 
 BLOCK_M, BLOCK_N, BLOCK_K, SUM_BLOCK = 64, 64, 64, 1024
 MAX_BATCH_PAIRS = 8192
+MAX_DENSE_GROUPS = 8  # MOETIER_FAT_EXPERTS=dense: experts dequantised at a time (~50 MB each at V4-Flash widths)
 _TILE_FIELDS = 4  # (block offset, first pair, tokens, first workspace row)
 
 Group = tuple[ExpertWeights, int, int]  # (weights, first pair, pair count), as in grouped_experts
@@ -169,9 +170,21 @@ if triton is not None:
 
 
 def fat_enabled() -> bool:
-    """Whether fat groups may take these kernels: only with ``MOETIER_FAT_EXPERTS=1`` (read per call), as they are
-    slower than the per-expert path on the H100 so far (see the module docstring)."""
-    return triton is not None and not _BROKEN and os.environ.get("MOETIER_FAT_EXPERTS", "0") == "1"
+    """Whether fat groups may take these kernels: only with ``MOETIER_FAT_EXPERTS=1`` or ``=dense`` (read per call),
+    as they are slower than the per-expert path on the H100 so far (see the module docstring). ``dense``: each
+    quantised expert is dequantised once (:meth:`ExpertWeights.dequantized`, one kernel a matrix), at most
+    ``MAX_DENSE_GROUPS`` at a time, and the dense kernels run: an A/B of the in-tile dequantisation's cost."""
+    return triton is not None and not _BROKEN and os.environ.get("MOETIER_FAT_EXPERTS", "0") in ("1", "dense")
+
+
+def _dense_first(placement: tuple) -> bool:
+    return placement[0] != 0 and os.environ.get("MOETIER_FAT_EXPERTS") == "dense"
+
+
+def _dense_placement(weights: ExpertWeights) -> tuple:
+    """The kernels' constants for a dense block: gate, up and down's element offsets (as grouped_experts')."""
+    inter, size = weights.down.shape[1], weights.down.shape[0]
+    return (0, 0, inter * size, 2 * inter * size, 0, 0, 0, 1, 1, False)
 
 
 def mark_broken(exc: BaseException) -> None:
@@ -180,12 +193,13 @@ def mark_broken(exc: BaseException) -> None:
     log.warning("fat expert kernels failed (%s); using per-expert GEMMs from now on", exc)
 
 
-def batches(groups: Sequence[Group], max_pairs: int) -> list[list[Group]]:
-    """``groups`` in order, cut into runs of at most ``max_pairs`` pairs (a group larger than that alone)."""
+def batches(groups: Sequence[Group], max_pairs: int, max_groups: int | None = None) -> list[list[Group]]:
+    """``groups`` in order, cut into runs of at most ``max_pairs`` pairs (a group larger than that alone) and at
+    most ``max_groups`` groups."""
     runs: list[list[Group]] = []
     pairs = max_pairs
     for group in groups:
-        if pairs + group[2] > max_pairs:
+        if not runs or pairs + group[2] > max_pairs or (max_groups is not None and len(runs[-1]) >= max_groups):
             runs.append([])
             pairs = 0
         runs[-1].append(group)
@@ -247,7 +261,11 @@ def run_fat(
     owners = (pair_tokens.cpu() if pair_tokens_host is None else pair_tokens_host).numpy()
     pair_tokens, pair_gates = pair_tokens.contiguous(), pair_gates.contiguous()
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-    for batch in batches(groups, MAX_BATCH_PAIRS):
+    dense_first = _dense_first(placement)
+    for batch in batches(groups, MAX_BATCH_PAIRS, MAX_DENSE_GROUPS if dense_first else None):
+        if dense_first:
+            batch = [(w.dequantized(x.dtype), s, c) for w, s, c in batch]
+            placement = _dense_placement(batch[0][0])
         table, n_tiles, pairs, touched, most, align = launch_table(batch, owners)
         host = torch.from_numpy(table)
         device_table = (host.pin_memory() if x.is_cuda else host).to(x.device, non_blocking=True)
