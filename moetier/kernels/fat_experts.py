@@ -26,9 +26,10 @@ per-expert path runs from then on.
 resident 29974 -> 16946 tok/s at 8192 tokens, tiered 18627 -> 11982. The host stopped being the bound (its
 profile then waits on the device: ``.cpu()`` of the routing ids ~306 ms of a 16384-token profile) and the kernels
 became it: every (tile, channel block) program dequantises its weight slab again for each 64-token tile of its
-expert, and 64 x 64 tiles are small for the tensor cores. Not yet tried: a larger token tile (an expert of ~200
-tokens is then read once or twice, not four times), dequantising each fat expert once (``fp4_dequant``, ~16 us a
-matrix) and running the dense variant of these kernels, and a kernel-level profile to say which of the two costs.
+expert, and 64 x 64 tiles are small for the tensor cores. Not yet measured: ``MOETIER_FAT_EXPERTS=dense`` (each
+fat expert dequantised once, ``fp4_dequant``'s ~16 us a matrix, then the dense variant of these kernels; checked
+under the interpreter only), a larger token tile (an expert of ~200 tokens then read once or twice, not four
+times), and a kernel-level profile to say which of the two costs.
 """
 
 from __future__ import annotations
