@@ -9,8 +9,8 @@
 # from Dirichlet(alpha) (make-bench-model --routing-skew: small alpha, few hot experts; unset: uniform); GPU_TEST_ARGS adds pytest arguments (e.g. "-k deepseek_v4"); GPU_TEST_TIMEOUT (default 420 s) bounds them;
 # BENCH_ARGS replaces the decode bench's "--profile"; PREFILL_ARGS replaces the prefill bench's
 # "--prompt-lens 8k,32k,128k --profile"; the prefill bench runs once per chunk size in PREFILL_CHUNKS
-# (default "4096 16384"), and once per setting in PREFILL_ENV ("VAR=A VAR=B", e.g. an A/B of a switch); SHORT_TURNS=1 adds the short-turn prefill (512/2048 tokens, pure CPU and copy
-# paths against the split). HF_BASELINE=1 adds transformers + accelerate to the decode bench (HF_ARGS:
+# (default "4096 16384"), and once per setting in PREFILL_ENV ("VAR=A VAR=B", e.g. an A/B of a switch);
+# SHORT_TURNS=1 adds the short-turn prefill (512/2048 tokens, pure CPU and copy paths against the split). HF_BASELINE=1 adds transformers + accelerate to the decode bench (HF_ARGS:
 # its extra flags). The serve stage starts `moetier serve` on the bench model with SERVE_GPU_MEMORY
 # (default 8GiB: backbone, KV, an auto 4096-token chunk and a few % of the experts) and drives it at 1/2/4 streams
 # (SKIP_SERVE_LEVELS=1: not); SERVE_TURNS=N adds agent sessions of N turns at 1/2 streams (SERVE_TURN_PROMPT words to

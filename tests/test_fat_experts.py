@@ -205,7 +205,19 @@ def test_the_fat_kernels_are_off_unless_asked_for(monkeypatch):
     monkeypatch.setenv("MOETIER_FAT_EXPERTS", "0")
     assert not f.fat_enabled()
     monkeypatch.setenv("MOETIER_FAT_EXPERTS", "1")
-    assert f.fat_enabled() or f._BROKEN
+    assert f.fat_enabled()
+    monkeypatch.setenv("MOETIER_FAT_EXPERTS", "dense")
+    assert f.fat_enabled()
+
+
+def test_an_unknown_fat_experts_setting_warns_once_and_stays_off(monkeypatch, caplog):
+    monkeypatch.setenv("MOETIER_FAT_EXPERTS", "yes-please")
+    monkeypatch.setattr(f, "_WARNED", set())
+    with caplog.at_level("WARNING", logger="moetier.kernels.fat_experts"):
+        assert not f.fat_enabled() and not f.fat_enabled()
+    assert [r.message for r in caplog.records].count(
+        "MOETIER_FAT_EXPERTS='yes-please' is not one of ('0', '1', 'dense'): the fat-group kernels stay off"
+    ) == 1
 
 
 def test_the_fat_kernels_stay_off_without_triton_on_the_device():

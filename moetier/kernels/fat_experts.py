@@ -170,22 +170,25 @@ if triton is not None:
         tl.store(out_ptr + token * hidden + h, total, mask=h_ok)
 
 
+_SETTINGS = ("0", "1", "dense")
+_WARNED: set[str] = set()  # unknown MOETIER_FAT_EXPERTS values already warned about
+
+
 def fat_enabled() -> bool:
     """Whether fat groups may take these kernels: only with ``MOETIER_FAT_EXPERTS=1`` or ``=dense`` (read per call),
     as they are slower than the per-expert path on the H100 so far (see the module docstring). ``dense``: each
     quantised expert is dequantised once (:meth:`ExpertWeights.dequantized`, one kernel a matrix), at most
-    ``MAX_DENSE_GROUPS`` at a time, and the dense kernels run: an A/B of the in-tile dequantisation's cost."""
-    return triton is not None and not _BROKEN and os.environ.get("MOETIER_FAT_EXPERTS", "0") in ("1", "dense")
+    ``MAX_DENSE_GROUPS`` at a time, and the dense kernels run: an A/B of the in-tile dequantisation's cost. Any
+    other value warns once and leaves them off."""
+    setting = os.environ.get("MOETIER_FAT_EXPERTS", "0")
+    if setting not in _SETTINGS and setting not in _WARNED:
+        _WARNED.add(setting)
+        log.warning("MOETIER_FAT_EXPERTS=%r is not one of %s: the fat-group kernels stay off", setting, _SETTINGS)
+    return triton is not None and not _BROKEN and setting in ("1", "dense")
 
 
 def _dense_first(placement: tuple) -> bool:
     return placement[0] != 0 and os.environ.get("MOETIER_FAT_EXPERTS") == "dense"
-
-
-def _dense_placement(weights: ExpertWeights) -> tuple:
-    """The kernels' constants for a dense block: gate, up and down's element offsets (as grouped_experts')."""
-    inter, size = weights.down.shape[1], weights.down.shape[0]
-    return (0, 0, inter * size, 2 * inter * size, 0, 0, 0, 1, 1, False)
 
 
 def mark_broken(exc: BaseException) -> None:
@@ -265,8 +268,10 @@ def run_fat(
     dense_first = _dense_first(placement)
     for batch in batches(groups, MAX_BATCH_PAIRS, MAX_DENSE_GROUPS if dense_first else None):
         if dense_first:
+            from moetier.kernels.grouped_experts import _placement  # imports this module: imported here
+
             batch = [(w.dequantized(x.dtype), s, c) for w, s, c in batch]
-            placement = _dense_placement(batch[0][0])
+            placement = _placement(batch[0][0])
         table, n_tiles, pairs, touched, most, align = launch_table(batch, owners)
         host = torch.from_numpy(table)
         device_table = (host.pin_memory() if x.is_cuda else host).to(x.device, non_blocking=True)

@@ -568,18 +568,20 @@ def run_experts(
     # (a resident prefill, a streamed expert, a decode), so placements agree to the order of fp32 sums.
     thin = [g for g in groups if g[2] <= MAX_GROUP_TOKENS]
     fat = [g for g in groups if g[2] > MAX_GROUP_TOKENS]
+    thin_done = fat_done = False
     if (placement := _grouped_placement(hidden, thin)) is not None:
         try:
             args = (out, hidden, pair_tokens, pair_gates, thin, swiglu_limit, pair_tokens_host, per_token, placement)
             run_grouped(*args)
-            thin = []
+            thin_done = True
         except Exception as exc:  # noqa: BLE001 - a kernel failure must not take serving down
             mark_broken(exc)
     if fat and fat_experts.fat_enabled() and (placement := layout_placement(hidden, fat)) is not None:
         try:
             fat_experts.run_fat(out, hidden, pair_tokens, pair_gates, fat, swiglu_limit, placement, pair_tokens_host)
-            fat = []
+            fat_done = True
         except Exception as exc:  # noqa: BLE001 - as above
             fat_experts.mark_broken(exc)
-    eager = [g for g in groups if (thin if g[2] <= MAX_GROUP_TOKENS else fat)]  # neither kernel set took them
+    # What neither kernel set took, in call order.
+    eager = [g for g in groups if not (fat_done if g[2] > MAX_GROUP_TOKENS else thin_done)]
     run_per_expert(out, hidden, pair_tokens, pair_gates, eager, swiglu_limit)
