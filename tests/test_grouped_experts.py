@@ -130,6 +130,23 @@ def test_per_expert_path_is_taken_off_cuda_and_for_fat_groups():
     assert torch.allclose(out, expected, atol=1e-6)
 
 
+def test_a_few_groups_of_a_large_call_build_the_table_from_their_own_pairs():
+    """A streamed expert's launch table: only its pairs' tokens are read from the call's, to the same values."""
+    from types import SimpleNamespace
+
+    from moetier.kernels import grouped_experts as k
+
+    base = torch.empty(4096, dtype=torch.uint8)
+    blocks = [SimpleNamespace(block=base[i * 1024 :]) for i in range(3)]
+    host = torch.randperm(5000)  # the call's expert-sorted pairs' tokens (distinct: each token once here)
+    few = [(blocks[0], 40, 7), (blocks[2], 900, 12)]  # two experts of the call: the dict path
+    owners = k._owners(host, few)
+    assert isinstance(owners, dict) and sorted(owners) == [*range(40, 47), *range(900, 912)]
+    assert k._table_values(few, owners, 8) == k._table_values(few, host.tolist(), 8)
+    most = [(blocks[0], 0, 3000), (blocks[1], 3000, 2000)]  # the groups hold the call: one list
+    assert isinstance(k._owners(host, most), list)
+
+
 _QUANT_CHECK = """
 import json, torch
 import moetier.kernels.grouped_experts as k

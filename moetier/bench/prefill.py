@@ -55,6 +55,7 @@ from moetier.errors import ConfigError
 from moetier.kernels.grouped_experts import run_experts
 from moetier.models.base import CausalLM
 from moetier.models.deepseek_v4_attention import workspace_bytes as v4_workspace_bytes
+from moetier.tiers.call_routing import sort_pairs_for_device
 from moetier.tiers.dispatcher import ExpertDispatcher, ResidentDispatcher
 from moetier.tiers.experts import ExpertStore, ExpertWeights
 from moetier.tiers.metrics import TierMetrics
@@ -141,14 +142,12 @@ class SyncCopyDispatcher(ExpertDispatcher):
             return out.to(hidden.dtype)
         if layer == self._first_layer:
             self.metrics.tokens += hidden.shape[0]
-        ids_host = topk_ids.reshape(-1).cpu()
-        order_host = torch.argsort(ids_host, stable=True)
-        experts, counts = torch.unique_consecutive(ids_host[order_host], return_counts=True)
-        experts_l, counts_l = experts.tolist(), counts.tolist()
+        # The pair sort every placement uses (on the device for a chunk), so only the copies' timing differs.
+        sorted_pairs = sort_pairs_for_device(topk_ids, topk_weights, self.store.layout.num_experts)
+        order_host, experts_l, counts_l, tokens_of_pair, gates_of_pair = sorted_pairs
         self._count(layer, experts_l, counts_l)
         top_k = topk_ids.shape[1]
-        order, tokens_host = order_host.to(hidden.device), order_host // top_k
-        tokens_of_pair, gates_of_pair = order // top_k, topk_weights.reshape(-1)[order]
+        tokens_host = order_host // top_k
         starts = [0, *torch.tensor(counts_l).cumsum(0).tolist()]
         for first in range(0, len(experts_l), self.staging_experts):
             batch = range(first, min(first + self.staging_experts, len(experts_l)))

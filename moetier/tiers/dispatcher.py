@@ -11,7 +11,7 @@ import torch
 
 from moetier.kernels.device_routing import LayerBlocks, device_routing_fits, run_routed
 from moetier.kernels.grouped_experts import mark_broken, run_experts
-from moetier.tiers.call_routing import sort_pairs, sorted_pairs_on_device
+from moetier.tiers.call_routing import sort_pairs_for_device
 from moetier.tiers.experts import ExpertStore, ExpertWeights
 
 
@@ -100,21 +100,23 @@ def run_host_sorted(
     topk_weights: torch.Tensor,
     block_of: Callable[[int], ExpertWeights],
     swiglu_limit: float | None,
+    num_experts: int,
 ) -> None:
     """Add every pair's ``weight * expert(hidden[token])`` into ``out``, each expert read from ``block_of(expert)``.
 
-    Sorting the (token, k) pairs by expert gives each expert one contiguous run of tokens. The sort runs on the
-    host (the groups must be there anyway): one wait for the ids, one copy back.
+    Sorting the (token, k) pairs by expert gives each expert one contiguous run of tokens. The groups must be on
+    the host: one wait for the ids (a prefill call sorts on the device and reads the order back, a decode call
+    sorts on the host; :func:`~moetier.tiers.call_routing.sort_pairs_for_device`).
     """
-    order_host, experts, counts = sort_pairs(topk_ids)
+    order_host, experts, counts, token_of_pair, weight_of_pair = sort_pairs_for_device(
+        topk_ids, topk_weights, num_experts
+    )
     groups, start = [], 0
     for expert, count in zip(experts, counts, strict=True):
         groups.append((block_of(expert), start, count))
         start += count
     top_k = topk_ids.shape[1]
-    tokens_host = order_host // top_k
-    token_of_pair, weight_of_pair = sorted_pairs_on_device(order_host, tokens_host, topk_weights, hidden.device)
-    run_experts(out, hidden, token_of_pair, weight_of_pair, groups, swiglu_limit, tokens_host, top_k)
+    run_experts(out, hidden, token_of_pair, weight_of_pair, groups, swiglu_limit, order_host // top_k, top_k)
 
 
 class ResidentDispatcher(ExpertDispatcher):
@@ -142,7 +144,7 @@ class ResidentDispatcher(ExpertDispatcher):
                 return routed
         out = expert_accumulator(hidden)
         block_of, limit = (lambda expert: self.store.expert(layer, expert)), self.store.layout.swiglu_limit
-        run_host_sorted(out, hidden, topk_ids, topk_weights, block_of, limit)
+        run_host_sorted(out, hidden, topk_ids, topk_weights, block_of, limit, self.store.layout.num_experts)
         return out.to(hidden.dtype)
 
     def graphable(self, tokens: int) -> bool:

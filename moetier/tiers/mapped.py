@@ -232,10 +232,11 @@ class MappedExperts:
     def _run_on_host(self, layer, out, hidden, topk_ids, topk_weights, skip, rows=None) -> None:
         """Off CUDA: the table read on the host and the per-expert path over the pairs ``skip`` leaves (``rows``:
         each pair's intermediate rows on the device, a cut expert's first ones; see ``routing_table.split_rows``)."""
-        limit, inter = self.store.layout.swiglu_limit, self.store.layout.intermediate_size
+        layout = self.store.layout
+        limit, inter, experts = layout.swiglu_limit, layout.intermediate_size, layout.num_experts
         offsets = self.table[self._span(layer)].tolist()
         if skip is None:
-            run_host_sorted(out, hidden, topk_ids, topk_weights, lambda e: self._block_at(offsets[e]), limit)
+            run_host_sorted(out, hidden, topk_ids, topk_weights, lambda e: self._block_at(offsets[e]), limit, experts)
             return
         if rows is not None:  # the cut expert's pairs: their first rows here, the rest is the CPU tier's
             cut = (rows > 0) & (rows < inter)
@@ -250,7 +251,7 @@ class MappedExperts:
         tokens = torch.arange(topk_ids.shape[0]).repeat_interleave(topk_ids.shape[1])[keep]
         part = torch.zeros((tokens.numel(), out.shape[1]), dtype=torch.float32)
         ids, weights = topk_ids.reshape(-1, 1)[keep], topk_weights.reshape(-1, 1)[keep]
-        run_host_sorted(part, hidden[tokens], ids, weights, lambda e: self._block_at(offsets[e]), limit)
+        run_host_sorted(part, hidden[tokens], ids, weights, lambda e: self._block_at(offsets[e]), limit, experts)
         out.index_add_(0, tokens, part)
 
     # --- between steps --------------------------------------------------------------------------

@@ -42,7 +42,7 @@ import torch
 from moetier.errors import ConfigError
 from moetier.profiling import phase
 from moetier.tiers.calibration import calibrate_routes
-from moetier.tiers.call_routing import Group, Routing, add_rows, sort_pairs
+from moetier.tiers.call_routing import Group, Routing, add_rows, sort_pairs, sort_pairs_for_device
 from moetier.tiers.copy_path import CopyPath
 from moetier.tiers.copy_timings import CopyTimings
 from moetier.tiers.cpu_jobs import decode_groups, gather_streaming
@@ -491,9 +491,10 @@ class TieredDispatcher(ExpertDispatcher):
         that wait (:mod:`moetier.tiers.decode_inputs`); a streaming call reads its ids and puts the sorted
         pairs on the device at once (its CPU groups gather their rows there).
         """
-        host = None
+        host, on_device = None, (None, None)
         if streaming:
-            order_host, experts_l, counts_l = sort_pairs(topk_ids)
+            num_experts = self.store.layout.num_experts
+            order_host, experts_l, counts_l, *on_device = sort_pairs_for_device(topk_ids, topk_weights, num_experts)
         else:
             rows = self._step_route != "copy"  # a copies-only step (or dispatcher) never runs the CPU tier
             host = read_host_inputs(hidden, topk_ids, topk_weights, self._host_buffers, rows)
@@ -505,10 +506,7 @@ class TieredDispatcher(ExpertDispatcher):
         for expert, count in zip(experts_l, counts_l, strict=True):
             groups.append(Group(expert, start, count, self.cache.get((layer, expert))))
             start += count
-        routing = Routing(groups, order_host, order_host // topk_ids.shape[1], topk_weights, host)
-        if streaming:
-            routing.to_device(hidden.device)
-        return routing
+        return Routing(groups, order_host, order_host // topk_ids.shape[1], topk_weights, host, *on_device)
 
     def _start_cpu_from_host(self, layer: int, routing: Routing, groups: list[Group], release: int | None):
         """Submit a decode call's CPU job over its host inputs (:func:`decode_groups`), the fp32 sums into a
