@@ -48,28 +48,32 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         same = bool(torch.equal(ours.view(bits[dtype]), ref.view(bits[dtype])))
         results.append({"case": f"{name} {dtype}", "fits": fits, "bits": same})
 
-# A whole expert as the tiers dequantise it (the kernel on each of gate, up, down, into one block) against the
-# torch ops' matrices concatenated.
-quant = ExpertQuant(kind="fp4-block", tile=(1, 32), pow2_scales=True, scale_format="e8m0")  # the default format
-layout = ExpertLayout(moe_layers=(0,), num_experts=1, hidden_size=64, intermediate_size=32, top_k=1, quant=quant)
-block = torch.randint(0, 256, (layout.block_numel,), generator=g, dtype=torch.int32).to(torch.uint8)
-weights = ExpertWeights.from_block(block, layout)
-for s in (weights.gate_scale, weights.up_scale, weights.down_scale):
-    s.copy_(scales_of("e8m0", tuple(s.shape)) if s.dtype == torch.uint8 else scales_of("float32", tuple(s.shape)))
-weights = ExpertWeights.from_block(block.to(device), layout)
-dense = weights.dequantized(torch.bfloat16)
-pairs = [(weights.gate_q, weights.gate_scale), (weights.up_q, weights.up_scale), (weights.down_q, weights.down_scale)]
-ref = torch.cat([dequantize_fp4(q, s, torch.bfloat16).flatten() for q, s in pairs])
-fits = all(k._fits(torch.empty(q.shape[0], 2 * q.shape[1], device=device), q, s) for q, s in pairs)
-same = bool(torch.equal(dense.block.view(torch.int16), ref.view(torch.int16)))
-shapes = list(dense.gate_up.shape) == [64, 64] and list(dense.down.shape) == [64, 32]
-results.append({"case": "expert block", "fits": fits, "bits": same and shapes})
+# A whole expert as the tiers dequantise it (one launch for gate, up and down, into one block) against the torch
+# ops' matrices concatenated: the default format, and float32 scales of 2-row blocks with partial tiles.
+for tile, fmt, hidden, inter in (((1, 32), "e8m0", 64, 32), ((2, 16), "float32", 80, 48)):
+    quant = ExpertQuant(kind="fp4-block", tile=tile, pow2_scales=fmt == "e8m0", scale_format=fmt)
+    layout = ExpertLayout(moe_layers=(0,), num_experts=1, hidden_size=hidden, intermediate_size=inter, top_k=1,
+                          quant=quant)
+    block = torch.randint(0, 256, (layout.block_numel,), generator=g, dtype=torch.int32).to(torch.uint8)
+    weights = ExpertWeights.from_block(block, layout)
+    for s in (weights.gate_scale, weights.up_scale, weights.down_scale):
+        s.copy_(scales_of("e8m0" if s.dtype == torch.uint8 else "float32", tuple(s.shape)))
+    weights = ExpertWeights.from_block(block.to(device), layout)
+    dense = weights.dequantized(torch.bfloat16)
+    pairs = [(weights.gate_q, weights.gate_scale), (weights.up_q, weights.up_scale),
+             (weights.down_q, weights.down_scale)]
+    ref = torch.cat([dequantize_fp4(q, s, torch.bfloat16).flatten() for q, s in pairs])
+    outs = [torch.empty(q.shape[0], 2 * q.shape[1], dtype=torch.bfloat16, device=device) for q, _ in pairs]
+    fits = k._expert_fits(outs, pairs)
+    same = bool(torch.equal(dense.block.view(torch.int16), ref.view(torch.int16)))
+    shapes = list(dense.gate_up.shape) == [2 * inter, hidden] and list(dense.down.shape) == [hidden, inter]
+    results.append({"case": f"expert block {tile} {fmt}", "fits": fits, "bits": same and shapes})
 print(json.dumps(results))
 """
 
 
 def _assert_results(results: list[dict]) -> None:
-    assert len(results) == 13
+    assert len(results) == 14
     for r in results:
         assert r["fits"] and r["bits"], r
 
@@ -101,3 +105,25 @@ def test_fp4_dequant_runs_the_torch_ops_off_cuda_and_where_the_kernel_does_not_f
     assert not k._fits(torch.empty(32, 8, dtype=torch.bfloat16).t(), packed, scale)  # not contiguous
     with pytest.raises(ValueError, match="does not divide"):  # the torch ops' own error for a bad grid
         k.dequantize_fp4_into(out, packed, torch.ones(3, 1, dtype=torch.uint8))
+
+
+def test_an_experts_one_launch_takes_only_matching_matrices_and_falls_back_to_the_torch_ops():
+    from moetier.kernels import fp4_dequant as k
+    from moetier.weights.fp4 import dequantize_fp4, scale_to_float
+
+    g = torch.Generator().manual_seed(1)
+    inter, hidden = 16, 32
+    packed = [torch.randint(0, 256, shape, generator=g, dtype=torch.int32).to(torch.uint8)
+              for shape in ((inter, hidden // 2), (inter, hidden // 2), (hidden, inter // 2))]  # fmt: skip
+    scales = [torch.randint(120, 130, (q.shape[0], 2 * q.shape[1] // 8), generator=g).to(torch.uint8) for q in packed]
+    pairs = list(zip(packed, scales, strict=True))
+    outs = [torch.empty(q.shape[0], 2 * q.shape[1], dtype=torch.bfloat16) for q in packed]
+    assert k._expert_fits(outs, pairs)
+    k.dequantize_fp4_expert_into(outs, pairs)  # CPU tensors, no interpreter: the torch ops a matrix
+    assert all(torch.equal(o, dequantize_fp4(q, s, torch.bfloat16)) for o, (q, s) in zip(outs, pairs, strict=True))
+    coarse = [(q, s[:, ::2].contiguous()) for q, s in pairs[:2]] + pairs[2:]  # gate/up blocks unlike down's
+    assert not k._expert_fits(outs, coarse)
+    mixed = pairs[:2] + [(pairs[2][0], scale_to_float(pairs[2][1]))]  # down's scales float32, the others' bytes
+    assert not k._expert_fits(outs, mixed)
+    square = pairs[:2] + [(pairs[0][0], pairs[0][1])]  # down not [hidden, inter / 2]
+    assert not k._expert_fits([outs[0], outs[1], outs[0]], square)

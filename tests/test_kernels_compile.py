@@ -139,6 +139,7 @@ def _kernels() -> dict[str, tuple]:
         "rope angles": (rope_rotate._angles_kernel, angles, {"R": 64, "ROUND": 1, "ROWS": 16} | CUDA, 1),
         "fp4 dequant, e8m0 bytes to bf16": _fp4_dequant("*u8", "*bf16"),
         "fp4 dequant, float32 scales to fp16": _fp4_dequant("*fp32", "*fp16"),
+        "fp4 expert dequant, e8m0 bytes to bf16": _fp4_expert_dequant(),
         "fp8 dequant, e4m3 to bf16": _fp8_dequant(False),
         "fp8 dequant, e5m2 to bf16": _fp8_dequant(True),
         "fat experts gate/up, dense bf16": _fat(0, down=False),
@@ -186,6 +187,16 @@ def _fp4_dequant(scales: str, out: str) -> tuple:
     sig = {"packed": "*u8", "scales": scales, "out": out} | dict.fromkeys(["rows", "row_bytes", "scale_cols"], "i32")
     consts = {"ROWS_PER_SCALE": 1, "BYTES_PER_SCALE": 16, "EXPONENT_BYTES": scales == "*u8"}
     return fp4_dequant._dequant_kernel, sig, consts | {"BR": fp4_dequant.BLOCK_ROWS, "BC": fp4_dequant.BLOCK_BYTES}, 4
+
+
+def _fp4_expert_dequant() -> tuple:
+    """A prefill's fat expert's three matrices dequantised in one launch (V4-Flash's release format)."""
+    sig = {f"{m}{part}": kind for part, kind in (("", "*u8"), ("_scale", "*u8"), ("_out", "*bf16"))
+           for m in ("gate", "up", "down")}  # fmt: skip
+    sig |= dict.fromkeys(["inter", "hidden", "inter_scale_cols", "hidden_scale_cols"], "i32")
+    consts = {"ROWS_PER_SCALE": 1, "BYTES_PER_SCALE": 16, "EXPONENT_BYTES": True}
+    consts |= {"BR": fp4_dequant.BLOCK_ROWS, "BC": fp4_dequant.BLOCK_BYTES}
+    return fp4_dequant._dequant_expert_kernel, sig, consts, 4
 
 
 KERNELS = _kernels()

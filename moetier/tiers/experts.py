@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier.errors import ConfigError
-from moetier.kernels.fp4_dequant import dequantize_fp4_into
+from moetier.kernels.fp4_dequant import dequantize_fp4_expert_into
 from moetier.kernels.fp8_dequant import dequantize_fp8_into
 from moetier.weights.fp8 import scale_grid
 
@@ -251,18 +251,20 @@ class ExpertWeights:
 
     def dequantized(self, dtype: torch.dtype) -> ExpertWeights:
         """Dense weights in ``dtype`` (a new block), dequantised exactly as the loader does at load time: gate, up
-        then down written into one block, each matrix in one kernel on a GPU (:mod:`moetier.kernels.fp4_dequant`,
-        :mod:`moetier.kernels.fp8_dequant`: the loader's functions' bits), the loader's functions elsewhere."""
+        then down written into one block, on a GPU by kernels that give the loader's functions' bits (fp4: the three
+        matrices in one launch, :mod:`moetier.kernels.fp4_dequant`; fp8: one a matrix,
+        :mod:`moetier.kernels.fp8_dequant`), the loader's functions elsewhere."""
         if self.tile is None:  # dense: nothing to do
             return self
         inter, hidden = self.gate_q.shape[0], self.down_q.shape[0]  # the rows: packed fp4 halves the columns
         block = torch.empty(3 * inter * hidden, dtype=dtype, device=self.gate_q.device)
         gate_up = block[: 2 * inter * hidden].view(2 * inter, hidden)
         down = block[2 * inter * hidden :].view(hidden, inter)
-        for out, (q, s) in zip((gate_up[:inter], gate_up[inter:], down), self._quantized_pairs(), strict=True):
-            if self.quant_kind == "fp4-block":
-                dequantize_fp4_into(out, q, s)
-            else:
+        outs, pairs = (gate_up[:inter], gate_up[inter:], down), self._quantized_pairs()
+        if self.quant_kind == "fp4-block":
+            dequantize_fp4_expert_into(outs, pairs)  # the three matrices in one launch where it fits
+        else:
+            for out, (q, s) in zip(outs, pairs, strict=True):
                 dequantize_fp8_into(out, q, s, self.tile)
         return ExpertWeights(block=block, gate_up=gate_up, down=down)
 
