@@ -212,3 +212,17 @@ def test_streamed_prefill_on_cuda_races_copies_and_still_matches(tmp_path, saver
     totals = loaded.model.dispatcher.metrics.snapshot()["totals"]
     assert arena.pinned and totals["copy_pairs"] > 0 and totals["prefetch_used"] > 0
     assert relative_error(ours, ref) < FP32_REL
+
+
+def test_a_streaming_call_computes_thin_staged_experts_with_the_next_fat_one():
+    from moetier.kernels.grouped_experts import MAX_GROUP_TOKENS
+    from moetier.tiers.call_routing import Group
+    from moetier.tiers.copy_path import _streamed_batch_end
+
+    thin, fat = MAX_GROUP_TOKENS, MAX_GROUP_TOKENS + 1
+    staged = [(Group(e, 0, count), None) for e, count in enumerate([fat, thin, thin, fat, fat, thin])]
+    ends, done = [], 0
+    while done < len(staged):
+        done = _streamed_batch_end(staged, done)
+        ends.append(done)
+    assert ends == [1, 4, 5, 6]  # a fat one alone, two thin ones with the fat one behind them, a trailing thin one

@@ -13,12 +13,22 @@ from typing import Any
 
 import torch
 
-from moetier.kernels.grouped_experts import run_experts
+from moetier.kernels.grouped_experts import MAX_GROUP_TOKENS, run_experts
 from moetier.profiling import phase
 from moetier.tiers.call_routing import Copies, Group, Routing
 from moetier.tiers.expert_cache import ExpertCache, Slot
 from moetier.tiers.experts import ExpertStore
 from moetier.tiers.metrics import TierMetrics
+
+
+def _streamed_batch_end(staged: list[tuple[Group, Slot]], first: int) -> int:
+    """End of a streaming call's next compute batch from ``first``: the thin experts staged from there and the
+    first fat one after them. The copies land in staging order, so the batch waits for nothing its last expert
+    does not wait for."""
+    end = first
+    while end < len(staged) and staged[end][0].count <= MAX_GROUP_TOKENS:
+        end += 1
+    return min(end + 1, len(staged))
 
 
 class CopyPath:
@@ -78,7 +88,8 @@ class CopyPath:
         worth of staged experts; a ring slot is refilled only after the compute that read it has been
         enqueued (on CUDA the refill also waits for its event), so at most ``n_staging`` copies run ahead
         of the compute. A streaming call computes each staged expert as soon as its copy lands, so its
-        GEMM overlaps the next copies.
+        GEMM overlaps the next copies (thin experts staged before a fat one go in its call: their kernels take
+        microseconds, and a call apiece cost the host a launch table each).
         """
         staged, waiting = copies.staged, copies.waiting
         read = [group.slot for group in hits + copies.direct]
@@ -87,7 +98,7 @@ class CopyPath:
         self._compute(out, hidden, routing, first + staged if together else first, stream)
         done = len(staged) if together else 0
         while done < len(staged):
-            batch = staged[done : done + 1] if streaming else staged[done:]
+            batch = staged[done : _streamed_batch_end(staged, done)] if streaming else staged[done:]
             self._compute(out, hidden, routing, batch, stream)
             done += len(batch)
             self._release_staged(batch, stream)
