@@ -86,7 +86,7 @@ if triton is not None:
 
     @triton.jit
     def e2m1(code):
-        """float32 values of 4-bit e2m1 codes (uint32, sign in bit 3): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives.
+        """float32 values of 4-bit e2m1 codes (32-bit ints, sign in bit 3): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives.
 
         No table: the code's exponent and mantissa bits become a float32's lowest exponent bits and top
         mantissa bit, which is the value times 2^-126 for every code (code 1, 0.5, lands on the subnormal

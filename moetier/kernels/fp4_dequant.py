@@ -37,16 +37,7 @@ _BROKEN: list[str] = []  # set once when the kernel fails, so serving carries on
 
 
 if triton is not None:
-
-    @triton.jit
-    def _e2m1(nibbles):
-        """int32 nibbles (0..15) -> their e2m1 values in float32, exactly: sign bit 3, exponent bits 2-1 (bias 1,
-        0 subnormal), mantissa bit 0."""
-        exponent, mantissa = (nibbles >> 1) & 3, nibbles & 1
-        normal = ((exponent + 126) << 23) | (mantissa << 22)  # (1 + m / 2) * 2 ** (e - 1)
-        magnitude = tl.where(exponent == 0, mantissa * (126 << 23), normal)
-        # The sign as a bit, not a negation (Triton's is 0 - x): nibble 8 is -0.0, as the torch ops' byte table has it.
-        return (magnitude | ((nibbles >> 3) << 31)).to(tl.float32, bitcast=True)
+    from moetier.kernels.expert_tiles import e2m1  # the grouped kernels' decoder: one set of bits
 
     @triton.jit
     def _dequant_tile(
@@ -65,7 +56,7 @@ if triton is not None:
             factor = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
         else:
             factor = tl.load(scales + at, mask=keep, other=1.0)
-        low, high = _e2m1(codes & 15) * factor, _e2m1(codes >> 4) * factor  # element 2j is byte j's low nibble
+        low, high = e2m1(codes & 15) * factor, e2m1(codes >> 4) * factor  # element 2j is byte j's low nibble
         values = tl.reshape(tl.join(low, high), (BR, 2 * BC))
         oc = tile_c * (2 * BC) + tl.arange(0, 2 * BC)
         put = (r < rows)[:, None] & (oc < 2 * row_bytes)[None, :]
