@@ -26,7 +26,10 @@ per-expert path runs from then on.
 resident 29974 -> 16946 tok/s at 8192 tokens, tiered 18627 -> 11982. The host stopped being the bound (its
 profile then waits on the device: ``.cpu()`` of the routing ids ~306 ms of a 16384-token profile) and the kernels
 became it: every (tile, channel block) program dequantises its weight slab again for each 64-token tile of its
-expert, and 64 x 64 tiles are small for the tensor cores. Not yet measured: ``MOETIER_FAT_EXPERTS=dense`` (each
+expert, and 64 x 64 tiles are small for the tensor cores. And (found since, from the code Triton makes for sm_90
+with the JIT's 16-byte pointer marks, `tests/test_kernels_compile.py`) the fp4 kernels read the activations' even
+and odd columns as two strided loads that were neither vectorised nor pipelined: they now load the columns once,
+wide (pipelined), and split them in registers. Not yet measured: ``MOETIER_FAT_EXPERTS=dense`` (each
 fat expert dequantised once, ``fp4_dequant``'s ~16 us a matrix, then the dense variant of these kernels; checked
 under the interpreter only), a larger token tile (an expert of ~200 tokens then read once or twice, not four
 times), and a kernel-level profile to say which of the two costs.
@@ -79,14 +82,12 @@ if triton is not None:
         """``acc`` plus one ``BLOCK_K`` step from ``k0`` of ``inputs @ matrix.T``: ``rows`` (``[M, 1]`` pointers)
         are the inputs' rows, ``n`` the matrix's rows (output channels), the matrix one part of an expert block of
         any format (``QUANT``: 0 dense, 1 fp8, 2 fp4, 3 fp4 with e8m0 scale bytes), ``width`` its columns."""
-        if QUANT >= 2:  # even and odd columns apart: a packed byte holds one of each
-            cols = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            ok = rows_ok[:, None] & (cols < width)[None, :]
-            low, high = fp4_tiles(weights, part, scale, n, n_ok, k0, width, dtype, TILE_R, TILE_C, BLOCK_K, QUANT == 3)
-            acc = _dot(acc, tl.load(rows + cols[None, :], mask=ok, other=0.0), low, IEEE)
-            return _dot(acc, tl.load(rows + cols[None, :] + 1, mask=ok, other=0.0), high, IEEE)
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(rows + k[None, :], mask=rows_ok[:, None] & (k < width)[None, :], other=0.0)
+        if QUANT >= 2:  # even and odd columns apart (a packed byte holds one of each), split from one wide load
+            even, odd = tl.split(tl.reshape(a, (a.shape[0], BLOCK_K // 2, 2)))
+            low, high = fp4_tiles(weights, part, scale, n, n_ok, k0, width, dtype, TILE_R, TILE_C, BLOCK_K, QUANT == 3)
+            return _dot(_dot(acc, even, low, IEEE), odd, high, IEEE)
         if QUANT == 1:
             w = fp8_tile(weights, part, scale, n, n_ok, k0, width, dtype, TILE_R, TILE_C, BLOCK_K)
         else:
