@@ -21,18 +21,19 @@ it (resident, cache slot, staging slot), so placements agree to the order of fp3
 ``MAX_BATCH_PAIRS`` pairs (its float32 rows are the workspace: 128 MiB at hidden 4096). After one failure the
 per-expert path runs from then on.
 
-**Opt-in** (``MOETIER_FAT_EXPERTS=1``, read per call): measured on an H100 (fp4 V4-Flash widths, 3 layers,
-8192-token chunks, `results/h100-20261207-122fb79-fat-experts-ab`) these kernels made prefill slower, not faster:
-resident 29974 -> 16946 tok/s at 8192 tokens, tiered 18627 -> 11982. The host stopped being the bound (its
-profile then waits on the device: ``.cpu()`` of the routing ids ~306 ms of a 16384-token profile) and the kernels
-became it: every (tile, channel block) program dequantises its weight slab again for each 64-token tile of its
-expert, and 64 x 64 tiles are small for the tensor cores. And (found since, from the code Triton makes for sm_90
-with the JIT's 16-byte pointer marks, `tests/test_kernels_compile.py`) the fp4 kernels read the activations' even
-and odd columns as two strided loads that were neither vectorised nor pipelined: they now load the columns once,
-wide (pipelined), and split them in registers. Not yet measured: ``MOETIER_FAT_EXPERTS=dense`` (each
-fat expert dequantised once, ``fp4_dequant``'s ~16 us a matrix, then the dense variant of these kernels; checked
-under the interpreter only), a larger token tile (an expert of ~200 tokens then read once or twice, not four
-times), and a kernel-level profile to say which of the two costs.
+**Opt-in** (``MOETIER_FAT_EXPERTS=1`` or ``=dense``, read per call). Measured on an H100 (fp4 V4-Flash widths, 3
+layers, 8192-token chunks): at first these kernels made prefill ~1.7x slower
+(`results/h100-20261207-122fb79-fat-experts-ab`). The fp4 kernels then read the activations' even and odd columns
+as two strided loads that were neither vectorised nor pipelined (the code Triton makes for sm_90 with the JIT's
+16-byte pointer marks, `tests/test_kernels_compile.py`); they now load the columns once, wide, and split them in
+registers. The kernel profile after that (`results/h100-20261207-e150f80-prefill-host-cuts`, a 16384-token sync
+prefill) names the cost: with the weights dequantised in the tile loads (``=1``) the gate/up kernel took 274.5 ms
+and down 98.5 ms; with each fat expert dequantised once first (``=dense``: ``fp4_dequant``'s one launch an
+expert, ~41 us, 40.8 ms in all) the dense kernels took 28.9 + 25.8 ms. ``dense`` against the per-expert path in
+that call: sync +15% / +9% at 8192 / 16384 tokens, resident -15% at 8192, tiered -13% / -17% (a streamed expert
+is computed alone, and a one-expert batch costs more host work than the eager path). One repeat a figure, so the
+per-expert path stays the default. Next: ``dense`` only for calls of many fat groups, and the in-tile decode
+once an expert tile rather than once a token tile.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ _WARNED: set[str] = set()  # unknown MOETIER_FAT_EXPERTS values already warned a
 def fat_enabled() -> bool:
     """Whether fat groups may take these kernels: only with ``MOETIER_FAT_EXPERTS=1`` or ``=dense`` (read per call),
     as they are slower than the per-expert path on the H100 so far (see the module docstring). ``dense``: each
-    quantised expert is dequantised once (:meth:`ExpertWeights.dequantized`, one kernel a matrix), at most
+    quantised expert is dequantised once (:meth:`ExpertWeights.dequantized`: one launch an fp4 expert), at most
     ``MAX_DENSE_GROUPS`` at a time, and the dense kernels run: an A/B of the in-tile dequantisation's cost. Any
     other value warns once and leaves them off."""
     setting = os.environ.get("MOETIER_FAT_EXPERTS", "0")

@@ -577,7 +577,7 @@ def run_experts(
     has it: saves a device sync) and ``per_token`` (the most pairs a token has, top-k: keeps one compiled
     kernel per model) serve the grouped path: groups of at most ``MAX_GROUP_TOKENS`` tokens run in three
     launches when :func:`grouped_usable`, larger ones (prefill's) in three launches a batch where asked for
-    (:mod:`moetier.kernels.fat_experts`, opt-in: slower so far); the rest (everything off CUDA) per expert.
+    (:mod:`moetier.kernels.fat_experts`, opt-in: not faster so far); the rest (everything off CUDA) per expert.
     """
     # Per group, not per call: a group of a given size takes the same kernel whichever call it is in
     # (a resident prefill, a streamed expert, a decode), so placements agree to the order of fp32 sums.
