@@ -130,6 +130,26 @@ def test_per_expert_path_is_taken_off_cuda_and_for_fat_groups():
     assert torch.allclose(out, expected, atol=1e-6)
 
 
+def test_the_per_expert_path_scales_each_output_as_its_widened_product_bit_for_bit():
+    from moetier.kernels import grouped_experts as k
+    from moetier.tiers.experts import ExpertLayout, ExpertWeights
+
+    g = torch.Generator().manual_seed(4)
+    layout = ExpertLayout(moe_layers=(0,), num_experts=2, hidden_size=32, intermediate_size=16, top_k=2)
+    experts = [ExpertWeights.from_block(torch.randn(3 * 16 * 32, generator=g).bfloat16(), layout) for _ in range(2)]
+    x = torch.randn(20, 32, generator=g).bfloat16()
+    tokens = torch.cat([torch.randperm(20, generator=g)[:17], torch.randperm(20, generator=g)[:9]])
+    gates = torch.rand(26, generator=g).bfloat16()
+    groups = [(experts[0], 0, 17), (experts[1], 17, 9)]
+    ours, expected = torch.zeros(20, 32), torch.zeros(20, 32)
+    k.run_per_expert(ours, x, tokens, gates, groups, 0.7)
+    for weights, start, count in groups:  # the formula the path had: y.float() * gate.float(), added in order
+        rows = tokens[start : start + count]
+        y = k.swiglu_expert(x[rows], weights, 0.7).float() * gates[start : start + count, None].float()
+        expected.index_add_(0, rows, y)
+    assert torch.equal(ours, expected)
+
+
 def test_a_few_groups_of_a_large_call_build_the_table_from_their_own_pairs():
     """A streamed expert's launch table: only its pairs' tokens are read from the call's, to the same values."""
     from types import SimpleNamespace
