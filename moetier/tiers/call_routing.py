@@ -91,8 +91,8 @@ def sort_pairs_for_device(
         order_host, experts, counts = sort_pairs(topk_ids)
         tokens_dev, gates_dev = sorted_pairs_on_device(order_host, order_host // top_k, topk_weights, flat.device)
         return order_host, experts, counts, tokens_dev, gates_dev
-    order_dev, by_expert = _sort_on_device(flat, num_experts)
-    with phase("tiers.wait"):  # the read-back waits for the router's ids
+    with phase("tiers.wait"):  # the host waits for the router's ids (bincount reads the largest, then the read-back)
+        order_dev, by_expert = _sort_on_device(flat, num_experts)
         both = torch.cat((order_dev, by_expert)).cpu()
     order_host, experts, counts = _split_read_back(both, flat.numel())
     return order_host, experts, counts, order_dev // top_k, topk_weights.reshape(-1)[order_dev]
