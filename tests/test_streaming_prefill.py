@@ -226,3 +226,15 @@ def test_a_streaming_call_computes_thin_staged_experts_with_the_next_fat_one():
         done = _streamed_batch_end(staged, done)
         ends.append(done)
     assert ends == [1, 4, 5, 6]  # a fat one alone, two thin ones with the fat one behind them, a trailing thin one
+    ends, done = [], 0
+    while done < len(staged):  # a deep ring: two fat ones a call, the thin ones between them
+        done = _streamed_batch_end(staged, done, 2)
+        ends.append(done)
+    assert ends == [4, 6]
+
+
+def test_a_deep_staging_ring_gives_a_streaming_call_a_few_fat_experts():
+    from moetier.tiers.copy_path import STREAM_FAT_PER_CALL, stream_fat_per_call
+
+    assert [stream_fat_per_call(ring) for ring in (1, 3, 4, 8, 12)] == [1, 1, 1, 2, 3]
+    assert stream_fat_per_call(1000) == STREAM_FAT_PER_CALL

@@ -13,22 +13,42 @@ from typing import Any
 
 import torch
 
-from moetier.kernels.grouped_experts import MAX_GROUP_TOKENS, run_experts
+from moetier.kernels.grouped_experts import MAX_GROUP_TOKENS, expert_batches_enabled, run_experts
 from moetier.profiling import phase
 from moetier.tiers.call_routing import Copies, Group, Routing
 from moetier.tiers.expert_cache import ExpertCache, Slot
 from moetier.tiers.experts import ExpertStore
 from moetier.tiers.metrics import TierMetrics
 
+# Fat staged experts a streaming call computes at most: one call of several spends the per-call host work once
+# and the per-expert path's batched ops over all of them (the fp4 prefill is host-bound: ~0.4 ms of host an
+# expert-call in the H100's profile against ~0.24 ms to copy one V4-Flash fp4 expert).
+STREAM_FAT_PER_CALL = 4
 
-def _streamed_batch_end(staged: list[tuple[Group, Slot]], first: int) -> int:
-    """End of a streaming call's next compute batch from ``first``: the thin experts staged from there and the
-    first fat one after them. The copies land in staging order, so the batch waits for nothing its last expert
-    does not wait for."""
-    end = first
-    while end < len(staged) and staged[end][0].count <= MAX_GROUP_TOKENS:
+
+def stream_fat_per_call(ring: int) -> int:
+    """Fat experts a streaming call takes from a staging ring of ``ring`` slots: a quarter of it, 1 to
+    :data:`STREAM_FAT_PER_CALL`, so the rest of the ring keeps copying while a call's experts wait to be read
+    (1 with ``MOETIER_EXPERT_BATCHES=0``)."""
+    if not expert_batches_enabled():
+        return 1
+    return max(1, min(STREAM_FAT_PER_CALL, ring // 4))
+
+
+def _streamed_batch_end(staged: list[tuple[Group, Slot]], first: int, fat_per_call: int = 1) -> int:
+    """End of a streaming call's next compute batch from ``first``: the thin experts staged from there, and up
+    to ``fat_per_call`` fat ones with the thin ones between them. The copies land in staging order, so the batch
+    waits for nothing its last expert does not wait for."""
+    end, fat = first, 0
+    while end < len(staged):
+        if staged[end][0].count > MAX_GROUP_TOKENS:
+            if fat == fat_per_call:
+                break
+            fat += 1
+        elif fat == fat_per_call:
+            break  # a thin one after the last fat one starts the next call (its copy may land later)
         end += 1
-    return min(end + 1, len(staged))
+    return max(end, first + 1)
 
 
 class CopyPath:
@@ -89,7 +109,8 @@ class CopyPath:
         enqueued (on CUDA the refill also waits for its event), so at most ``n_staging`` copies run ahead
         of the compute. A streaming call computes each staged expert as soon as its copy lands, so its
         GEMM overlaps the next copies (thin experts staged before a fat one go in its call: their kernels take
-        microseconds, and a call apiece cost the host a launch table each).
+        microseconds, and a call apiece cost the host a launch table each; a deep ring gives a call up to
+        :data:`STREAM_FAT_PER_CALL` fat ones, :func:`stream_fat_per_call`).
         """
         staged, waiting = copies.staged, copies.waiting
         read = [group.slot for group in hits + copies.direct]
@@ -97,8 +118,9 @@ class CopyPath:
         together = not streaming and not waiting
         self._compute(out, hidden, routing, first + staged if together else first, stream)
         done = len(staged) if together else 0
+        fat_per_call = stream_fat_per_call(self.cache.n_staging)
         while done < len(staged):
-            batch = staged[done : _streamed_batch_end(staged, done)] if streaming else staged[done:]
+            batch = staged[done : _streamed_batch_end(staged, done, fat_per_call)] if streaming else staged[done:]
             self._compute(out, hidden, routing, batch, stream)
             done += len(batch)
             self._release_staged(batch, stream)
