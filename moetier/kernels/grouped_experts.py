@@ -589,18 +589,15 @@ def _batches(groups: Sequence[Group], dtype: torch.dtype) -> list[list[Group]]:
     starts a new batch (the rows are concatenated)."""
     batches: list[list[Group]] = []
     rows = held = 0
+    shape = None
     for group in groups:
         weights, _, count = group
-        dense = _dense_bytes(weights, dtype)
-        fits = (
-            batches and rows + count <= _BATCH_ROWS and held + dense <= _BATCH_DEQUANT_BYTES
-            and _expert_shape(batches[-1][0][0]) == _expert_shape(weights)
-        )  # fmt: skip
-        if not fits:
+        dense, group_shape = _dense_bytes(weights, dtype), _expert_shape(weights)
+        if not batches or rows + count > _BATCH_ROWS or held + dense > _BATCH_DEQUANT_BYTES or group_shape != shape:
             batches.append([])
             rows = held = 0
         batches[-1].append(group)
-        rows, held = rows + count, held + dense
+        rows, held, shape = rows + count, held + dense, group_shape
     return batches
 
 

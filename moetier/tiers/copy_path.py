@@ -40,15 +40,10 @@ def _streamed_batch_end(staged: list[tuple[Group, Slot]], first: int, fat_per_ca
     to ``fat_per_call`` fat ones with the thin ones between them. The copies land in staging order, so the batch
     waits for nothing its last expert does not wait for."""
     end, fat = first, 0
-    while end < len(staged):
-        if staged[end][0].count > MAX_GROUP_TOKENS:
-            if fat == fat_per_call:
-                break
-            fat += 1
-        elif fat == fat_per_call:
-            break  # a thin one after the last fat one starts the next call (its copy may land later)
+    while end < len(staged) and fat < fat_per_call:  # a thin one after the last fat one waits for the next call
+        fat += staged[end][0].count > MAX_GROUP_TOKENS
         end += 1
-    return max(end, first + 1)
+    return end
 
 
 class CopyPath:
