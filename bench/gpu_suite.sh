@@ -19,6 +19,10 @@
 # and runs decode/prefill with --expert-format fp8 (half the miss bytes); FP4_EXPERTS=1 the same with packed
 # FP4 e2m1 + ue8m0 scales (DeepSeek-V4's release format, --expert-format fp4: 0.27x the miss bytes of bf16 with
 # the default e8m0 scale bytes, 0.31x with MOETIER_FP4_SCALES=float32).
+# FP8_BACKBONE=1 writes the bench model's attention and shared-expert linears as fp8 + 128x128 tile scales, as
+# DeepSeek's releases do (moetier keeps them fp8 in VRAM by default); BACKBONE_AB="dense fp8 dense" adds a decode run
+# of BACKBONE_AB_MODES (default resident,tiered) at BACKBONE_AB_STREAMS (default 1,4) per --backbone-format named, in
+# order; BACKBONE_AB_PREFILL=1 also a prefill run (8k tokens, 8192-token chunks, tiered) per format named.
 # KV_LAYOUT_CHECK=1 adds two decode runs with fp8 KV, contiguous then paged (KV_LAYOUT_PROMPT: their prompt
 # length, default 64, e.g. 32768 for long-context decode; KV_LAYOUT_MODES, default resident,tiered; KV_LAYOUT_DTYPE;
 # KV_LAYOUT_LAYOUTS, default "contiguous paged"; KV_LAYOUT_ENV="VAR=A VAR=B": those runs once per setting, e.g.
@@ -169,11 +173,12 @@ if [ -n "${DISPATCH_HOST:-}" ]; then  # the host's cost of one MoE dispatch call
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
     shape=${BENCH_SHAPE:-deepseek-v4-flash}
-    model=/tmp/moetier-bench/$shape-${BENCH_LAYERS:-3}l${ROUTING_SKEW:+-skew$ROUTING_SKEW}${FP8_EXPERTS:+-fp8}${FP4_EXPERTS:+-fp4}
+    model=/tmp/moetier-bench/$shape-${BENCH_LAYERS:-3}l${ROUTING_SKEW:+-skew$ROUTING_SKEW}${FP8_EXPERTS:+-fp8}${FP4_EXPERTS:+-fp4}${FP8_BACKBONE:+-fp8bb}
     skew=()
     [ -n "${ROUTING_SKEW:-}" ] && skew=(--routing-skew "$ROUTING_SKEW")
     [ -n "${FP8_EXPERTS:-}" ] && skew+=(--fp8-experts)
     [ -n "${FP4_EXPERTS:-}" ] && skew+=(--fp4-experts)
+    [ -n "${FP8_BACKBONE:-}" ] && skew+=(--fp8-backbone)
     echo "=== make-bench-model" >> "$LOG"
     # Progress bars are dropped from the log (carriage returns).
     make_model() {  # make_model DEVICE: the weights drawn on DEVICE
@@ -239,6 +244,17 @@ if [ -z "${SKIP_BENCH:-}" ]; then
             echo "=== decode with --tiered $setting" >> "$LOG"
             bench decode 300 --streams "${TIERED_AB_STREAMS:-1,2,4}" --cache-fraction 0.05 --policy lfu \
                 --modes "${TIERED_AB_MODES:-tiered,mapped-cpu}" --profile --tiered "$setting"
+        done
+    fi
+    if [ -n "${BACKBONE_AB:-}" ]; then  # the backbone's linears fp8 (as stored) against dequantised at load
+        for backbone in $BACKBONE_AB; do
+            echo "=== decode with --backbone-format $backbone" >> "$LOG"
+            bench decode 300 --streams "${BACKBONE_AB_STREAMS:-1,4}" --cache-fraction 0.05 --policy lfu \
+                --modes "${BACKBONE_AB_MODES:-resident,tiered}" --backbone-format "$backbone"
+            if [ -n "${BACKBONE_AB_PREFILL:-}" ]; then
+                bench prefill 300 --cache-fraction 0.05 --policy lfu --chunk-tokens 8192 --prompt-lens 8k \
+                    --modes tiered --backbone-format "$backbone"
+            fi
         done
     fi
     if [ -n "${CPU_WORKER_AB:-}" ]; then  # the CPU tier's Python worker, against the main run's native one

@@ -77,6 +77,18 @@ def add_expert_format_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_backbone_format_argument(parser: argparse.ArgumentParser) -> None:
+    """--backbone-format: the backbone linears' VRAM copy, shared by ``serve``, ``generate`` and ``plan``."""
+    parser.add_argument(
+        "--backbone-format",
+        default="fp8",
+        choices=["fp8", "dense"],  # moetier.config.BACKBONE_FORMATS (not imported: torch stays lazy)
+        help="backbone linears (attention, shared experts): fp8 (default: those the checkpoint stores fp8-block, "
+        "as DeepSeek's releases do, stay so: half the VRAM and decode bytes of bf16; no effect on other "
+        "checkpoints) or dense (dequantised to --dtype at load)",
+    )
+
+
 def add_prefill_chunk_argument(parser: argparse.ArgumentParser) -> None:
     """--prefill-chunk: prefill tokens per step, shared by ``serve``, ``generate`` and ``plan``."""
     parser.add_argument(
@@ -150,6 +162,7 @@ def _setup_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     add_kv_dtype_argument(parser)
     add_expert_format_argument(parser)
+    add_backbone_format_argument(parser)
     add_prefill_chunk_argument(parser)
     add_tier_arguments(parser)
     parser.set_defaults(handler=_run_generate)
@@ -186,6 +199,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         kv_dtype=args.kv_dtype,
         prefill_chunk_tokens=args.prefill_chunk,
         expert_format=args.expert_format,
+        backbone_format=args.backbone_format,
     )
     # Options left out keep the checkpoint's generation_config defaults.
     params = replace(llm.get_default_sampling_params(), **chosen)
@@ -268,6 +282,7 @@ def _setup_serve(parser: argparse.ArgumentParser) -> None:
     )
     add_kv_dtype_argument(parser)
     add_expert_format_argument(parser)
+    add_backbone_format_argument(parser)
     add_prefill_chunk_argument(parser)
     add_prefix_cache_argument(parser)
     add_tier_arguments(parser)
@@ -296,6 +311,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         prefill_chunk_tokens=args.prefill_chunk,
         expert_format=args.expert_format,
+        backbone_format=args.backbone_format,
         spare_cache_seconds=args.spare_cache_seconds,
         prefix_cache=args.prefix_cache,
         tiers=tier_options(args),
@@ -319,6 +335,7 @@ def _setup_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pcie-gbps", type=float, default=None, help="PCIe host->device GB/s (default: H200 box)")
     add_kv_dtype_argument(parser)
     add_expert_format_argument(parser)
+    add_backbone_format_argument(parser)
     add_prefill_chunk_argument(parser)
     add_prefix_cache_argument(parser)
     parser.set_defaults(handler=_run_plan)
@@ -352,6 +369,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         device_memory=plan.device_memory(device),
         kv_dtype=args.kv_dtype,
         expert_format=args.expert_format,
+        backbone_format=args.backbone_format,
         prefix_cache=prefix,
         prefix_snapshots=borrowed_prefix_snapshots(hf_config, serving, device),
         **{k: v for k, v in bandwidths.items() if v is not None},

@@ -45,6 +45,18 @@ def check_expert_format(value: str) -> str:
     return value
 
 
+# The backbone's linears: "fp8" keeps those a checkpoint stores fp8-block (moetier.models.fp8_linear), "dense"
+# dequantises them at load.
+BACKBONE_FORMATS = ("fp8", "dense")
+
+
+def check_backbone_format(value: str) -> str:
+    """``value`` if it names a backbone format, else a one-line ConfigError listing them."""
+    if value not in BACKBONE_FORMATS:
+        raise ConfigError(f"backbone_format must be one of {', '.join(BACKBONE_FORMATS)}, got {value!r}")
+    return value
+
+
 def check_seconds(name: str, value: object, zero: str = "") -> None:
     """Raise a one-line :class:`ConfigError` unless ``value`` is a finite number of seconds >= 0 (``zero``: what 0
     means, for the message)."""
@@ -62,16 +74,20 @@ class ModelLoadConfig:
 
     ``expert_format``: ``"dense"`` (routed experts dequantised to ``dtype`` at load), ``"fp8"`` (an
     fp8-block checkpoint's experts stay float8 + scales in the home copy) or ``"fp4"`` (DeepSeek-V4's
-    FP4 experts stay packed + scales); see :data:`EXPERT_FORMATS`.
+    FP4 experts stay packed + scales); see :data:`EXPERT_FORMATS`. ``backbone_format``: ``"fp8"`` (backbone
+    linears the checkpoint stores fp8-block stay so, half the VRAM of bf16; a no-op on other checkpoints) or
+    ``"dense"`` (dequantised at load).
     """
 
     dtype: torch.dtype = torch.bfloat16
     device: torch.device | str = "cpu"
     max_model_len: int | None = None
     expert_format: str = "dense"
+    backbone_format: str = "fp8"
 
     def __post_init__(self) -> None:
         check_expert_format(self.expert_format)
+        check_backbone_format(self.backbone_format)
         self.dtype = parse_dtype(self.dtype)
         self.device = torch.device(self.device)
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -76,7 +76,8 @@ class LLM:
     (``auto``, ``bf16``, ``fp8``), when given, overrides the engine config's KV cache storage, and
     ``prefill_chunk_tokens`` its prefill tokens per step (left as ``None`` in both, the placement plan
     picks the chunk with ``gpu_memory``; ``self.engine.config.prefill_chunk_tokens`` is the one used).
-    ``expert_format`` (``dense``, ``fp8``, ``fp4``), when given, overrides the engine config's experts' home copy.
+    ``expert_format`` (``dense``, ``fp8``, ``fp4``), when given, overrides the engine config's experts' home copy, and
+    ``backbone_format`` (``fp8``, ``dense``) its backbone linears'.
     """
 
     def __init__(
@@ -96,6 +97,7 @@ class LLM:
         kv_dtype: str | None = None,
         prefill_chunk_tokens: int | None = None,
         expert_format: str | None = None,
+        backbone_format: str | None = None,
     ) -> None:
         self.path = Path(model).expanduser()
         config = engine_config or EngineConfig()
@@ -107,6 +109,8 @@ class LLM:
             config = replace(config, prefill_chunk_tokens=prefill_chunk_tokens)
         if expert_format is not None:
             config = replace(config, expert_format=expert_format)  # validated by EngineConfig
+        if backbone_format is not None:
+            config = replace(config, backbone_format=backbone_format)
         tiers = None
         if gpu_memory is not None:
             from moetier.tiers.plan import TierOptions

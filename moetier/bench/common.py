@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from moetier.config import EXPERT_FORMATS, ModelLoadConfig, default_device, parse_dtype
+from moetier.config import BACKBONE_FORMATS, EXPERT_FORMATS, ModelLoadConfig, default_device, parse_dtype
 from moetier.errors import ConfigError
 from moetier.tiers.experts import ExpertStore, device_allocator
 from moetier.tiers.host_store import HostExpertArena
@@ -104,13 +104,16 @@ def parse_int_list(text: str, flag: str) -> list[int]:
 
 
 def load_checkpoint(
-    model: Path, dtype: str, device: str | None, expert_format: str = "dense"
+    model: Path, dtype: str, device: str | None, expert_format: str = "dense", backbone_format: str = "fp8"
 ) -> tuple[LoadedModel, torch.device, HostExpertArena]:
-    """Backbone on the compute device, experts' home copy in a (pinned) host arena (fp8 with ``expert_format``)."""
+    """Backbone on the compute device (its fp8-block linears kept so with ``backbone_format`` "fp8"), experts'
+    home copy in a (pinned) host arena (fp8 / fp4 with ``expert_format``)."""
     target = torch.device(device) if device else default_device()
     torch_dtype = parse_dtype(dtype)
     arena = HostExpertArena.for_checkpoint(model, torch_dtype, expert_format=expert_format)
-    config = ModelLoadConfig(dtype=torch_dtype, device=target, expert_format=expert_format)
+    config = ModelLoadConfig(
+        dtype=torch_dtype, device=target, expert_format=expert_format, backbone_format=backbone_format
+    )
     loaded = load_model(model, config, expert_allocator=arena)
     return loaded, target, arena
 
@@ -164,6 +167,12 @@ def add_placement_arguments(
     parser.add_argument(
         "--expert-format", default="dense", choices=list(EXPERT_FORMATS), help="experts' home copy (fp8/fp4: as stored)"
     )
+    parser.add_argument(
+        "--backbone-format",
+        default="fp8",
+        choices=list(BACKBONE_FORMATS),
+        help="backbone linears: fp8 (those stored fp8-block stay so, default) or dense (dequantised at load)",
+    )
 
 
 def placement_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -179,4 +188,5 @@ def placement_options(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "routing_trace": args.routing_trace,
         "expert_format": args.expert_format,
+        "backbone_format": args.backbone_format,
     }

@@ -114,6 +114,7 @@ class DecodeBenchConfig:
     hf_args: str = ""  # extra ``moetier bench hf`` flags
     routing_trace: Path | None = None  # replay this recorded routing (see moetier.bench.trace_routing)
     expert_format: str = "dense"  # "fp8" / "fp4": the experts' home copy as the checkpoint stores them
+    backbone_format: str = "fp8"  # "dense": backbone linears dequantised at load (moetier.models.fp8_linear)
     kv_layout: str = "contiguous"  # "paged": the streams' caches take blocks from a shared pool (models.paged_kv)
     kv_dtype: str | None = None  # None: the model dtype; "fp8" / "bf16" as the engine's kv_dtype
     # TieredConfig fields every tiered mode but naive runs with (an A/B of one knob in one process).
@@ -328,7 +329,7 @@ def _add_ratios(results: list[dict[str, Any]]) -> None:
 
 def load_for_bench(cfg: DecodeBenchConfig) -> tuple[LoadedModel, torch.device, HostExpertArena]:
     # The backbone loads onto the compute device; the experts' home copy into the (pinned) host arena.
-    return load_checkpoint(cfg.model, cfg.dtype, cfg.device, cfg.expert_format)
+    return load_checkpoint(cfg.model, cfg.dtype, cfg.device, cfg.expert_format, cfg.backbone_format)
 
 
 def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
@@ -404,6 +405,8 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
             "routed_expert_bytes_per_token": layout.top_k * len(layout.moe_layers) * block_bytes,
             "cache_slots": slots,
             "cache_share_of_experts": slots / total_experts,
+            # VRAM of the backbone as loaded (fp8-block linears kept so with backbone_format "fp8")
+            "backbone_bytes": sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]),
             "host_copy_pinned": arena.pinned,
             "host_copy_note": arena.pin_note,
             "load_seconds": load_seconds,
@@ -453,7 +456,8 @@ def markdown_table(receipt: dict[str, Any]) -> str:
         f"Decode, {plan['moe_layers']} MoE layers x {plan['experts_per_layer']} experts "
         f"({plan['routed_expert_bytes_total'] / 1e9:.1f} GB routed), cache {plan['cache_slots']} slots "
         f"({100 * plan['cache_share_of_experts']:.1f}% of experts), host read {bounds['host_read_gbps']:.1f} GB/s, "
-        f"H2D {bounds['h2d_pinned_gbps'] or 0:.1f} GB/s, git {receipt['environment']['git_sha']}",
+        f"H2D {bounds['h2d_pinned_gbps'] or 0:.1f} GB/s, backbone {plan.get('backbone_bytes', 0) / 1e9:.2f} GB "
+        f"({receipt['config'].get('backbone_format', 'dense')}), git {receipt['environment']['git_sha']}",
         "",
         "| mode | streams | tok/s (median [min-max]) | x naive | x resident | x hf | hit rate | DRAM bound tok/s "
         "| x bound | prefetched used / wasted per step | hint precision / recall |",

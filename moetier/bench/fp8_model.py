@@ -25,6 +25,12 @@ FP8_RANGE_STD = 8.0  # draws beyond 8 standard deviations (never, in practice) w
 TILE = (128, 128)
 # Routed experts' matrices in the three families' checkpoint names.
 _EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+# The backbone linears DeepSeek's fp8 releases store as float8: attention's projections (V4's compressors and
+# indexer too), dense layers' and shared experts' MLPs. Embeddings, the LM head, routers and norms stay dense.
+_BACKBONE_LINEAR = re.compile(
+    r"\.(self_attn|attn)\.(.+\.)?(w\w*|\w+_proj|\w+_proj_with_mqa)\.weight$"
+    r"|\.shared_experts?\.\w+\.weight$|\.layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)\.weight$"
+)
 
 
 @dataclass(frozen=True)
@@ -42,9 +48,18 @@ def quantization_config() -> dict[str, Any]:
 
 def fp8_expert_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
     """``specs`` with every routed expert matrix as fp8 (``dtype`` "F8") followed by its tile scales."""
+    return _fp8_specs(specs, _EXPERT_WEIGHT)
+
+
+def fp8_backbone_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """``specs`` with every backbone linear a DeepSeek fp8 release stores as float8 so, followed by its scales."""
+    return _fp8_specs(specs, _BACKBONE_LINEAR)
+
+
+def _fp8_specs(specs: list[TensorSpec], names: re.Pattern[str]) -> list[TensorSpec]:
     out = []
     for spec in specs:
-        if not (_EXPERT_WEIGHT.search(spec.name) and isinstance(spec.init, Normal) and len(spec.shape) == 2):
+        if not (names.search(spec.name) and isinstance(spec.init, Normal) and len(spec.shape) == 2):
             out.append(spec)
             continue
         scale = spec.init.std * FP8_RANGE_STD / FP8_MAX

@@ -54,7 +54,14 @@ from moetier.bench.fp4_model import (
     fp4_config,
     fp4_expert_specs,
 )
-from moetier.bench.fp8_model import FP8_DTYPE, Fp8Normal, fill_fp8, fp8_expert_specs, quantization_config
+from moetier.bench.fp8_model import (
+    FP8_DTYPE,
+    Fp8Normal,
+    fill_fp8,
+    fp8_backbone_specs,
+    fp8_expert_specs,
+    quantization_config,
+)
 from moetier.bench.routers import RouterFactory
 from moetier.bench.safetensors_out import (
     INDEX_FILE,
@@ -104,6 +111,7 @@ class WriteOptions:
     tokenizer: bool = True  # write a full-vocabulary tokenizer, so the folder can be served
     fp8_experts: bool = False  # routed experts as float8 + 128x128 tile scales (moetier.bench.fp8_model)
     fp4_experts: bool = False  # routed experts as packed e2m1 + ue8m0 scales per 32 inputs (moetier.bench.fp4_model)
+    fp8_backbone: bool = False  # attention / shared-expert linears as float8 + 128x128 tile scales, as releases do
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -265,6 +273,9 @@ def plan_bench_model(cfg: dict[str, Any], options: WriteOptions | None = None) -
         check_fp4_shape(cfg)
         specs = fp4_expert_specs(specs)
         cfg = fp4_config(cfg)
+    if options.fp8_backbone:
+        specs = fp8_backbone_specs(specs)
+        cfg = {**cfg, "quantization_config": cfg.get("quantization_config", quantization_config())}
     stored = [StoredTensor(s.name, _stored_dtype(s, options.dtype), s.shape) for s in specs]
     return BenchPlan(cfg, specs, stored)
 
@@ -431,6 +442,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="routed experts as packed FP4 e2m1 + a ue8m0 scale per 32 inputs, as DeepSeek-V4's release stores "
         "them (deepseek-v4 shapes only)",
     )
+    parser.add_argument(
+        "--fp8-backbone",
+        action="store_true",
+        help="attention, dense-layer and shared-expert linears as float8 e4m3 + 128x128 tile scales, as DeepSeek's "
+        "releases store them (moetier keeps them fp8 in VRAM; --backbone-format dense dequantises them)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -457,6 +474,7 @@ def run(args: argparse.Namespace) -> int:
             tokenizer=args.tokenizer,
             fp8_experts=args.fp8_experts,
             fp4_experts=args.fp4_experts,
+            fp8_backbone=args.fp8_backbone,
         )
         summary = write_bench_model(cfg, args.out, options)
     except MoetierError as exc:

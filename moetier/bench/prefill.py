@@ -88,6 +88,7 @@ class PrefillBenchConfig:
     host_profile: bool = False  # cProfile of two chunks, per mode (moetier.bench.host_profile)
     routing_trace: Path | None = None  # replay this recorded routing (see moetier.bench.trace_routing)
     expert_format: str = "dense"  # "fp8": the experts' home copy as an fp8 checkpoint stores them
+    backbone_format: str = "fp8"  # "dense": backbone linears dequantised at load (moetier.models.fp8_linear)
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
@@ -407,7 +408,7 @@ def run_prefill_bench(cfg: PrefillBenchConfig) -> dict[str, Any]:
     trace, trace_info = trace_routing.load_for_bench(cfg.routing_trace, cfg.model)  # fails before the weights load
     bounds = measure_bounds(quick=cfg.quick_bounds)
     load_start = time.perf_counter()
-    loaded, device, arena = load_checkpoint(cfg.model, cfg.dtype, cfg.device, cfg.expert_format)
+    loaded, device, arena = load_checkpoint(cfg.model, cfg.dtype, cfg.device, cfg.expert_format, cfg.backbone_format)
     load_seconds = time.perf_counter() - load_start
     model, store = loaded.model, loaded.store
     layout = store.layout

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from moetier.config import ModelLoadConfig, check_expert_format, check_seconds, parse_dtype
+from moetier.config import ModelLoadConfig, check_backbone_format, check_expert_format, check_seconds, parse_dtype
 from moetier.engine.prefill_meter import PrefillMeter
 from moetier.engine.sampling import TokenLogprob
 from moetier.engine.scheduler import KV_ADMISSION_MODES, Sequence
@@ -80,6 +80,8 @@ class EngineConfig:
     - ``expert_format``: the routed experts' home copy when the engine loads a checkpoint: ``"dense"``
       (dequantised to the model dtype), ``"fp8"`` (an fp8-block checkpoint's float8 + scales, half the
       bytes) or ``"fp4"`` (DeepSeek-V4's packed FP4 + scales; :class:`moetier.config.ModelLoadConfig`).
+    - ``backbone_format``: ``"fp8"`` (default: backbone linears an fp8-block checkpoint stores so stay float8 +
+      scales in VRAM) or ``"dense"`` (dequantised at load).
     """
 
     max_streams: int = 4
@@ -100,9 +102,11 @@ class EngineConfig:
     kv_block_tokens: int = 16
     spare_cache_seconds: float = 30.0
     expert_format: str = "dense"
+    backbone_format: str = "fp8"
 
     def __post_init__(self) -> None:
         check_expert_format(self.expert_format)
+        check_backbone_format(self.backbone_format)
         _positive_int("max_streams", self.max_streams)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)
         _positive_int("prefill_chunk_tokens", self.prefill_chunk_tokens, allow_none=True)
@@ -144,7 +148,9 @@ class EngineConfig:
 
     def load_config(self, dtype: torch.dtype, device: torch.device, max_model_len: int) -> ModelLoadConfig:
         """How the engine loads its checkpoint: ``dtype`` on ``device``, experts in ``expert_format``."""
-        return ModelLoadConfig(dtype, device, max_model_len, expert_format=self.expert_format)
+        return ModelLoadConfig(
+            dtype, device, max_model_len, expert_format=self.expert_format, backbone_format=self.backbone_format
+        )
 
     @property
     def cache_kv_dtype(self) -> str | None:

@@ -186,6 +186,9 @@ class CausalLM(nn.Module, ABC):
     # Parameters whose names contain one of these stay float32 whatever the load dtype
     # (the references keep router biases, mHC mixers and some norms in float32).
     keep_fp32: tuple[str, ...] = ()
+    # Linears whose weight the model reads itself (not through the module's forward): dequantised at load
+    # whatever the backbone format (moetier.models.fp8_linear).
+    dense_linears: tuple[str, ...] = ()
     # Whether decode attention reads paged KV blocks in place on CUDA (moetier.kernels.paged_attention);
     # the engine's ``kv_layout="auto"`` picks the paged layout for such a model there.
     reads_paged_kv_in_place: bool = False
@@ -250,7 +253,8 @@ class CausalLM(nn.Module, ABC):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        """The compute dtype: the first parameter's that is not an fp8 linear's stored weight."""
+        return next(p.dtype for p in self.parameters() if p.element_size() > 1)
 
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {}

@@ -408,6 +408,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     reads_paged_kv_in_place = True  # decode attention on paged caches: kernels/paged_attention.py
 
     keep_fp32 = ("e_score_correction_bias",)
+    dense_linears = ("kv_b_proj",)  # absorbed into the queries and outputs (its weight is read, not called)
     # Decode steps (one token per sequence) run as segments (:mod:`decode_segments`), CUDA graphs where
     # ``graphs`` allows; False runs them through the layers' one-call forward, as prefill does.
     segmented_decode = True

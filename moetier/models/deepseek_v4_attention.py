@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetier.kernels.fp8_linear import grouped_reference
 from moetier.kernels.rmsnorm import rms_norm
 from moetier.models import deepseek_v4_attention_decode as attention_decode
 from moetier.models.deepseek_v4_cache import CompressorState, LayerCache, RowWrites
@@ -31,6 +32,7 @@ from moetier.models.deepseek_v4_decode import (
     sliding_keys,
 )
 from moetier.models.deepseek_v4_rope import Rotation, StepRope, rotate_
+from moetier.models.fp8_linear import Fp8BlockLinear
 from moetier.models.fused_linears import FusedLinears as FusedLinears  # re-exported: its home was here
 from moetier.models.layers import RMSNorm
 
@@ -590,7 +592,6 @@ class DeepseekV4Attention(nn.Module):
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Grouped output projection: each head group maps to ``o_lora_rank`` channels, then one mix."""
-        tokens = out.shape[0]
-        grouped = out.reshape(tokens, self.o_groups, -1).transpose(0, 1)  # [groups, T, group_in]
-        weight = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1).transpose(1, 2)
-        return self.wo_b(torch.bmm(grouped, weight).transpose(0, 1).reshape(tokens, -1))
+        if isinstance(self.wo_a, Fp8BlockLinear):
+            return self.wo_b(self.wo_a.grouped(out.reshape(out.shape[0], -1), self.o_groups))
+        return self.wo_b(grouped_reference(out.reshape(out.shape[0], -1), self.wo_a.weight, self.o_groups))

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from moetier import __version__
-from moetier.config import check_expert_format, check_seconds
+from moetier.config import check_backbone_format, check_expert_format, check_seconds
 from moetier.errors import ChatTemplateError, ConfigError
 from moetier.server.metrics import ServerMetrics, dispatcher_metrics
 from moetier.server.openai_errors import (
@@ -92,6 +92,7 @@ class ServeConfig:
     prefill_chunk_tokens: int | None = None
     warmup: bool = True
     expert_format: str = "dense"
+    backbone_format: str = "fp8"
     spare_cache_seconds: float = 30.0
     prefix_cache: int | str = 1 << 30
 
@@ -99,6 +100,7 @@ class ServeConfig:
         from moetier.units import parse_size
 
         check_expert_format(self.expert_format)
+        check_backbone_format(self.backbone_format)
         self.prefix_cache = parse_size(self.prefix_cache, "--prefix-cache")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port!r}")
@@ -163,6 +165,7 @@ def load_serving_model(config: ServeConfig) -> ServingModel:
         kv_layout=config.kv_layout,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         expert_format=config.expert_format,
+        backbone_format=config.backbone_format,
         spare_cache_seconds=config.spare_cache_seconds,
         enable_prefix_caching=config.prefix_cache > 0,
         prefix_cache_bytes=config.prefix_cache,

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from moetier.config import ModelLoadConfig, check_expert_format
+from moetier.config import ModelLoadConfig, check_backbone_format, check_expert_format
 from moetier.errors import ConfigError
 from moetier.models.base import ExpertTarget, IgnoreTarget
 from moetier.tiers.dispatcher import make_dispatcher
@@ -79,11 +79,15 @@ class CheckpointSizes:
     architecture: str
 
 
-def checkpoint_sizes(path: str | Path, dtype: torch.dtype, expert_format: str = "dense") -> CheckpointSizes:
+def checkpoint_sizes(
+    path: str | Path, dtype: torch.dtype, expert_format: str = "dense", backbone_format: str = "fp8"
+) -> CheckpointSizes:
     """Classify every stored tensor (backbone, routed expert, ignored) by the family's name mapping, and
     count the backbone the loader would build (a meta-device model: no memory, no weights read); the
-    layout's expert blocks are ``expert_format``'s (``"fp8"``: float8 + scales; ``"fp4"``: packed + scales)."""
+    layout's expert blocks are ``expert_format``'s (``"fp8"``: float8 + scales; ``"fp4"``: packed + scales),
+    the backbone's fp8-block linears ``backbone_format``'s."""
     from moetier.models import model_class_for
+    from moetier.models.fp8_linear import keep_fp8_linears, materialized_dtype
 
     ckpt = Checkpoint(path)
     cls = model_class_for(ckpt.architectures)
@@ -92,6 +96,8 @@ def checkpoint_sizes(path: str | Path, dtype: torch.dtype, expert_format: str = 
     store = ExpertStore(layout, dtype, lambda numel, dt: torch.empty(numel, dtype=dt, device="meta"))
     with torch.device("meta"):
         model = cls(family_config, make_dispatcher("resident", store))
+    if backbone_format == "fp8":
+        keep_fp8_linears(model, ckpt)
     sizes = {"backbone": 0, "experts": 0, "ignored": 0}
     formats = {name: format_for(name, ckpt) for name in ckpt.names()}
     owner = {c: name for name, fmt in formats.items() for c in fmt.companions(name)}
@@ -109,10 +115,14 @@ def checkpoint_sizes(path: str | Path, dtype: torch.dtype, expert_format: str = 
         )
         sizes[kind] += ckpt.tensors[name].nbytes
     backbone = 0
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        keep = tensor.is_floating_point() and any(p in name for p in model.keep_fp32)
-        element = 4 if keep else (tensor.element_size() if not tensor.is_floating_point() else _size_of(dtype))
-        backbone += tensor.numel() * element
+    for module_name, module in model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None:
+                    continue
+                full_name = f"{module_name}.{name}" if module_name else name
+                target = materialized_dtype(model, module, name, full_name, tensor, dtype)
+                backbone += tensor.numel() * _size_of(target)
     return CheckpointSizes(
         sizes["backbone"], sizes["experts"], sizes["ignored"], backbone, layout, family_config, cls.__name__
     )
@@ -131,7 +141,8 @@ class PlanBudget:
     (:func:`moetier.tiers.workspace.choose_prefill_chunk`; within the given ``workspace`` when one is given).
     ``workspace`` / ``kv_bytes_per_token``: override the stated estimates. ``kv_dtype``: the KV cache's
     storage (``auto`` = the load dtype, ``bf16``, ``fp8`` = one byte per element plus per-token scales).
-    ``expert_format``: the experts' home copy, ``dense``, ``fp8`` or ``fp4`` (``ModelLoadConfig.expert_format``).
+    ``expert_format``: the experts' home copy, ``dense``, ``fp8`` or ``fp4`` (``ModelLoadConfig.expert_format``);
+    ``backbone_format``: ``fp8`` or ``dense`` (``ModelLoadConfig.backbone_format``).
     ``prefix_cache``: the most VRAM the engine's prefix-cache snapshots may hold. ``prefix_snapshots``: where the
     snapshots borrow their caches' entries (DeepSeek-V4 with spare caches: each holds one stream's rolling state,
     :mod:`moetier.models.deepseek_v4_snapshot`), how many of them the plan reserves for (at most ``prefix_cache``);
@@ -155,9 +166,11 @@ class PlanBudget:
     # Streams whose KV is reserved up front (None = all ``max_streams``); the others borrow expert-cache slots.
     kv_reserve_streams: int | None = None
     expert_format: str = "dense"
+    backbone_format: str = "fp8"
 
     def __post_init__(self) -> None:
         check_expert_format(self.expert_format)
+        check_backbone_format(self.backbone_format)
         self.gpu_memory = parse_size(self.gpu_memory, "--gpu-memory", self.device_memory)
         self.prefix_cache = parse_size(self.prefix_cache, "prefix cache")
         if self.host_memory is not None:
@@ -345,7 +358,7 @@ def _rate(value: float) -> str:
 def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.bfloat16) -> PlacementPlan:
     """Lay out ``budget`` for the checkpoint at ``path`` (headers only); raises :class:`ConfigError` when
     the backbone and a minimal KV cache do not fit, naming the shortfall and the knob to turn."""
-    sizes = checkpoint_sizes(path, dtype, budget.expert_format)
+    sizes = checkpoint_sizes(path, dtype, budget.expert_format, budget.backbone_format)
     cfg, layout = sizes.family_config, sizes.layout
     element = _size_of(dtype)
     kv = kv_estimate(cfg)
@@ -524,6 +537,7 @@ def plan_for(
         device_memory=device_memory(load_config.device),
         kv_reserve_streams=options.kv_reserve_streams,
         expert_format=load_config.expert_format,
+        backbone_format=load_config.backbone_format,
     )
     return make_plan(path, budget, load_config.dtype)
 

@@ -19,11 +19,12 @@ from moetier.config import ModelLoadConfig
 from moetier.errors import CheckpointError, ConfigError
 from moetier.models import CausalLM, model_class_for
 from moetier.models.base import ExpertTarget, IgnoreTarget, ParamTarget
+from moetier.models.fp8_linear import Fp8BlockLinear, keep_fp8_linears, materialized_dtype
 from moetier.tiers.dispatcher import make_dispatcher
 from moetier.tiers.experts import BlockAllocator, ExpertStore, device_allocator
 from moetier.weights.checkpoint import Checkpoint, one_line
 from moetier.weights.formats import PlainFormat, WeightFormat, format_for
-from moetier.weights.fp4 import FP4Format
+from moetier.weights.fp4 import FP4Format, scale_to_float
 from moetier.weights.fp8 import Fp8BlockFormat
 from moetier.weights.quant_experts import copy_quant_expert, expert_layout_for
 
@@ -52,7 +53,8 @@ def load_model(
     size); once loaded, the dispatcher's ``prepare(device)`` runs (cache allocation, calibration).
     With ``load_config.expert_format`` ``"fp8"`` (``"fp4"``) the routed experts keep the checkpoint's float8
     (packed FP4) bytes and scales (an ``expert_allocator`` must size blocks for that layout:
-    ``HostExpertArena.for_checkpoint`` with the same format).
+    ``HostExpertArena.for_checkpoint`` with the same format). With ``load_config.backbone_format`` ``"fp8"`` the
+    backbone linears the checkpoint stores fp8-block stay so (:mod:`moetier.models.fp8_linear`).
     """
     cfg = load_config or ModelLoadConfig()
     ckpt = Checkpoint(path)
@@ -62,6 +64,8 @@ def load_model(
     store = ExpertStore(layout, cfg.dtype, expert_allocator or device_allocator(cfg.device))
     with torch.device("meta"):
         model = cls(family_config, make_dispatcher(dispatcher, store, **(dispatcher_options or {})))
+    if cfg.backbone_format == "fp8":
+        keep_fp8_linears(model, ckpt)
     _materialize(model, cfg.dtype, cfg.device)
     _StreamingLoader(model, store, ckpt, cfg.dtype).run(progress)
     model.eval()
@@ -91,17 +95,15 @@ def _family_config(cls: type[CausalLM], ckpt: Checkpoint) -> Any:
 
 
 def _materialize(model: CausalLM, dtype: torch.dtype, device: torch.device) -> None:
-    """Replace meta tensors with real (uninitialised) ones of the load dtype, fp32 where the model asks."""
+    """Replace meta tensors with real (uninitialised) ones of the load dtype, fp32 where the model asks, fp8
+    linears' stored tensors in their own dtypes."""
     for module_name, module in model.named_modules():
         for table in (module._parameters, module._buffers):
             for name, tensor in list(table.items()):
                 if tensor is None:
                     continue
                 full_name = f"{module_name}.{name}" if module_name else name
-                target = tensor.dtype
-                if tensor.is_floating_point():
-                    keep = any(pattern in full_name for pattern in model.keep_fp32)
-                    target = torch.float32 if keep else dtype
+                target = materialized_dtype(model, module, name, full_name, tensor, dtype)
                 real = torch.empty(tensor.shape, dtype=target, device=device)
                 table[name] = nn.Parameter(real, requires_grad=False) if table is module._parameters else real
 
@@ -168,11 +170,26 @@ class _StreamingLoader:
         dest = self.params.get(param_name)
         if dest is None:
             raise CheckpointError(f"{self.ckpt.path}: tensor {name} maps to unknown parameter {param_name}")
+        owner = self.model.get_submodule(param_name.rpartition(".")[0])
+        if isinstance(owner, Fp8BlockLinear) and dest is owner.weight:
+            self._copy_fp8_linear(name, param_name, owner, stored, extra)
+            return
         dense = self._decode(name, stored, extra, fmt, dest.dtype)
         _check_shape(self.ckpt, name, tuple(dense.shape), tuple(dest.shape))
         with torch.no_grad():
             dest.copy_(dense)
         self.loaded_params.add(param_name)
+
+    def _copy_fp8_linear(self, name: str, param_name: str, linear: Fp8BlockLinear, stored, extra) -> None:
+        """An fp8-block linear kept as stored: its float8 bytes and its scales (as float32)."""
+        _check_shape(self.ckpt, name, tuple(stored.shape), tuple(linear.weight.shape))
+        scale = scale_to_float(extra[0])
+        _check_shape(self.ckpt, f"{name}'s scale", tuple(scale.shape), tuple(linear.scale.shape))
+        with torch.no_grad():
+            linear.weight.copy_(stored.view(linear.weight.dtype))
+            linear.scale.copy_(scale)
+        stem = param_name.removesuffix(".weight")
+        self.loaded_params.update((param_name, stem + ".scale"))
 
     def _copy_expert(self, name: str, target: ExpertTarget, dense: torch.Tensor) -> None:
         layout = self.store.layout
