@@ -30,6 +30,13 @@ def test_the_sides_compute_the_same_on_the_cpu():
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
+def test_the_fp8_linear_sides_compute_the_same_on_the_cpu():
+    g = torch.Generator().manual_seed(2)
+    for shape in ((64, 256, 1), (64, 256, 2)):
+        kernel, reference = v4_kernels.fp8_linear_sides(shape, 3, torch.device("cpu"), g)
+        assert torch.equal(kernel(), reference())  # off CUDA the fp8 linear dequantises: the GEMM's bits
+
+
 def test_bad_cases_and_counts_are_refused_with_a_clear_error(capsys):
     assert main(["bench", "v4-kernels", "--cases", "attention,nope"]) == 2
     assert "unknown ['nope']" in capsys.readouterr().err

@@ -162,7 +162,7 @@ def test_a_plain_checkpoint_loads_the_same_either_way(v4_checkpoints):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_v4_fp8_linears_on_cuda_follow_the_dequantised_run(v4_checkpoints, dtype):
-    """On CUDA the decode steps' linears run the fp8 kernel (prefill's 20 rows dequantise: the same bits)."""
+    """On CUDA the decode steps' linears run the fp8 kernel (prefill's 20 rows dequantise)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from moetier.kernels import fp8_linear
@@ -180,7 +180,9 @@ def test_v4_fp8_linears_on_cuda_follow_the_dequantised_run(v4_checkpoints, dtype
         moetier_run(dense, prompt, STEPS),
     )
     assert not fp8_linear._BROKEN
-    assert torch.equal(prefill, ref_prefill)
+    # Prefill dequantises (the loader's bits), but the 128x128 tiles leave the projections unfused (partial tile
+    # rows) where the dense model runs one GEMM over them: cuBLAS may sum differently between the two.
+    assert relative_error(prefill, ref_prefill) < (1e-5 if dtype == torch.float32 else 1e-2)
     if dtype == torch.float32:  # summation order only: far below any token's margin
         assert tokens == ref_tokens
         assert max(relative_error(a, b) for a, b in zip(steps, ref_steps, strict=True)) < 1e-4

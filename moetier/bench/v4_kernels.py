@@ -27,10 +27,27 @@ from moetier.bench.environment import environment
 from moetier.config import default_device
 from moetier.engine.sampling import greedy_tokens
 from moetier.errors import ConfigError
-from moetier.kernels import swiglu, v4_attention, v4_compress, v4_router
+from moetier.kernels import fp8_linear, swiglu, v4_attention, v4_compress, v4_router
 from moetier.models.cache import KVRows
 
-CASES = ("attention", "compressor", "router", "swiglu", "greedy")
+CASES = ("attention", "compressor", "router", "swiglu", "greedy", "fp8-linear")
+DEFAULT_CASES = CASES[:-1]
+# DeepSeek-V4-Flash's backbone linears as a decode step calls them (out features, in features, groups): the fused
+# x projections of an HCA layer (wq_a + wkv + the compressor's two), wq_b, the grouped wo_a, wo_b, the shared
+# expert's fused gate/up and its down.
+FP8_LINEARS = {
+    "x_proj": (2560, 4096, 1),
+    "wq_b": (32768, 1024, 1),
+    "wo_a": (8192, 4096, 8),
+    "wo_b": (4096, 8192, 1),
+    "shared gate_up": (4096, 4096, 1),
+    "shared down": (4096, 2048, 1),
+}
+# Launch shapes the sweep tries at one token, beside the default (moetier.kernels.fp8_linear.LaunchShape).
+FP8_SWEEP = [
+    fp8_linear.LaunchShape(block_n=n, programs_wanted=p, stages=st)
+    for n in (16, 32, 64) for p in (2, 4, 8) for st in (3, 4)
+]  # fmt: skip
 Side = Callable[[], Any]
 
 
@@ -140,6 +157,39 @@ def greedy_sides(rows: int, device: torch.device, g: torch.Generator) -> tuple[S
     return lambda: greedy_tokens(logits), lambda: logits.argmax(dim=-1)
 
 
+def fp8_linear_sides(
+    shape: tuple[int, int, int], tokens: int, device: torch.device, g: torch.Generator, launch=None
+) -> tuple[Side, Side]:
+    """The fp8 linear (kernel at ``launch``, or as :func:`fp8_linear.fp8_linear` picks) against ``F.linear`` on the
+    weight dequantised at load (bf16): what keeping the backbone fp8 replaces."""
+    n, k, groups = shape
+    values = (torch.randn(n, k, generator=g) * 16).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
+    scale = (torch.rand(-(-n // 128), -(-k // 128), generator=g) / 256).to(device)
+    x = _randn(tokens, groups * k, device=device, g=g)
+    dense = fp8_linear.dequantized(values, scale, (128, 128), torch.bfloat16)
+    if launch is not None:
+        kernel = lambda: fp8_linear.rows_triton(x, values, scale, (128, 128), groups, launch)  # noqa: E731
+    else:
+        kernel = lambda: fp8_linear.fp8_linear(x, values, scale, (128, 128), groups=groups)  # noqa: E731
+    if groups == 1:
+        return kernel, lambda: torch.nn.functional.linear(x, dense)
+    return kernel, lambda: fp8_linear.grouped_reference(x, dense, groups)
+
+
+def _fp8_linear_cases(device: torch.device, g: torch.Generator) -> list[tuple[str, Side, Side]]:
+    found = []
+    for name, shape in FP8_LINEARS.items():
+        for tokens in (1, 4):
+            sides = fp8_linear_sides(shape, tokens, device, g)
+            found.append((f"fp8 linear {name} {shape[:2]}, {tokens} tokens", *sides))
+        if device.type == "cuda":  # the launch-shape sweep needs the kernel (off CUDA only the default smoke-tests)
+            for launch in FP8_SWEEP:
+                how = f"block_n {launch.block_n} x{launch.programs_wanted} s{launch.stages}"
+                label = f"fp8 linear {name}, 1 token, {how}"
+                found.append((label, *fp8_linear_sides(shape, 1, device, g, launch)))
+    return found
+
+
 def cases(names: list[str], slots: list[int], device: torch.device) -> list[tuple[str, Side, Side]]:
     """The (name, kernel side, torch side) of each case asked for."""
     g = torch.Generator().manual_seed(0)
@@ -164,6 +214,8 @@ def cases(names: list[str], slots: list[int], device: torch.device) -> list[tupl
         found += [(f"swiglu, {t} tokens", *swiglu_sides(t, device, g)) for t in (1, 4)]
     if "greedy" in names:
         found += [(f"greedy tokens, {b} rows", *greedy_sides(b, device, g)) for b in (1, 4)]
+    if "fp8-linear" in names:
+        found += _fp8_linear_cases(device, g)
     return found
 
 
@@ -174,7 +226,8 @@ def run_bench(names: list[str], slots: list[int], calls: int, device: torch.devi
         ours, theirs = time_calls(kernel, device, calls), time_calls(reference, device, calls)
         results.append({"case": name, "kernel_us": ours, "torch_us": theirs, "speedup": theirs / ours})
         print(f"{name}: kernel {ours:.1f} us, torch {theirs:.1f} us ({theirs / ours:.2f}x)", flush=True)
-    broken = {m.__name__: list(m._BROKEN) for m in (v4_attention, v4_compress, v4_router, swiglu) if m._BROKEN}
+    modules = (v4_attention, v4_compress, v4_router, swiglu, fp8_linear)
+    broken = {m.__name__: list(m._BROKEN) for m in modules if m._BROKEN}
     return {"kind": "v4-kernels", "environment": environment(), "device": str(device), "calls": calls,
             "results": results, "broken": broken}  # fmt: skip
 
@@ -197,7 +250,11 @@ def markdown_table(receipt: dict[str, Any]) -> str:
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated: {', '.join(CASES)}")
+    parser.add_argument(
+        "--cases",
+        default=",".join(DEFAULT_CASES),
+        help=f"comma-separated: {', '.join(CASES)} (default: all but fp8-linear, whose launch-shape sweep is long)",
+    )
     parser.add_argument("--slots", default="16,64,256,512,1024,4096,16384", help="the attention's entry-slot counts")
     parser.add_argument("--calls", type=int, default=20, help="calls a CUDA graph (or eager loop)")
     parser.add_argument("--device", default=None, help="default: cuda when available")

@@ -16,6 +16,8 @@ copy and a decode step reads half the bytes: at a few tokens these GEMMs only st
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -31,9 +33,27 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
 MAX_KERNEL_ROWS = 16  # the kernel's token tile (tensor-core dots need 16); more rows dequantise and GEMM
-BLOCK_N = 32  # output features a program computes
 BLOCK_K = 128  # inputs a loop step reads: a divisor of the scale tile's columns, so one scale a row a step
-PROGRAMS_WANTED = 4  # programs per multiprocessor the split over K aims for
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """How the kernel splits the work: ``block_n`` output features a program, enough programs over the inputs for
+    ``programs_wanted`` a multiprocessor (each keeping at least ``min_steps`` steps of ``BLOCK_K``), ``stages`` of
+    software pipelining, ``warps`` a program."""
+
+    block_n: int = 32
+    programs_wanted: int = 4
+    min_steps: int = 4
+    stages: int = 3
+    warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1) or min(self.programs_wanted, self.min_steps) < 1:
+            raise ValueError(f"block_n must be a power of two >= 16 and the counts positive: {self}")
+
+
+LAUNCH = LaunchShape()  # the default (moetier bench v4-kernels --cases fp8-linear sweeps others)
 _VALUES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -104,12 +124,12 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-def splits_for(n: int, k: int, multiprocessors: int) -> int:
-    """How many programs share a row block's inputs: enough programs for ``PROGRAMS_WANTED`` a
-    multiprocessor, each keeping at least four ``BLOCK_K`` steps (fewer would be mostly loop overhead)."""
-    blocks = triton.cdiv(n, BLOCK_N) if triton is not None else -(-n // BLOCK_N)
-    wanted = -(-PROGRAMS_WANTED * multiprocessors // blocks)
-    return max(1, min(wanted, k // (4 * BLOCK_K)))
+def splits_for(n: int, k: int, multiprocessors: int, launch: LaunchShape = LAUNCH) -> int:
+    """How many programs share a row block's inputs: enough programs for ``launch.programs_wanted`` a
+    multiprocessor, each keeping at least ``launch.min_steps`` steps (fewer would be mostly loop overhead)."""
+    blocks = -(-n // launch.block_n)
+    wanted = -(-launch.programs_wanted * multiprocessors // blocks)
+    return max(1, min(wanted, k // (launch.min_steps * BLOCK_K)))
 
 
 def _kernel_takes(
@@ -127,23 +147,30 @@ def _kernel_takes(
     return x2.device == values.device == scale.device and values.is_contiguous() and scale.is_contiguous()
 
 
-def _rows_triton(
-    x2: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int], groups: int
+def rows_triton(
+    x2: torch.Tensor,
+    values: torch.Tensor,
+    scale: torch.Tensor,
+    tile: tuple[int, int],
+    groups: int = 1,
+    launch: LaunchShape = LAUNCH,
 ) -> torch.Tensor:
+    """The kernel's result for inputs it takes (:func:`fp8_linear` checks that), launched as ``launch`` says."""
     rows, (n, k) = x2.shape[0], values.shape
     out = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
     if rows == 0:
         return out
     group_rows = n // groups
-    splits = splits_for(n, k, _sm_count(x2.device))
+    splits = splits_for(n, k, _sm_count(x2.device), launch)
     per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
     splits = triton.cdiv(k, per_split)
     target = out if splits == 1 else torch.empty((splits, rows, n), dtype=torch.float32, device=x2.device)
-    _fp8_rows_kernel[(triton.cdiv(group_rows, BLOCK_N), splits, groups)](
+    _fp8_rows_kernel[(triton.cdiv(group_rows, launch.block_n), splits, groups)](
         x2, values.view(torch.uint8), scale, target, rows, n, x2.stride(0), n, scale.shape[1], group_rows,
         k=k, k_per_split=per_split, TILE_R=tile[0], E5M2=values.dtype == torch.float8_e5m2,
         IEEE=x2.dtype == torch.float32,
-        BM=MAX_KERNEL_ROWS, BN=BLOCK_N, BK=BLOCK_K, TILE_C=tile[1], num_warps=4, num_stages=3,
+        BM=MAX_KERNEL_ROWS, BN=launch.block_n, BK=BLOCK_K, TILE_C=tile[1], num_warps=launch.warps,
+        num_stages=launch.stages,
     )  # fmt: skip
     if splits > 1:
         count = rows * n
@@ -163,12 +190,6 @@ def grouped_reference(x: torch.Tensor, dense: torch.Tensor, groups: int) -> torc
     grouped = x.reshape(tokens, groups, -1).transpose(0, 1)  # [groups, T, K]
     weight = dense.view(groups, dense.shape[0] // groups, -1).transpose(1, 2)  # [groups, K, R]
     return torch.bmm(grouped, weight).transpose(0, 1).reshape(tokens, -1)
-
-
-def usable_for(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int], groups: int = 1):
-    """Whether :func:`fp8_linear` runs its kernel for ``x`` (else it dequantises and runs the dense ops)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    return triton_usable(x2) and not _BROKEN and _kernel_takes(x2, values, scale, tile, groups)
 
 
 def fp8_linear(
@@ -193,7 +214,7 @@ def fp8_linear(
         return out if bias is None else out + bias
 
     def kernel() -> torch.Tensor:
-        out = _rows_triton(x2, values, scale, tile, groups)
+        out = rows_triton(x2, values, scale, tile, groups)
         return out if bias is None else out + bias
 
     usable = triton_usable(x2) and _kernel_takes(x2, values, scale, tile, groups)
