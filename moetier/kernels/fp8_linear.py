@@ -42,8 +42,10 @@ class LaunchShape:
     ``programs_wanted`` a multiprocessor (each keeping at least ``min_steps`` steps of ``BLOCK_K``), ``stages`` of
     software pipelining, ``warps`` a program."""
 
-    block_n: int = 32
-    programs_wanted: int = 4
+    # 64 x 2: the fastest on V4-Flash's backbone shapes at one token of the first sweep (H100, weights in L2:
+    # results/h100-20261207-c3a9708-fp8-linear-sweep; 10% under the first default, 32 x 4)
+    block_n: int = 64
+    programs_wanted: int = 2
     min_steps: int = 4
     stages: int = 3
     warps: int = 4
