@@ -29,6 +29,7 @@ from moetier.engine.sampling import greedy_tokens
 from moetier.errors import ConfigError
 from moetier.kernels import fp8_linear, swiglu, v4_attention, v4_compress, v4_router
 from moetier.models.cache import KVRows
+from moetier.weights.checkpoint import one_line
 
 CASES = ("attention", "compressor", "router", "swiglu", "greedy", "fp8-linear")
 DEFAULT_CASES = CASES[:-1]
@@ -242,7 +243,12 @@ def run_bench(names: list[str], slots: list[int], calls: int, device: torch.devi
     """Every case's kernel and torch microseconds per call -> the receipt."""
     results = []
     for name, kernel, reference in cases(names, slots, device):
-        ours, theirs = time_calls(kernel, device, calls), time_calls(reference, device, calls)
+        try:
+            ours, theirs = time_calls(kernel, device, calls), time_calls(reference, device, calls)
+        except Exception as exc:  # noqa: BLE001 - one case that fails (e.g. a launch shape too big) is recorded
+            results.append({"case": name, "error": one_line(exc)})
+            print(f"{name}: failed ({one_line(exc)})", flush=True)
+            continue
         results.append({"case": name, "kernel_us": ours, "torch_us": theirs, "speedup": theirs / ours})
         print(f"{name}: kernel {ours:.1f} us, torch {theirs:.1f} us ({theirs / ours:.2f}x)", flush=True)
     modules = (v4_attention, v4_compress, v4_router, swiglu, fp8_linear)
@@ -261,7 +267,10 @@ def markdown_table(receipt: dict[str, Any]) -> str:
         "|---|---|---|---|",
     ]
     lines += [
-        f"| {r['case']} | {r['kernel_us']:.1f} | {r['torch_us']:.1f} | {r['speedup']:.2f} |" for r in receipt["results"]
+        f"| {r['case']} | {r['kernel_us']:.1f} | {r['torch_us']:.1f} | {r['speedup']:.2f} |"
+        if "error" not in r
+        else f"| {r['case']} | failed: {r['error'][:80]} | - | - |"
+        for r in receipt["results"]
     ]
     if receipt["broken"]:
         lines += ["", f"Kernels that failed (their calls ran the torch ops): {receipt['broken']}"]
