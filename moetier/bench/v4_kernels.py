@@ -160,20 +160,37 @@ def greedy_sides(rows: int, device: torch.device, g: torch.Generator) -> tuple[S
     return lambda: greedy_tokens(logits), lambda: logits.argmax(dim=-1)
 
 
-def fp8_linear_sides(
-    shape: tuple[int, int, int], tokens: int, device: torch.device, g: torch.Generator, launch=None
-) -> tuple[Side, Side]:
-    """The fp8 linear (kernel at ``launch``, or as :func:`fp8_linear.fp8_linear` picks) against ``F.linear`` on the
-    weight dequantised at load (bf16): what keeping the backbone fp8 replaces. Each side cycles through copies of
-    its weight that together outgrow the device's L2 cache (a step's weights come from HBM: a graph of calls on one
-    small matrix would read it from L2)."""
-    n, k, groups = shape
+Fp8Weights = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def fp8_weight_copies(shape: tuple[int, int, int], device: torch.device, g: torch.Generator) -> Fp8Weights:
+    """(fp8 values, float32 tile scales, the bf16 weight dequantised at load) copies of a random ``[out, in]``
+    weight: on CUDA enough that together they outgrow the device's L2 cache (``FP8_LINEAR_BYTES``), else one."""
+    n, k, _ = shape
     copies = max(1, -(-FP8_LINEAR_BYTES // (n * k))) if device.type == "cuda" else 1
     weights = []
     for _ in range(copies):
         values = (torch.randn(n, k, generator=g) * 16).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
         scale = (torch.rand(-(-n // 128), -(-k // 128), generator=g) / 256).to(device)
         weights.append((values, scale, fp8_linear.dequantized(values, scale, (128, 128), torch.bfloat16)))
+    return weights
+
+
+def fp8_linear_sides(
+    shape: tuple[int, int, int],
+    tokens: int,
+    device: torch.device,
+    g: torch.Generator,
+    launch=None,
+    weights: Fp8Weights | None = None,
+) -> tuple[Side, Side]:
+    """The fp8 linear (kernel at ``launch``, or as :func:`fp8_linear.fp8_linear` picks) against ``F.linear`` on the
+    weight dequantised at load (bf16): what keeping the backbone fp8 replaces. Each side cycles through the copies of
+    ``weights`` (default: :func:`fp8_weight_copies`): a step's weights come from HBM, and a graph of calls on one
+    small matrix would read it from L2."""
+    _, k, groups = shape
+    weights = weights or fp8_weight_copies(shape, device, g)
+    copies = len(weights)
     x = _randn(tokens, groups * k, device=device, g=g)
     turn = {"kernel": 0, "torch": 0}
 
@@ -199,14 +216,15 @@ def fp8_linear_sides(
 def _fp8_linear_cases(device: torch.device, g: torch.Generator) -> list[tuple[str, Side, Side]]:
     found = []
     for name, shape in FP8_LINEARS.items():
+        weights = fp8_weight_copies(shape, device, g)  # one set a shape: every case of it cycles through them
         for tokens in (1, 4):
-            sides = fp8_linear_sides(shape, tokens, device, g)
+            sides = fp8_linear_sides(shape, tokens, device, g, weights=weights)
             found.append((f"fp8 linear {name} {shape[:2]}, {tokens} tokens", *sides))
         if device.type == "cuda":  # the launch-shape sweep needs the kernel (off CUDA only the default smoke-tests)
             for launch in FP8_SWEEP:
                 how = f"block_n {launch.block_n} x{launch.programs_wanted} s{launch.stages}"
                 label = f"fp8 linear {name}, 1 token, {how}"
-                found.append((label, *fp8_linear_sides(shape, 1, device, g, launch)))
+                found.append((label, *fp8_linear_sides(shape, 1, device, g, launch, weights)))
     return found
 
 
