@@ -162,7 +162,7 @@ def test_a_plain_checkpoint_loads_the_same_either_way(v4_checkpoints):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_v4_fp8_linears_on_cuda_follow_the_dequantised_run(v4_checkpoints, dtype):
-    """On CUDA the decode steps' linears run the fp8 kernel (prefill's 20 rows dequantise)."""
+    """On CUDA the linears run the fp8 kernel (prefill's 20 rows too: up to 128 rows)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from moetier.kernels import fp8_linear
@@ -180,9 +180,9 @@ def test_v4_fp8_linears_on_cuda_follow_the_dequantised_run(v4_checkpoints, dtype
         moetier_run(dense, prompt, STEPS),
     )
     assert not fp8_linear._BROKEN
-    # Prefill dequantises (the loader's bits), but the 128x128 tiles leave the projections unfused (partial tile
-    # rows) where the dense model runs one GEMM over them: cuBLAS may sum differently between the two.
-    assert relative_error(prefill, ref_prefill) < (1e-5 if dtype == torch.float32 else 1e-2)
+    # The kernel's float32 sums and cuBLAS's differ in order only (and the 128x128 tiles leave the fp8 model's
+    # projections unfused where the dense model runs one GEMM over them).
+    assert relative_error(prefill, ref_prefill) < (1e-5 if dtype == torch.float32 else 3e-2)
     if dtype == torch.float32:  # summation order only: far below any token's margin
         assert tokens == ref_tokens
         assert max(relative_error(a, b) for a, b in zip(steps, ref_steps, strict=True)) < 1e-4

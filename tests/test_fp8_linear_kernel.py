@@ -1,7 +1,8 @@
 """The few-row fp8 linear kernel (moetier.kernels.fp8_linear) against the dequantise-then-GEMM path it replaces,
 under Triton's interpreter and on CUDA: each weight rounds as the loader rounds it, so results differ only by the
-float32 summation order (then one rounding to the output dtype). Cases: 1-16 tokens, bf16 / fp16 / fp32, e4m3 and
-e5m2, ragged rows and inputs (partial tiles and steps), a split over the inputs, grouped projections, a bias."""
+float32 summation order (then one rounding to the output dtype). Cases: 1-100 tokens, bf16 / fp16 / fp32, e4m3 and
+e5m2, ragged rows and inputs (partial tiles and steps), a split over the inputs, grouped projections, a bias, token
+tiles of 64 and 128 (a short prefill's rows)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ cases = [  # name, tokens, rows, inputs, tile, value dtype, groups, splits wante
     ("16 tokens, split", 16, 64, 1024, (128, 128), torch.float8_e4m3fn, 1),
     ("e5m2, small tiles", 3, 40, 256, (8, 128), torch.float8_e5m2, 1),
     ("grouped", 2, 64, 256, (16, 128), torch.float8_e4m3fn, 2),
+    ("40 tokens (a 64-token tile)", 40, 64, 256, (128, 128), torch.float8_e4m3fn, 1),
+    ("a short prefill, 100 tokens", 100, 48, 384, (128, 128), torch.float8_e4m3fn, 1),
 ]
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     for name, tokens, rows, cols, tile, values_dtype, groups in cases:
@@ -58,7 +61,7 @@ _BOUND = {"bfloat16": 2**-7, "float16": 2**-10, "float32": 2e-6}  # the output's
 
 
 def _assert_results(results: list[dict]) -> None:
-    assert len(results) == 15
+    assert len(results) == 21
     for r in results:
         assert r["takes"] and r["shape"] and r["dtype"] and not r["broken"], r
         assert r["err"] < _BOUND[r["case"].rsplit(".", 1)[-1]], r
@@ -84,7 +87,8 @@ def test_fp8_linear_takes_the_dense_path_off_cuda_and_for_shapes_the_kernel_refu
     dense = k.dequantized(values, scale, (128, 128), torch.bfloat16)
     assert torch.equal(k.fp8_linear(x, values, scale, (128, 128)), torch.nn.functional.linear(x, dense))
     assert k._kernel_takes(x, values, scale, (128, 128), 1)
-    assert not k._kernel_takes(torch.randn(17, 128, dtype=torch.bfloat16), values, scale, (128, 128), 1)  # rows
+    assert k._kernel_takes(torch.randn(128, 128, dtype=torch.bfloat16), values, scale, (128, 128), 1)
+    assert not k._kernel_takes(torch.randn(129, 128, dtype=torch.bfloat16), values, scale, (128, 128), 1)  # rows
     assert not k._kernel_takes(x, values, scale.double(), (128, 128), 1)  # float64 scales
     assert not k._kernel_takes(x, values, torch.rand(1, 2), (128, 64), 1)  # a scale tile narrower than a step
     assert not k._kernel_takes(x, values, scale, (128, 128), 3)  # groups not dividing the rows

@@ -31,8 +31,8 @@ from moetier.kernels import fp8_linear, swiglu, v4_attention, v4_compress, v4_ro
 from moetier.models.cache import KVRows
 from moetier.weights.checkpoint import one_line
 
-CASES = ("attention", "compressor", "router", "swiglu", "greedy", "fp8-linear")
-DEFAULT_CASES = CASES[:-1]
+CASES = ("attention", "compressor", "router", "swiglu", "greedy", "fp8-linear", "fp8-sweep")
+DEFAULT_CASES = CASES[:-2]
 # DeepSeek-V4-Flash's backbone linears as a decode step calls them (out features, in features, groups): the fused
 # x projections of an HCA layer (wq_a + wkv + the compressor's two), wq_b, the grouped wo_a, wo_b, the shared
 # expert's fused gate/up and its down.
@@ -213,14 +213,14 @@ def fp8_linear_sides(
     return kernel, reference
 
 
-def _fp8_linear_cases(device: torch.device, g: torch.Generator) -> list[tuple[str, Side, Side]]:
+def _fp8_linear_cases(device: torch.device, g: torch.Generator, sweep: bool) -> list[tuple[str, Side, Side]]:
     found = []
     for name, shape in FP8_LINEARS.items():
         weights = fp8_weight_copies(shape, device, g)  # one set a shape: every case of it cycles through them
-        for tokens in (1, 4):
+        for tokens in (1, 4, 32, 128) if device.type == "cuda" else (1, 4):
             sides = fp8_linear_sides(shape, tokens, device, g, weights=weights)
             found.append((f"fp8 linear {name} {shape[:2]}, {tokens} tokens", *sides))
-        if device.type == "cuda":  # the launch-shape sweep needs the kernel (off CUDA only the default smoke-tests)
+        if sweep and device.type == "cuda":  # the sweep needs the kernel (off CUDA only the default smoke-tests)
             for launch in FP8_SWEEP:
                 how = f"block_n {launch.block_n} x{launch.programs_wanted} s{launch.stages}"
                 label = f"fp8 linear {name}, 1 token, {how}"
@@ -252,8 +252,8 @@ def cases(names: list[str], slots: list[int], device: torch.device) -> list[tupl
         found += [(f"swiglu, {t} tokens", *swiglu_sides(t, device, g)) for t in (1, 4)]
     if "greedy" in names:
         found += [(f"greedy tokens, {b} rows", *greedy_sides(b, device, g)) for b in (1, 4)]
-    if "fp8-linear" in names:
-        found += _fp8_linear_cases(device, g)
+    if "fp8-linear" in names or "fp8-sweep" in names:
+        found += _fp8_linear_cases(device, g, sweep="fp8-sweep" in names)
     return found
 
 
@@ -299,7 +299,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cases",
         default=",".join(DEFAULT_CASES),
-        help=f"comma-separated: {', '.join(CASES)} (default: all but fp8-linear, whose launch-shape sweep is long)",
+        help=f"comma-separated: {', '.join(CASES)} (default: all but fp8-linear and fp8-sweep, the latter its launch "
+        "shapes at one token)",
     )
     parser.add_argument("--slots", default="16,64,256,512,1024,4096,16384", help="the attention's entry-slot counts")
     parser.add_argument("--calls", type=int, default=20, help="calls a CUDA graph (or eager loop)")

@@ -4,7 +4,8 @@ DeepSeek's releases store every large backbone linear (attention, shared experts
 scale per 128 x 128 tile (:mod:`moetier.weights.fp8`). Kept so, the backbone takes half the VRAM of its bf16
 copy and a decode step reads half the bytes: at a few tokens these GEMMs only stream their weights.
 
-- **Few rows on CUDA** (decode: up to :data:`MAX_KERNEL_ROWS` tokens): one Triton kernel reads each weight
+- **Few rows on CUDA** (decode, short prefills: up to :data:`MAX_KERNEL_ROWS` tokens, where a GEMM still only
+  streams its weight): one Triton kernel reads each weight
   tile once, widens it, multiplies by its tile's scale, rounds to the activations' dtype (the bits a
   dequantised-at-load weight holds) and accumulates in float32 on the tensor cores. Wide-K matrices split
   their inputs over several programs (more reads in flight than one program per row block gives), each
@@ -32,7 +33,9 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs run the dequan
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
-MAX_KERNEL_ROWS = 16  # the kernel's token tile (tensor-core dots need 16); more rows dequantise and GEMM
+# The most rows the kernel takes: one program holds all of them (a token tile of 16 to 128, the next power of two;
+# tensor-core dots need 16); more rows dequantise and GEMM.
+MAX_KERNEL_ROWS = 128
 BLOCK_K = 128  # inputs a loop step reads: a divisor of the scale tile's columns, so one scale a row a step
 
 
@@ -134,6 +137,11 @@ def splits_for(n: int, k: int, multiprocessors: int, launch: LaunchShape = LAUNC
     return max(1, min(wanted, k // (launch.min_steps * BLOCK_K)))
 
 
+def token_tile(rows: int) -> int:
+    """The kernel's token tile for ``rows`` rows: the next power of two, at least 16."""
+    return max(16, 1 << max(rows - 1, 0).bit_length())
+
+
 def _kernel_takes(
     x2: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int], groups: int
 ) -> bool:
@@ -171,7 +179,8 @@ def rows_triton(
         x2, values.view(torch.uint8), scale, target, rows, n, x2.stride(0), n, scale.shape[1], group_rows,
         k=k, k_per_split=per_split, TILE_R=tile[0], E5M2=values.dtype == torch.float8_e5m2,
         IEEE=x2.dtype == torch.float32,
-        BM=MAX_KERNEL_ROWS, BN=launch.block_n, BK=BLOCK_K, TILE_C=tile[1], num_warps=launch.warps,
+        BM=token_tile(rows), BN=launch.block_n, BK=BLOCK_K, TILE_C=tile[1],
+        num_warps=launch.warps if rows <= 32 else max(launch.warps, 8),
         num_stages=launch.stages,
     )  # fmt: skip
     if splits > 1:
