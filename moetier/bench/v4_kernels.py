@@ -184,7 +184,8 @@ def fp8_linear_sides(
     launch=None,
     weights: Fp8Weights | None = None,
 ) -> tuple[Side, Side]:
-    """The fp8 linear (kernel at ``launch``, or as :func:`fp8_linear.fp8_linear` picks) against ``F.linear`` on the
+    """The fp8 linear (kernel at ``launch``, ``"dequantise"``: the dequantising path, or as
+    :func:`fp8_linear.fp8_linear` picks) against ``F.linear`` on the
     weight dequantised at load (bf16): what keeping the backbone fp8 replaces. Each side cycles through the copies of
     ``weights`` (default: :func:`fp8_weight_copies`): a step's weights come from HBM, and a graph of calls on one
     small matrix would read it from L2."""
@@ -200,6 +201,8 @@ def fp8_linear_sides(
 
     def kernel() -> torch.Tensor:
         values, scale, _ = next_weights("kernel")
+        if launch == "dequantise":  # the path past the kernel's rows: dequantise into a temporary, then the GEMM
+            return torch.nn.functional.linear(x, fp8_linear.dequantized(values, scale, (128, 128), x.dtype))
         if launch is not None:
             return fp8_linear.rows_triton(x, values, scale, (128, 128), groups, launch)
         return fp8_linear.fp8_linear(x, values, scale, (128, 128), groups=groups)
@@ -220,6 +223,9 @@ def _fp8_linear_cases(device: torch.device, g: torch.Generator, sweep: bool) -> 
         for tokens in (1, 4, 32, 128) if device.type == "cuda" else (1, 4):
             sides = fp8_linear_sides(shape, tokens, device, g, weights=weights)
             found.append((f"fp8 linear {name} {shape[:2]}, {tokens} tokens", *sides))
+            if tokens >= 32 and shape[2] == 1:  # where the kernel meets the dequantising path
+                sides = fp8_linear_sides(shape, tokens, device, g, "dequantise", weights)
+                found.append((f"fp8 linear {name}, {tokens} tokens, dequantised + GEMM", *sides))
         if sweep and device.type == "cuda":  # the sweep needs the kernel (off CUDA only the default smoke-tests)
             for launch in FP8_SWEEP:
                 how = f"block_n {launch.block_n} x{launch.programs_wanted} s{launch.stages}"
