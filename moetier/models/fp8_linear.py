@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from moetier.kernels.fp8_linear import dequantized, fp8_linear
+from moetier.kernels.fp8_linear import fp8_linear
 from moetier.models.fused_linears import FusedLinears
 from moetier.weights.formats import format_for
 from moetier.weights.fp8 import Fp8BlockFormat, scale_grid
@@ -53,10 +53,6 @@ class Fp8BlockLinear(nn.Module):
     def grouped(self, x: torch.Tensor, groups: int) -> torch.Tensor:
         """``x`` ``[T, groups * in_features]``: group ``g``'s inputs through rows ``g * out / groups`` on only."""
         return fp8_linear(x, self.weight, self.scale, self.tile, self.bias, groups=groups)
-
-    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight dequantised to ``dtype`` (a temporary), as the loader would have stored it."""
-        return dequantized(self.weight, self.scale, self.tile, dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, tile={self.tile}, fp8"

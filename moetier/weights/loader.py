@@ -7,6 +7,7 @@ next one is read.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from moetier.weights.formats import PlainFormat, WeightFormat, format_for
 from moetier.weights.fp4 import FP4Format, scale_to_float
 from moetier.weights.fp8 import Fp8BlockFormat
 from moetier.weights.quant_experts import copy_quant_expert, expert_layout_for
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,8 +67,8 @@ def load_model(
     store = ExpertStore(layout, cfg.dtype, expert_allocator or device_allocator(cfg.device))
     with torch.device("meta"):
         model = cls(family_config, make_dispatcher(dispatcher, store, **(dispatcher_options or {})))
-    if cfg.backbone_format == "fp8":
-        keep_fp8_linears(model, ckpt)
+    if cfg.backbone_format == "fp8" and (kept := keep_fp8_linears(model, ckpt)):
+        log.info("%d backbone linears stay fp8-block as stored (--backbone-format dense dequantises them)", len(kept))
     _materialize(model, cfg.dtype, cfg.device)
     _StreamingLoader(model, store, ckpt, cfg.dtype).run(progress)
     model.eval()
