@@ -134,6 +134,11 @@ def test_plan_counts_the_backbone_that_loads(v4_checkpoints):
     assert kept < dense
     plan = make_plan(path, PlanBudget(gpu_memory="1GiB", context=256, backbone_format="dense"))
     assert plan.backbone_bytes == dense
+    assert plan.fp8_linears == 0 and "fp8-block as stored" not in plan.table()
+    kept_plan = make_plan(path, PlanBudget(gpu_memory="1GiB", context=256))
+    swapped = len(_fp8_linears(_load(path, "fp8").model))
+    assert kept_plan.fp8_linears == swapped > 0
+    assert f"{swapped} linears fp8-block as stored" in kept_plan.table()
 
 
 def test_backbone_format_is_checked_and_parsed(v4_checkpoints, capsys):

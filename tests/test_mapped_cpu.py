@@ -503,3 +503,41 @@ def test_timed_steps_queue_their_jobs_up_front_and_time_the_wait_for_the_cpu(mon
     assert totals["fed_timed"] == sum(timed) * len(LAYOUT.moe_layers)
     assert totals["fed_device_seconds"] > 0 and totals["fed_late_seconds"] >= 0
     _check_bf16_noise(errors)
+
+
+@needs_kernel
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_work_beside_a_mapped_call_runs_once_after_its_kernels_and_changes_no_result(share):
+    """``dispatch_beside``: the shared expert's slot in a mapped call comes after the call's kernels and counts (the
+    counts already hold the call when it runs) and before the CPU's sums; the routed result is dispatch's own."""
+    store = _random_store(LAYOUT, torch.float32)
+    options = {"cache_slots": 4, "miss_route": "mapped", "mapped_cpu_share": share, "policy": "lfu"}
+    beside_first, plain = TieredDispatcher(store, **options), TieredDispatcher(store, **options)
+    generator = torch.Generator().manual_seed(4)
+    seen = []
+
+    def beside() -> torch.Tensor:
+        seen.append(int(beside_first.mapped.counts[0].sum()))
+        return torch.ones(1)
+
+    pairs = 0
+    for n in (1, 2, 1, 4):
+        for layer in LAYOUT.moe_layers:
+            hidden, ids, weights = _routing(n, LAYOUT, generator, torch.float32, skew=1.0)
+            routed, done = beside_first.dispatch_beside(layer, hidden, ids, weights, beside)
+            pairs += ids.numel()
+            assert torch.equal(done, torch.ones(1)) and seen[-1] == pairs  # counted before the work beside
+            assert torch.equal(routed, plain.dispatch(layer, hidden, ids, weights))
+    assert len(seen) == 4 * len(LAYOUT.moe_layers)
+    beside_first.close()
+    plain.close()
+
+
+def test_the_default_dispatch_beside_runs_the_work_once_with_dispatchs_result():
+    store = _random_store(LAYOUT, torch.float32)
+    resident = ResidentDispatcher(store)
+    hidden, ids, weights = _routing(3, LAYOUT, torch.Generator().manual_seed(5), torch.float32, skew=1.0)
+    calls = []
+    routed, done = resident.dispatch_beside(0, hidden, ids, weights, lambda: calls.append(1) or "shared")
+    assert done == "shared" and calls == [1]
+    assert torch.equal(routed, resident.dispatch(0, hidden, ids, weights))

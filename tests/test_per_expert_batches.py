@@ -1,4 +1,4 @@
-"""The per-expert path's batches (``grouped_experts.run_per_expert``) give the bits of one expert at a time.
+"""The per-expert path's batches (``per_expert.run_per_expert``) give the bits of one expert at a time.
 
 A batch gathers its groups' rows once, runs one SwiGLU and one gate scaling over all of them, and leaves each
 expert its dequantisation, its two GEMMs and its scatter-add; every op is row-wise or elementwise, so the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetier.kernels import grouped_experts as k
+from moetier.kernels import per_expert as k
 from moetier.tiers.experts import ExpertLayout, ExpertQuant, ExpertWeights, swiglu_expert
 
 HIDDEN, INTER, TOKENS = 64, 32, 40

@@ -14,8 +14,9 @@ cache slots, staging slots).
 Roundings follow :func:`moetier.tiers.experts.swiglu_expert` in the weights' dtype: gate and up are
 rounded to it after their float32 dot products, as are SiLU(gate), the activation and the expert's
 output before the gate scaling; only the order of the float32 sums differs from cuBLAS. Groups of
-more than ``MAX_GROUP_TOKENS`` tokens (prefill's busy experts) keep the per-expert GEMMs, which use the
-tensor cores better; the choice is made per group, so a group computes the same in every placement.
+more than ``MAX_GROUP_TOKENS`` tokens (prefill's busy experts) keep the per-expert GEMMs
+(:mod:`moetier.kernels.per_expert`), which use the tensor cores better; the choice is made per group, so a
+group computes the same in every placement.
 Used on CUDA when Triton is importable (``MOETIER_TRITON=0`` turns it off); after one failure the
 per-expert path runs from then on.
 
@@ -39,7 +40,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moetier.kernels import fat_experts
 from moetier.kernels.fp4_blocks import (  # noqa: F401 - re-exported: the bench sweeps through this module
@@ -52,8 +52,12 @@ from moetier.kernels.fp4_blocks import (  # noqa: F401 - re-exported: the bench 
     fp4_blocks,
     set_fp4_blocks,
 )
+from moetier.kernels.per_expert import (  # noqa: F401 - expert_batches_enabled: re-exported (copy_path)
+    Group,
+    expert_batches_enabled,
+    run_per_expert,
+)
 from moetier.kernels.rmsnorm import triton_usable
-from moetier.kernels.swiglu import swiglu
 from moetier.tiers.experts import ExpertWeights, swiglu_expert  # noqa: F401 - the tests' reference, re-exported
 
 log = logging.getLogger(__name__)
@@ -74,10 +78,6 @@ _BLOCK_I, _BLOCK_H, _BLOCK_K, _SUM_BLOCK = 32, 32, 128, 1024
 _QUANT_BLOCK_N = 16
 _FP4_BLOCK_N, _FP4_BLOCK_H, _FP4_BLOCK_K = FP4_BLOCK_N, FP4_BLOCK_H, FP4_BLOCK_K  # the defaults, as before
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-# One (expert block, run of sorted pairs) per group: what the per-expert path loops over.
-Group = tuple[ExpertWeights, int, int]  # (weights, first pair, pair count)
 
 
 if triton is not None:
@@ -543,119 +543,6 @@ def launch_grouped(
     _sum_kernel[(layout.touched, triton.cdiv(size, _SUM_BLOCK))](
         y, table[layout.token_at :], out, size, PER_TOKEN=layout.width, BLOCK_H=_SUM_BLOCK
     )
-
-
-def run_per_expert(
-    out: torch.Tensor,
-    hidden: torch.Tensor,
-    pair_tokens: torch.Tensor,
-    pair_gates: torch.Tensor,
-    groups: Sequence[Group],
-    swiglu_limit: float | None,
-) -> None:
-    """The reference path: :func:`swiglu_expert` per group, scaled and added into ``out`` in group order.
-
-    Groups run in batches (:func:`_batches`) to spend fewer host ops an expert (the prefill's fat experts are
-    host-bound): a batch gathers its tokens' rows, runs the SwiGLU (:func:`~moetier.kernels.swiglu.swiglu`) and
-    the gate scaling once over all its rows, and leaves to each expert only its dequantisation, its two GEMMs
-    (each the same ``F.linear`` on the same rows as :func:`swiglu_expert`'s) and its scatter-add, in group order.
-    Every op is elementwise or row-wise, so the bits are the loop's. Each output is ``y.float() * gate.float()``:
-    the product of ``y`` (in the activations' dtype) with float32 gates is that (torch widens ``y`` exactly, then
-    multiplies in float32).
-    """
-    if not groups:
-        return
-    gates32 = pair_gates.float()
-    batches = _batches(groups, hidden.dtype) if expert_batches_enabled() else [[group] for group in groups]
-    for batch in batches:
-        _run_batch(out, hidden, pair_tokens, gates32, batch, swiglu_limit)
-
-
-# A batch's caps: its rows bound the activations it holds (~6 values of the hidden width a row), and the dense
-# copies of its quantised experts are held from their gate/up GEMM to their down GEMM (a V4-Flash expert: 48 MiB).
-_BATCH_ROWS = 4096
-_BATCH_DEQUANT_BYTES = 192 << 20
-
-
-def expert_batches_enabled() -> bool:
-    """``MOETIER_EXPERT_BATCHES=0`` (read per call) runs the per-expert path one group a batch, and a streaming
-    prefill call one fat expert (the call shapes before batches, for A/B runs); the bits are the same."""
-    return os.environ.get("MOETIER_EXPERT_BATCHES", "1") != "0"
-
-
-def _batches(groups: Sequence[Group], dtype: torch.dtype) -> list[list[Group]]:
-    """Consecutive groups in batches of at most ``_BATCH_ROWS`` pairs and ``_BATCH_DEQUANT_BYTES`` of dense
-    copies of quantised experts (a group larger than either is a batch of its own); a change of expert shape
-    starts a new batch (the rows are concatenated)."""
-    batches: list[list[Group]] = []
-    rows = held = 0
-    shape = None
-    for group in groups:
-        weights, _, count = group
-        dense, group_shape = _dense_bytes(weights, dtype), _expert_shape(weights)
-        if not batches or rows + count > _BATCH_ROWS or held + dense > _BATCH_DEQUANT_BYTES or group_shape != shape:
-            batches.append([])
-            rows = held = 0
-        batches[-1].append(group)
-        rows, held, shape = rows + count, held + dense, group_shape
-    return batches
-
-
-def _expert_shape(weights: ExpertWeights) -> tuple[int, int]:
-    """(intermediate, hidden) of an expert, quantised or not."""
-    if weights.quantized:
-        return weights.gate_q.shape[0], weights.down_q.shape[0]
-    return weights.down.shape[1], weights.down.shape[0]
-
-
-def _dense_bytes(weights: ExpertWeights, dtype: torch.dtype) -> int:
-    """Bytes of the dense copy a quantised expert is computed from (0: dense weights are used in place)."""
-    if not weights.quantized:
-        return 0
-    inter, size = _expert_shape(weights)
-    return 3 * inter * size * dtype.itemsize
-
-
-def _run_batch(
-    out: torch.Tensor,
-    hidden: torch.Tensor,
-    pair_tokens: torch.Tensor,
-    gates32: torch.Tensor,
-    batch: Sequence[Group],
-    swiglu_limit: float | None,
-) -> None:
-    tokens, gates = _batch_rows(pair_tokens, batch), _batch_rows(gates32, batch)
-    counts = [count for _, _, count in batch]
-    dense = [w.dequantized(hidden.dtype) if w.quantized else w for w, _, _ in batch]
-    rows = _split(hidden[tokens], counts)
-    gate_up = _joined([F.linear(x, w.gate_up) for w, x in zip(dense, rows, strict=True)])
-    del rows  # the gathered rows are not read again
-    inter = gate_up.shape[1] // 2
-    act = swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
-    del gate_up
-    y = _joined([F.linear(a, w.down) for w, a in zip(dense, _split(act, counts), strict=True)])
-    del act, dense
-    scaled = torch.mul(y, gates[:, None])
-    for rows_of, part in zip(_split(tokens, counts), _split(scaled, counts), strict=True):
-        out.index_add_(0, rows_of, part)
-
-
-def _split(values: torch.Tensor, counts: list[int]) -> Sequence[torch.Tensor]:
-    """Each group's rows of a batch's concatenated ``values`` (views; the whole tensor for one group)."""
-    return (values,) if len(counts) == 1 else values.split(counts)
-
-
-def _batch_rows(values: torch.Tensor, batch: Sequence[Group]) -> torch.Tensor:
-    """The batch's groups' runs of ``values`` (per sorted pair), concatenated: a view where the runs adjoin."""
-    first, last = batch[0], batch[-1]
-    adjoining = all(a[1] + a[2] == b[1] for a, b in zip(batch, batch[1:], strict=False))
-    if adjoining:
-        return values[first[1] : last[1] + last[2]]
-    return torch.cat([values[start : start + count] for _, start, count in batch])
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def run_experts(

@@ -269,12 +269,12 @@ class DeepseekV4DecoderLayer(nn.Module):
         input_ids: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         """After the attention (``out``, still rotated): the streams with the attention merged in, the MoE's
-        ``post``, ``comb`` and normed input, the routing (ids, weights) and the shared expert's output (None
-        without one). The routed experts come next, from the dispatcher."""
+        ``post``, ``comb`` and normed input ``x`` and the routing (ids, weights). The routed experts come next,
+        from the dispatcher, and the shared expert (``self.ffn.shared(x)``), which may run beside them."""
         attended = self.attn.decode_output(out, token[self.attn.rope_kind])
         mixed = self.ffn_hc.mix(streams, self.ffn_norm, Merge(post, comb, attended))
         ids, weights = self.ffn.gate(mixed.x, input_ids)
-        return mixed.streams, mixed.post, mixed.comb, mixed.x, ids, weights, self.ffn.shared(mixed.x)
+        return mixed.streams, mixed.post, mixed.comb, mixed.x, ids, weights
 
     def predict_routing(
         self,

@@ -225,14 +225,18 @@ def _post(
     ids: torch.Tensor,
     *rope_tensors: torch.Tensor,
 ) -> tuple:
-    """Segment: :meth:`DeepseekV4DecoderLayer.decode_post` with the rotations passed as tensors, then (with
-    ``ahead``) ``ahead``'s predicted expert ids; with ``experts_in_graph`` the routed experts too (the layer's
-    carry, ``(streams, post, comb, routed, shared)``, then the prediction)."""
+    """Segment: :meth:`DeepseekV4DecoderLayer.decode_post` with the rotations passed as tensors and the shared
+    expert's output, then (with ``ahead``) ``ahead``'s predicted expert ids; with ``experts_in_graph`` the routed
+    experts too, the shared expert beside them (:meth:`ExpertDispatcher.dispatch_beside`; the layer's carry,
+    ``(streams, post, comb, routed, shared)``, then the prediction)."""
     outputs = layer.decode_post(out, rotations_from(rope_tensors), streams, post, comb, ids)
+    streams, post, comb, x, topk_ids, weights = outputs
     if experts_in_graph:
-        streams, post, comb, x, topk_ids, weights, shared = outputs
-        carry = streams, post, comb, layer.ffn.dispatcher.dispatch(layer.layer, x, topk_ids, weights), shared
+        dispatcher = layer.ffn.dispatcher
+        routed, shared = dispatcher.dispatch_beside(layer.layer, x, topk_ids, weights, partial(layer.ffn.shared, x))
+        carry = streams, post, comb, routed, shared
         return carry if ahead is None else (*carry, ahead.predict_routing(streams, post, comb, shared, ids))
+    outputs = (*outputs, layer.ffn.shared(x))
     if ahead is None:
         return outputs
     streams, post, comb, *_, shared = outputs

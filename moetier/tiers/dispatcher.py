@@ -6,6 +6,7 @@ import contextlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator
+from typing import Generic, TypeVar
 
 import torch
 
@@ -13,6 +14,8 @@ from moetier.kernels.device_routing import LayerBlocks, device_routing_fits, run
 from moetier.kernels.grouped_experts import mark_broken, run_experts
 from moetier.tiers.call_routing import sort_pairs_for_device
 from moetier.tiers.experts import ExpertStore, ExpertWeights
+
+T = TypeVar("T")
 
 
 class ExpertDispatcher(ABC):
@@ -37,6 +40,20 @@ class ExpertDispatcher(ABC):
     def dispatch(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor: ...
+
+    def dispatch_beside(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        beside: Callable[[], T],
+    ) -> tuple[torch.Tensor, T]:
+        """:meth:`dispatch`'s result and ``beside()``'s: the model's work that does not depend on this call's
+        routed experts (its shared expert), run once, wherever the dispatcher overlaps it best (the same results
+        as calling both; only the order of independent work may change). Default: ``beside`` first."""
+        done = beside()
+        return self.dispatch(layer, hidden, topk_ids, topk_weights), done
 
     def graphable(self, tokens: int) -> bool:
         """Whether :meth:`dispatch` of a decode call of ``tokens`` rows may run inside a CUDA graph: no host sync,
@@ -81,6 +98,22 @@ class ExpertDispatcher(ABC):
         """Before the segment (or the eager call) that runs MoE layer ``layer``'s experts, in a step whose model
         hinted ``layer``: device work a hint started is ordered before it here (on the current stream; no host
         wait). Default: nothing."""
+
+
+class Beside(Generic[T]):
+    """The work beside one dispatch call (:meth:`ExpertDispatcher.dispatch_beside`): :meth:`run` at the point a
+    route chooses (again: nothing), :meth:`result` runs it if no route did."""
+
+    def __init__(self, work: Callable[[], T]) -> None:
+        self._work, self._done, self._result = work, False, None
+
+    def run(self) -> None:
+        if not self._done:
+            self._result, self._done = self._work(), True
+
+    def result(self) -> T:
+        self.run()
+        return self._result
 
 
 def expert_accumulator(hidden: torch.Tensor) -> torch.Tensor:

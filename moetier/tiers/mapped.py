@@ -6,10 +6,10 @@ critical path. Here the decode call needs no host decision at all. One device ta
 expert), the byte offset of the block the kernels read, from one fixed base (:attr:`ExpertCache.anchor`):
 its cache slot when it is resident, else its home copy in the pinned host arena, which the GPU reads over
 PCIe (pinned memory is mapped into the device's address space). A call is the resident dispatcher's
-device-built launch (:func:`~moetier.kernels.device_routing.run_routed`) over that table, plus one
-``index_add_`` counting its experts on the device, so the host never waits inside a step and the arithmetic,
-and so the bits, are the resident path's (measured on the H200: host-read blocks give the VRAM blocks' bits;
-the kernels read bf16 blocks over PCIe at 0.92x the copy engine's rate, fp4 at 0.62x).
+device-built launch (:func:`~moetier.kernels.device_routing.run_routed`) over that table, plus one kernel
+counting its uses on the device (:mod:`moetier.kernels.expert_counts`), so the host never waits inside a step
+and the arithmetic, and so the bits, are the resident path's (measured on the H200: host-read blocks give the
+VRAM blocks' bits; the kernels read bf16 blocks over PCIe at 0.92x the copy engine's rate, fp4 at 0.62x).
 
 Between steps (:meth:`MappedExperts.begin_step`, at a mapped step's first MoE layer) the host catches up
 without waiting: the counts copied back after an earlier step (an event it only queries) tell the policy and
@@ -33,19 +33,22 @@ beside every expert's uses, so the metrics know each side's share exactly.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
 from moetier.kernels import grouped_experts
 from moetier.kernels.device_routing import (
-    DEVICE_ROUTING_MAX_PAIRS,
     LayerBlocks,
     device_routing_fits,
     launch_routed,
     left_to_cpu,
     routed_table,
 )
+from moetier.kernels.expert_counts import count_uses, count_uses_reference
 from moetier.tiers.dispatcher import run_host_sorted
 from moetier.tiers.expert_cache import ExpertCache, Slot
 from moetier.tiers.experts import ExpertStore, ExpertWeights, swiglu_expert
@@ -60,6 +63,13 @@ DEFAULT_MAPPED_ADMISSIONS = 2
 LAG_STEPS = 2
 # Most of a call's blocks are read from the pinned home copy: the fp4 kernels' blocks for host reads.
 _HOST_READS = grouped_experts.HOST_READ_FP4_BLOCKS
+
+
+def mapped_overlap_enabled() -> bool:
+    """``MOETIER_MAPPED_OVERLAP=0`` (read per call, for A/B runs): a mapped call counts its uses with torch ops before
+    its kernels, and the work beside it (:meth:`ExpertDispatcher.dispatch_beside`) runs before the call, as before
+    the count kernel; the bits are the same."""
+    return os.environ.get("MOETIER_MAPPED_OVERLAP", "1") != "0"
 
 
 class MappedExperts:
@@ -107,12 +117,8 @@ class MappedExperts:
         # experts are the other routes' per-call hits and misses whatever the window the counts come back over.
         self.counts = torch.zeros((5, len(self._home)), dtype=torch.int64, device=self.device)
         self._in_slot = torch.zeros(len(self._home), dtype=torch.int64, device=self.device)  # 1: points at a slot
-        self._ones = torch.ones(DEVICE_ROUTING_MAX_PAIRS, dtype=torch.int64, device=self.device)
-        self._count_rows = {layer: self.counts[0, self._span(layer)] for layer in self.layers}
+        self._layer_counts = {layer: self.counts[:, self._span(layer)] for layer in self.layers}
         self._cpu_count_rows = {layer: self.counts[1, self._span(layer)] for layer in self.layers}
-        self._hit_count_rows = {layer: self.counts[2, self._span(layer)] for layer in self.layers}
-        self._call_rows = {layer: self.counts[3, self._span(layer)] for layer in self.layers}
-        self._hit_call_rows = {layer: self.counts[4, self._span(layer)] for layer in self.layers}
         self._used = {layer: torch.zeros(self.experts, dtype=torch.int64, device=self.device) for layer in self.layers}
         self._in_slot_rows = {layer: self._in_slot[self._span(layer)] for layer in self.layers}
         self._pick_rows = {layer: self.pick[self._span(layer)] for layer in self.layers}
@@ -156,22 +162,23 @@ class MappedExperts:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         stream: Any = None,
+        beside: Callable[[], None] | None = None,
     ) -> None:
         """Add the layer's routed experts into ``out`` (float32 ``[T, H]``), each read where the table says (the
-        CPU tier's picks computed by the fed worker, where there is one; ``stream``: the call's, on CUDA)."""
-        flat = topk_ids.reshape(-1)
-        ones = self._ones[: flat.numel()] if flat.numel() <= self._ones.numel() else torch.ones_like(flat)
-        self._count_rows[layer].index_add_(0, flat, ones)
-        self._hit_count_rows[layer].index_add_(0, flat, self._in_slot_rows[layer].index_select(0, flat))
-        used = self._used[layer].zero_().index_fill_(0, flat, 1)  # the call's distinct experts
-        self._call_rows[layer].add_(used)
-        self._hit_call_rows[layer].add_(used.mul_(self._in_slot_rows[layer]))
+        CPU tier's picks computed by the fed worker, where there is one; ``stream``: the call's, on CUDA), and count
+        the call's uses. ``beside`` (the model's work that does not need the routed experts) runs once its kernels
+        are enqueued, with the counts: on the device before it waits for the CPU tier's sums, in time it would
+        otherwise spend waiting (:meth:`ExpertDispatcher.dispatch_beside`)."""
         fed = self.cpu is not None and self.cpu.usable(hidden)
         if self.cpu is not None and not fed:
             self.cpu.abort_step()  # a queued step whose call cannot be fed: no job may wait for a start never stored
         pick = self._pick_rows[layer] if fed else None
+        if not mapped_overlap_enabled():  # the A/B's other side: counted by torch ops before the call's kernels
+            count_uses_reference(self._layer_counts[layer], self._in_slot_rows[layer], topk_ids.reshape(-1),
+                                 self._used[layer])  # fmt: skip
+        after = partial(self._after_kernels, layer, topk_ids, beside)
         if self.cuda:
-            self._dispatch_on_device(layer, out, hidden, topk_ids, topk_weights, pick, stream)
+            self._dispatch_on_device(layer, out, hidden, topk_ids, topk_weights, pick, stream, after)
             self._restore_ahead(layer, topk_ids)
             return
         call, skip, rows = None, None, None
@@ -188,6 +195,7 @@ class MappedExperts:
             self._run_on_host(layer, out, hidden, topk_ids, topk_weights, skip, rows)
             if call is not None:
                 self.cpu.mark_end(call, stream)
+            after()
         except BaseException:
             if call is not None:
                 self.cpu.abandon(call)
@@ -195,6 +203,13 @@ class MappedExperts:
         if call is not None:
             self.cpu.collect(call, out, stream)
         self._restore_ahead(layer, topk_ids)
+
+    def _after_kernels(self, layer: int, topk_ids: torch.Tensor, beside: Callable[[], None] | None) -> None:
+        """Once the call's kernels are enqueued: its uses counted on the device, then the work beside it."""
+        if mapped_overlap_enabled():
+            count_uses(self._layer_counts[layer], self._in_slot_rows[layer], topk_ids, self._used[layer])
+        if beside is not None:
+            beside()
 
     def _restore_ahead(self, layer: int, topk_ids: torch.Tensor) -> None:
         """After the call's kernels: the entries its reads ahead pointed at staging slots point home again."""
@@ -205,12 +220,14 @@ class MappedExperts:
         """Whether a decode call like ``hidden`` on this route takes reads ahead (:mod:`moetier.tiers.mapped_ahead`)."""
         return self.ahead is not None and self.ahead.usable(hidden) and self.usable(hidden, hidden.shape[0])
 
-    def _dispatch_on_device(self, layer, out, hidden, topk_ids, topk_weights, pick, stream) -> None:
+    def _dispatch_on_device(self, layer, out, hidden, topk_ids, topk_weights, pick, stream, after) -> None:
         """The device-built launch over the table; with ``pick``, one kernel writes the table and the CPU tier's
-        inbox, the start word follows it, the kernels run the device's pairs, then the stream adds the CPU's."""
+        inbox, the start word follows it, the kernels run the device's pairs, ``after()`` enqueues the counts and
+        the work beside, then the stream adds the CPU's sums."""
         blocks, limit = self._layer_blocks(layer, hidden.dtype), self.store.layout.swiglu_limit
         if pick is None:
             launch_routed(out, hidden, topk_weights, blocks, limit, routed_table(blocks, topk_ids), _HOST_READS)
+            after()
             return
         inbox = self.cpu.inbox(hidden.shape[0])
         target = self.cpu.target(hidden.shape[0], self._base)
@@ -219,11 +236,13 @@ class MappedExperts:
         call = self.cpu.start(layer, inbox, stream)
         if call is None:  # the table leaves the CPU's pairs out: build it again with every pair
             launch_routed(out, hidden, topk_weights, blocks, limit, routed_table(blocks, topk_ids), _HOST_READS)
+            after()
             return
         try:
             self.cpu.mark_start(call, stream)
             launch_routed(out, hidden, topk_weights, blocks, limit, routed, _HOST_READS)
             self.cpu.mark_end(call, stream)
+            after()
         except BaseException:
             self.cpu.abandon(call)
             raise

@@ -77,6 +77,7 @@ class CheckpointSizes:
     layout: ExpertLayout
     family_config: Any
     architecture: str
+    fp8_linears: int = 0  # backbone linears kept fp8-block as stored (backbone_format "fp8")
 
 
 def checkpoint_sizes(
@@ -96,8 +97,7 @@ def checkpoint_sizes(
     store = ExpertStore(layout, dtype, lambda numel, dt: torch.empty(numel, dtype=dt, device="meta"))
     with torch.device("meta"):
         model = cls(family_config, make_dispatcher("resident", store))
-    if backbone_format == "fp8":
-        keep_fp8_linears(model, ckpt)
+    fp8_linears = len(keep_fp8_linears(model, ckpt)) if backbone_format == "fp8" else 0
     sizes = {"backbone": 0, "experts": 0, "ignored": 0}
     formats = {name: format_for(name, ckpt) for name in ckpt.names()}
     owner = {c: name for name, fmt in formats.items() for c in fmt.companions(name)}
@@ -124,8 +124,9 @@ def checkpoint_sizes(
                 target = materialized_dtype(model, module, name, full_name, tensor, dtype)
                 backbone += tensor.numel() * _size_of(target)
     return CheckpointSizes(
-        sizes["backbone"], sizes["experts"], sizes["ignored"], backbone, layout, family_config, cls.__name__
-    )
+        sizes["backbone"], sizes["experts"], sizes["ignored"], backbone, layout, family_config, cls.__name__,
+        fp8_linears,
+    )  # fmt: skip
 
 
 def _size_of(dtype: torch.dtype) -> int:
@@ -235,6 +236,7 @@ class PlacementPlan:
     stored_backbone_bytes: int
     stored_expert_bytes: int
     warnings: list[str] = field(default_factory=list)
+    fp8_linears: int = 0  # of the backbone's linears, those kept fp8-block as stored
     # Of ``kv_bytes``, the state each stream holds whatever its length (V4's window and open windows).
     kv_stream_bytes: int = 0
     prefill_chunk_tokens: int = 512
@@ -310,8 +312,9 @@ class PlacementPlan:
     def table(self) -> str:
         """A readable table of the placement and the predicted decode bound."""
         b = self.budget
+        fp8 = f"; {self.fp8_linears} linears fp8-block as stored" if self.fp8_linears else ""
         rows = [
-            ("backbone (attention, norms, routers, shared experts, embeddings)", self.backbone_bytes, "VRAM"),
+            (f"backbone (attention, norms, routers, shared experts, embeddings{fp8})", self.backbone_bytes, "VRAM"),
             (f"KV cache: {self._kv_streams()} x {b.context} tokens ({self.kv_note})", self.kv_bytes, "VRAM"),
             ("activation workspace (estimate)", self.workspace_bytes, "VRAM"),
             (f"prefix cache ({self.prefix_note})", self.prefix_cache_bytes, "VRAM"),
@@ -410,6 +413,7 @@ def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.b
         cache_slots=slots,
         stored_backbone_bytes=sizes.stored_backbone,
         stored_expert_bytes=sizes.stored_experts,
+        fp8_linears=sizes.fp8_linears,
         kv_stream_bytes=kv_bytes(0, 1),
         prefill_chunk_tokens=chunk.tokens,
         chunk_note=chunk.note,

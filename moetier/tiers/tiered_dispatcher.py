@@ -34,8 +34,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Hashable, Iterator
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -48,12 +48,12 @@ from moetier.tiers.copy_timings import CopyTimings
 from moetier.tiers.cpu_jobs import decode_groups, gather_streaming
 from moetier.tiers.cpu_tier import CpuExpertTier, CpuJob
 from moetier.tiers.decode_inputs import HostBuffers, read_host_inputs
-from moetier.tiers.dispatcher import ExpertDispatcher, expert_accumulator
+from moetier.tiers.dispatcher import Beside, ExpertDispatcher, expert_accumulator
 from moetier.tiers.expert_cache import ExpertCache
 from moetier.tiers.experts import ExpertStore
 from moetier.tiers.gpu_wait import HostFlag
 from moetier.tiers.hints import HintBuffer
-from moetier.tiers.mapped import MappedExperts
+from moetier.tiers.mapped import MappedExperts, mapped_overlap_enabled
 from moetier.tiers.mapped_cpu import FedCpuShare, fed_share
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.next_layer import NextLayerPrefetch
@@ -61,6 +61,8 @@ from moetier.tiers.policies import make_policy
 from moetier.tiers.route_costs import RouteAdapter, RouteCosts, split_misses
 from moetier.tiers.split_choice import SplitChooser, StepTimer
 from moetier.tiers.tiered_config import TieredConfig, default_staging_slots
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 # A longer gap between two decode steps is idle time (no requests), not a step: it is not timed.
@@ -116,6 +118,7 @@ class TieredDispatcher(ExpertDispatcher):
         # (its calls run in graphs, the hint comes after the call before it) or after the call before it.
         self._ahead_step, self._graphed_step = False, False
         self._pending_hint: int | None = None
+        self._beside: Beside | None = None  # the work beside the call in progress (dispatch_beside)
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -243,6 +246,26 @@ class TieredDispatcher(ExpertDispatcher):
 
     # --- the call ------------------------------------------------------------------------------
 
+    def dispatch_beside(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        beside: Callable[[], T],
+    ) -> tuple[torch.Tensor, T]:
+        """``beside`` runs where the call would wait for the CPU tier: a mapped call's once its kernels are enqueued
+        (before the device waits for the CPU's sums), a copy-path call's before the CPU's sums are added; else
+        after the call. ``MOETIER_MAPPED_OVERLAP=0``: first (:func:`~moetier.tiers.mapped.mapped_overlap_enabled`)."""
+        if not mapped_overlap_enabled():
+            return super().dispatch_beside(layer, hidden, topk_ids, topk_weights, beside)
+        self._beside = Beside(beside)
+        try:
+            routed = self.dispatch(layer, hidden, topk_ids, topk_weights)
+        finally:
+            pending, self._beside = self._beside, None
+        return routed, pending.result()
+
     def dispatch(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
@@ -300,6 +323,8 @@ class TieredDispatcher(ExpertDispatcher):
                     started[0].result()
             raise
         if started is not None:
+            if self._beside is not None:  # the device's work beside the call, before it waits for the CPU's sums
+                self._beside.run()
             with phase("tiers.cpu_sums"):
                 self._add_cpu_sums(layer, out, started, release)
         self.cache.mark_released(read, self._compute_stream())
@@ -355,7 +380,8 @@ class TieredDispatcher(ExpertDispatcher):
             with phase("tiers.mapped"):
                 if self._ahead_step and not self._graphed_step:  # the model's await_hint did it already
                     self.mapped.ahead.join(layer)
-                self.mapped.dispatch(layer, out, hidden, topk_ids, topk_weights, self._stream)
+                beside = None if self._beside is None else self._beside.run
+                self.mapped.dispatch(layer, out, hidden, topk_ids, topk_weights, self._stream, beside)
                 if self._pending_hint is not None and self._pending_hint != layer:
                     self.mapped.ahead.launch(self._pending_hint)
                 self._pending_hint = None
