@@ -255,7 +255,8 @@ def v4_by_hand(model, monkeypatch) -> Callable:
     monkeypatch.setattr(DeepseekV4DecoderLayer, "decode_post", recorded)
 
     def predict(call: int, layer: int, ahead: int, tokens: torch.Tensor) -> torch.Tensor:
-        streams, post, comb, *_, shared = outputs[layer][call]
+        streams, post, comb, x, *_ = outputs[layer][call]
+        shared = model.layers[layer].ffn.shared(x)  # decode_post leaves it to the dispatch (beside the experts)
         routed = torch.zeros_like(streams[:, 0])
         estimate = DeepseekV4DecoderLayer.finish_ffn(streams, post, comb, routed, shared)
         target = model.layers[ahead]

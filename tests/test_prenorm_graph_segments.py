@@ -152,15 +152,17 @@ def test_cache_storage_decode_equals_the_one_call_forward(checkpoint, kv_dtype, 
         assert all(torch.equal(a, b) for a, b in zip(decode_run(model, kv_dtype), reference, strict=True))
 
 
-def test_fake_graphs_with_tiered_dispatcher_match_resident(checkpoint):
-    """The tiered dispatcher (a small expert cache, misses on the CPU tier or copied in) reads the segments'
-    static outputs and hands back its result to be copied in: same logits as the resident one-call forward."""
+@pytest.mark.parametrize("route", ["auto", "mapped"])
+def test_fake_graphs_with_tiered_dispatcher_match_resident(checkpoint, route):
+    """The tiered dispatcher (a small expert cache, misses on the CPU tier or copied in; mapped: read by the
+    device's path, the shared experts beside the call) reads the segments' static outputs and hands back its
+    result to be copied in: same logits as the resident one-call forward."""
     from test_tiers_fidelity import FP32_REL, load_tiered, small_cache
 
     resident = load_model(checkpoint, ModelLoadConfig(dtype=torch.float32, device="cpu"), progress=False)
     resident.model.segmented_decode = False
     reference = decode_run(resident.model)
-    options = {"cache_slots": small_cache(resident), "miss_route": "auto", "policy": "lru"}
+    options = {"cache_slots": small_cache(resident), "miss_route": route, "policy": "lru"}
     loaded, _ = load_tiered(checkpoint, torch.float32, **options)
     loaded.model.graphs = graphs = FakeGraphs(warmup=1)
     try:
@@ -169,7 +171,7 @@ def test_fake_graphs_with_tiered_dispatcher_match_resident(checkpoint):
         loaded.model.dispatcher.close()
     snap = loaded.model.dispatcher.metrics.snapshot()
     print(f"\nmiss rate {1 - snap['hit_rate']:.2f}")
-    assert 1 - snap["hit_rate"] > 0.5 and snap["totals"]["cpu_pairs"] > 0
+    assert 1 - snap["hit_rate"] > 0.5 and snap["totals"]["cpu_pairs" if route == "auto" else "mapped_pairs"] > 0
     assert graphs.failures == {} and graphs.replays > 0
     assert max(relative_error(a, b) for a, b in zip(tiered, reference, strict=True)) < FP32_REL
 

@@ -110,7 +110,7 @@ class RoutedMoE(nn.Module):
     """A MoE block: a router (and optional shared experts) on the device, routed experts through the dispatcher.
 
     Subclasses set ``layer``, ``dispatcher`` (a plain attribute, as :meth:`CausalLM.use_dispatcher` expects) and
-    the router ``gate`` (``gate(x) -> (ids, weights)``), and implement :meth:`route`.
+    the router ``gate`` (``gate(x) -> (ids, weights)``), and with shared experts override :meth:`shared`.
     """
 
     layer: int
@@ -125,7 +125,17 @@ class RoutedMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, MaybeTensor]:
         """``x`` ``[T, H]`` -> expert ids ``[T, k]``, their weights ``[T, k]``, shared experts' output (or None).
         Capturable: it runs inside the decode step's post segment."""
-        raise NotImplementedError
+        return *self.gate(x), self.shared(x)
+
+    def shared(self, x: torch.Tensor) -> MaybeTensor:
+        """The shared experts' output for ``x`` (None without them). Default: None."""
+        return None
+
+    def experts_beside_shared(self, x: torch.Tensor) -> tuple[torch.Tensor, MaybeTensor]:
+        """The routed experts' sum and the shared experts' output, the shared ones run wherever the dispatcher
+        overlaps them best (:meth:`ExpertDispatcher.dispatch_beside`)."""
+        ids, weights = self.gate(x)
+        return self.dispatcher.dispatch_beside(self.layer, x, ids, weights, partial(self.shared, x))
 
     def experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for ``x`` (the dispatcher decides where each expert runs)."""
@@ -315,11 +325,10 @@ def _post(
     ``ahead``) ``ahead``'s predicted expert ids; with ``experts_in_graph`` a MoE layer's routed experts too
     (its carry, ``(h, routed, shared)``)."""
     h, y = layer.decode_post_attention(x, out)
-    outputs = layer.decode_mlp(h, y)
-    if experts_in_graph and len(outputs) > 1:
-        h, y, ids, weights, shared = outputs
-        carry = h, layer.mlp.experts(y, ids, weights), shared
+    if experts_in_graph and isinstance(layer.mlp, RoutedMoE):
+        carry = h, *layer.mlp.experts_beside_shared(y)
         return carry if ahead is None else (*carry, ahead.predict_experts(h))
+    outputs = layer.decode_mlp(h, y)
     return outputs if ahead is None else (*outputs, ahead.predict_experts(h))
 
 

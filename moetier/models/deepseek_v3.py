@@ -381,9 +381,8 @@ class DeepseekV3MoE(RoutedMoE):
         )
         object.__setattr__(self, "dispatcher", dispatcher)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        shared = None if self.shared_experts is None else self.shared_experts(x)
-        return *self.gate(x), shared
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        return None if self.shared_experts is None else self.shared_experts(x)
 
 
 def _decoder_layer(cfg: DeepseekV3Config, layer: int, dispatcher: ExpertDispatcher) -> SegmentedDecoderLayer:

@@ -189,9 +189,6 @@ class Qwen3MoeBlock(RoutedMoE):
         self.gate = Qwen3MoeRouter(cfg)
         object.__setattr__(self, "dispatcher", dispatcher)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        return *self.gate(x), None
-
 
 def _decoder_layer(cfg: Qwen3MoeConfig, layer: int, dispatcher: ExpertDispatcher) -> SegmentedDecoderLayer:
     if cfg.is_moe_layer(layer):
