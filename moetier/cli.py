@@ -81,11 +81,12 @@ def add_backbone_format_argument(parser: argparse.ArgumentParser) -> None:
     """--backbone-format: the backbone linears' VRAM copy, shared by ``serve``, ``generate`` and ``plan``."""
     parser.add_argument(
         "--backbone-format",
-        default="fp8",
-        choices=["fp8", "dense"],  # moetier.config.BACKBONE_FORMATS (not imported: torch stays lazy)
-        help="backbone linears (attention, shared experts): fp8 (default: those the checkpoint stores fp8-block, "
-        "as DeepSeek's releases do, stay so: half the VRAM and decode bytes of bf16; no effect on other "
-        "checkpoints) or dense (dequantised to --dtype at load)",
+        default="auto",
+        choices=["auto", "fp8", "dense"],  # moetier.config.BACKBONE_FORMATS (not imported: torch stays lazy)
+        help="backbone linears (attention, shared experts): fp8 (those the checkpoint stores fp8-block, as "
+        "DeepSeek's releases do, stay so: half the VRAM and decode bytes of bf16; no effect on other checkpoints), "
+        "dense (dequantised to --dtype at load) or auto (default: fp8 on a GPU, dense on the CPU, where an fp8 "
+        "linear would dequantise its weight every call)",
     )
 
 

@@ -47,7 +47,7 @@ def check_expert_format(value: str) -> str:
 
 # The backbone's linears: "fp8" keeps those a checkpoint stores fp8-block (moetier.models.fp8_linear), "dense"
 # dequantises them at load.
-BACKBONE_FORMATS = ("fp8", "dense")
+BACKBONE_FORMATS = ("auto", "fp8", "dense")
 
 
 def check_backbone_format(value: str) -> str:
@@ -55,6 +55,15 @@ def check_backbone_format(value: str) -> str:
     if value not in BACKBONE_FORMATS:
         raise ConfigError(f"backbone_format must be one of {', '.join(BACKBONE_FORMATS)}, got {value!r}")
     return value
+
+
+def resolve_backbone_format(value: str, device: torch.device | str) -> str:
+    """``fp8`` or ``dense`` for a load on ``device``: ``auto`` is ``fp8`` on CUDA (half the VRAM and decode bytes of
+    bf16) and ``dense`` elsewhere, where an fp8 linear dequantises its weight every call (a 4096 x 4096 linear at
+    one token took 132 ms against 2.4 ms dense on the 2-core dev machine); ``fp8`` and ``dense`` are kept."""
+    if check_backbone_format(value) != "auto":
+        return value
+    return "fp8" if torch.device(device).type == "cuda" else "dense"
 
 
 def check_seconds(name: str, value: object, zero: str = "") -> None:
@@ -75,15 +84,15 @@ class ModelLoadConfig:
     ``expert_format``: ``"dense"`` (routed experts dequantised to ``dtype`` at load), ``"fp8"`` (an
     fp8-block checkpoint's experts stay float8 + scales in the home copy) or ``"fp4"`` (DeepSeek-V4's
     FP4 experts stay packed + scales); see :data:`EXPERT_FORMATS`. ``backbone_format``: ``"fp8"`` (backbone
-    linears the checkpoint stores fp8-block stay so, half the VRAM of bf16; a no-op on other checkpoints) or
-    ``"dense"`` (dequantised at load).
+    linears the checkpoint stores fp8-block stay so, half the VRAM of bf16; a no-op on other checkpoints),
+    ``"dense"`` (dequantised at load) or ``"auto"`` (fp8 on CUDA, dense elsewhere: :func:`resolve_backbone_format`).
     """
 
     dtype: torch.dtype = torch.bfloat16
     device: torch.device | str = "cpu"
     max_model_len: int | None = None
     expert_format: str = "dense"
-    backbone_format: str = "fp8"
+    backbone_format: str = "auto"
 
     def __post_init__(self) -> None:
         check_expert_format(self.expert_format)

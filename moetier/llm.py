@@ -77,7 +77,7 @@ class LLM:
     ``prefill_chunk_tokens`` its prefill tokens per step (left as ``None`` in both, the placement plan
     picks the chunk with ``gpu_memory``; ``self.engine.config.prefill_chunk_tokens`` is the one used).
     ``expert_format`` (``dense``, ``fp8``, ``fp4``), when given, overrides the engine config's experts' home copy, and
-    ``backbone_format`` (``fp8``, ``dense``) its backbone linears'.
+    ``backbone_format`` (``auto``, ``fp8``, ``dense``) its backbone linears'.
     """
 
     def __init__(

@@ -20,10 +20,10 @@ from test_deepseek_v4 import save_tiny_v4
 from test_fp8 import quantize_blocks, quantize_checkpoint
 
 from moetier import cli
-from moetier.config import ModelLoadConfig
+from moetier.config import ModelLoadConfig, resolve_backbone_format
 from moetier.errors import ConfigError
 from moetier.models.fp8_linear import Fp8BlockLinear
-from moetier.tiers.plan import PlanBudget, checkpoint_sizes, make_plan
+from moetier.tiers.plan import PlanBudget, TierOptions, checkpoint_sizes, make_plan, plan_for
 from moetier.weights.loader import load_model
 
 PROMPT_LEN, STEPS = 20, 8
@@ -141,8 +141,22 @@ def test_plan_counts_the_backbone_that_loads(v4_checkpoints):
     assert f"{swapped} linears fp8-block as stored" in kept_plan.table()
 
 
+def test_auto_keeps_the_backbone_fp8_on_cuda_and_dequantises_it_elsewhere(v4_checkpoints):
+    """``auto`` (the default): fp8 where the kernel runs; off CUDA an fp8 linear would dequantise every call, so the
+    CPU load is the dense one (the same bits, see above); the plan places a GPU's memory: fp8."""
+    assert resolve_backbone_format("auto", "cuda") == "fp8" and resolve_backbone_format("auto", "cpu") == "dense"
+    assert resolve_backbone_format("fp8", "cpu") == "fp8" and resolve_backbone_format("dense", "cuda") == "dense"
+    path = v4_checkpoints / "tile128"
+    auto = load_model(path, ModelLoadConfig(dtype=torch.bfloat16), progress=False)
+    assert not _fp8_linears(auto.model) and _bytes(auto.model) == _bytes(_load(path, "dense").model)
+    fp8 = checkpoint_sizes(path, torch.bfloat16, "dense", "fp8")
+    assert checkpoint_sizes(path, torch.bfloat16).backbone == fp8.backbone  # a plan of its own: a GPU's
+    planned = plan_for(path, TierOptions(gpu_memory="1GiB"), ModelLoadConfig(dtype=torch.bfloat16), 256, 1)
+    assert planned.backbone_bytes == _bytes(auto.model) and planned.fp8_linears == 0  # a CPU load's plan: dense
+
+
 def test_backbone_format_is_checked_and_parsed(v4_checkpoints, capsys):
-    with pytest.raises(ConfigError, match="backbone_format must be one of fp8, dense"):
+    with pytest.raises(ConfigError, match="backbone_format must be one of auto, fp8, dense"):
         ModelLoadConfig(backbone_format="int4")
     with pytest.raises(ConfigError, match="backbone_format"):
         PlanBudget(gpu_memory="1GiB", backbone_format="bf16")

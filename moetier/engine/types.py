@@ -80,8 +80,8 @@ class EngineConfig:
     - ``expert_format``: the routed experts' home copy when the engine loads a checkpoint: ``"dense"``
       (dequantised to the model dtype), ``"fp8"`` (an fp8-block checkpoint's float8 + scales, half the
       bytes) or ``"fp4"`` (DeepSeek-V4's packed FP4 + scales; :class:`moetier.config.ModelLoadConfig`).
-    - ``backbone_format``: ``"fp8"`` (default: backbone linears an fp8-block checkpoint stores so stay float8 +
-      scales in VRAM) or ``"dense"`` (dequantised at load).
+    - ``backbone_format``: ``"fp8"`` (backbone linears an fp8-block checkpoint stores so stay float8 + scales in
+      VRAM), ``"dense"`` (dequantised at load) or ``"auto"`` (default: fp8 on CUDA, dense elsewhere).
     """
 
     max_streams: int = 4
@@ -102,7 +102,7 @@ class EngineConfig:
     kv_block_tokens: int = 16
     spare_cache_seconds: float = 30.0
     expert_format: str = "dense"
-    backbone_format: str = "fp8"
+    backbone_format: str = "auto"
 
     def __post_init__(self) -> None:
         check_expert_format(self.expert_format)

@@ -92,7 +92,7 @@ class ServeConfig:
     prefill_chunk_tokens: int | None = None
     warmup: bool = True
     expert_format: str = "dense"
-    backbone_format: str = "fp8"
+    backbone_format: str = "auto"
     spare_cache_seconds: float = 30.0
     prefix_cache: int | str = 1 << 30
 

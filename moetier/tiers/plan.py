@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from moetier.config import ModelLoadConfig, check_backbone_format, check_expert_format
+from moetier.config import ModelLoadConfig, check_backbone_format, check_expert_format, resolve_backbone_format
 from moetier.errors import ConfigError
 from moetier.models.base import ExpertTarget, IgnoreTarget
 from moetier.tiers.dispatcher import make_dispatcher
@@ -81,12 +81,12 @@ class CheckpointSizes:
 
 
 def checkpoint_sizes(
-    path: str | Path, dtype: torch.dtype, expert_format: str = "dense", backbone_format: str = "fp8"
+    path: str | Path, dtype: torch.dtype, expert_format: str = "dense", backbone_format: str = "auto"
 ) -> CheckpointSizes:
     """Classify every stored tensor (backbone, routed expert, ignored) by the family's name mapping, and
     count the backbone the loader would build (a meta-device model: no memory, no weights read); the
     layout's expert blocks are ``expert_format``'s (``"fp8"``: float8 + scales; ``"fp4"``: packed + scales),
-    the backbone's fp8-block linears ``backbone_format``'s."""
+    the backbone's fp8-block linears ``backbone_format``'s (``auto``: as on a CUDA device, fp8)."""
     from moetier.models import model_class_for
     from moetier.models.fp8_linear import keep_fp8_linears, materialized_dtype
 
@@ -97,7 +97,8 @@ def checkpoint_sizes(
     store = ExpertStore(layout, dtype, lambda numel, dt: torch.empty(numel, dtype=dt, device="meta"))
     with torch.device("meta"):
         model = cls(family_config, make_dispatcher("resident", store))
-    fp8_linears = len(keep_fp8_linears(model, ckpt)) if backbone_format == "fp8" else 0
+    fp8 = resolve_backbone_format(backbone_format, "cuda") == "fp8"  # a plan places a GPU's memory
+    fp8_linears = len(keep_fp8_linears(model, ckpt)) if fp8 else 0
     sizes = {"backbone": 0, "experts": 0, "ignored": 0}
     formats = {name: format_for(name, ckpt) for name in ckpt.names()}
     owner = {c: name for name, fmt in formats.items() for c in fmt.companions(name)}
@@ -143,7 +144,8 @@ class PlanBudget:
     ``workspace`` / ``kv_bytes_per_token``: override the stated estimates. ``kv_dtype``: the KV cache's
     storage (``auto`` = the load dtype, ``bf16``, ``fp8`` = one byte per element plus per-token scales).
     ``expert_format``: the experts' home copy, ``dense``, ``fp8`` or ``fp4`` (``ModelLoadConfig.expert_format``);
-    ``backbone_format``: ``fp8`` or ``dense`` (``ModelLoadConfig.backbone_format``).
+    ``backbone_format``: ``auto`` (fp8 here: a plan places a GPU's memory), ``fp8`` or ``dense``
+    (``ModelLoadConfig.backbone_format``).
     ``prefix_cache``: the most VRAM the engine's prefix-cache snapshots may hold. ``prefix_snapshots``: where the
     snapshots borrow their caches' entries (DeepSeek-V4 with spare caches: each holds one stream's rolling state,
     :mod:`moetier.models.deepseek_v4_snapshot`), how many of them the plan reserves for (at most ``prefix_cache``);
@@ -167,7 +169,7 @@ class PlanBudget:
     # Streams whose KV is reserved up front (None = all ``max_streams``); the others borrow expert-cache slots.
     kv_reserve_streams: int | None = None
     expert_format: str = "dense"
-    backbone_format: str = "fp8"
+    backbone_format: str = "auto"
 
     def __post_init__(self) -> None:
         check_expert_format(self.expert_format)
@@ -541,7 +543,7 @@ def plan_for(
         device_memory=device_memory(load_config.device),
         kv_reserve_streams=options.kv_reserve_streams,
         expert_format=load_config.expert_format,
-        backbone_format=load_config.backbone_format,
+        backbone_format=resolve_backbone_format(load_config.backbone_format, load_config.device),
     )
     return make_plan(path, budget, load_config.dtype)
 

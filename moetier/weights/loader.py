@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from moetier.config import ModelLoadConfig
+from moetier.config import ModelLoadConfig, resolve_backbone_format
 from moetier.errors import CheckpointError, ConfigError
 from moetier.models import CausalLM, model_class_for
 from moetier.models.base import ExpertTarget, IgnoreTarget, ParamTarget
@@ -56,8 +56,8 @@ def load_model(
     size); once loaded, the dispatcher's ``prepare(device)`` runs (cache allocation, calibration).
     With ``load_config.expert_format`` ``"fp8"`` (``"fp4"``) the routed experts keep the checkpoint's float8
     (packed FP4) bytes and scales (an ``expert_allocator`` must size blocks for that layout:
-    ``HostExpertArena.for_checkpoint`` with the same format). With ``load_config.backbone_format`` ``"fp8"`` the
-    backbone linears the checkpoint stores fp8-block stay so (:mod:`moetier.models.fp8_linear`).
+    ``HostExpertArena.for_checkpoint`` with the same format). With ``load_config.backbone_format`` ``"fp8"`` (``"auto"``
+    on CUDA) the backbone linears the checkpoint stores fp8-block stay so (:mod:`moetier.models.fp8_linear`).
     """
     cfg = load_config or ModelLoadConfig()
     ckpt = Checkpoint(path)
@@ -67,7 +67,8 @@ def load_model(
     store = ExpertStore(layout, cfg.dtype, expert_allocator or device_allocator(cfg.device))
     with torch.device("meta"):
         model = cls(family_config, make_dispatcher(dispatcher, store, **(dispatcher_options or {})))
-    if cfg.backbone_format == "fp8" and (kept := keep_fp8_linears(model, ckpt)):
+    fp8_backbone = resolve_backbone_format(cfg.backbone_format, cfg.device) == "fp8"
+    if fp8_backbone and (kept := keep_fp8_linears(model, ckpt)):
         log.info("%d backbone linears stay fp8-block as stored (--backbone-format dense dequantises them)", len(kept))
     _materialize(model, cfg.dtype, cfg.device)
     _StreamingLoader(model, store, ckpt, cfg.dtype).run(progress)
