@@ -506,10 +506,13 @@ def test_timed_steps_queue_their_jobs_up_front_and_time_the_wait_for_the_cpu(mon
 
 
 @needs_kernel
+@pytest.mark.parametrize("order", ["kernel", "beside", "torch"])
 @pytest.mark.parametrize("share", [0.0, 0.5])
-def test_work_beside_a_mapped_call_runs_once_after_its_kernels_and_changes_no_result(share):
-    """``dispatch_beside``: the shared expert's slot in a mapped call comes after the call's kernels and counts (the
-    counts already hold the call when it runs) and before the CPU's sums; the routed result is dispatch's own."""
+def test_work_beside_a_mapped_call_runs_once_where_the_order_says_and_changes_no_result(share, order, monkeypatch):
+    """``dispatch_beside``: with ``MOETIER_MAPPED_ORDER=beside`` the shared expert's slot in a mapped call comes after
+    the call's kernels and counts (the counts already hold the call when it runs) and before the CPU's sums; in the
+    other orders it runs first (the counts do not hold the call yet); the routed result is dispatch's own."""
+    monkeypatch.setenv("MOETIER_MAPPED_ORDER", order)
     store = _random_store(LAYOUT, torch.float32)
     options = {"cache_slots": 4, "miss_route": "mapped", "mapped_cpu_share": share, "policy": "lfu"}
     beside_first, plain = TieredDispatcher(store, **options), TieredDispatcher(store, **options)
@@ -517,7 +520,8 @@ def test_work_beside_a_mapped_call_runs_once_after_its_kernels_and_changes_no_re
     seen = []
 
     def beside() -> torch.Tensor:
-        seen.append(int(beside_first.mapped.counts[0].sum()))
+        mapped = beside_first.mapped  # None before the first call prepares the dispatcher
+        seen.append(0 if mapped is None else int(mapped.counts[0].sum()))
         return torch.ones(1)
 
     pairs = 0
@@ -525,8 +529,9 @@ def test_work_beside_a_mapped_call_runs_once_after_its_kernels_and_changes_no_re
         for layer in LAYOUT.moe_layers:
             hidden, ids, weights = _routing(n, LAYOUT, generator, torch.float32, skew=1.0)
             routed, done = beside_first.dispatch_beside(layer, hidden, ids, weights, beside)
+            assert torch.equal(done, torch.ones(1)) and seen[-1] == pairs + (ids.numel() if order == "beside" else 0)
             pairs += ids.numel()
-            assert torch.equal(done, torch.ones(1)) and seen[-1] == pairs  # counted before the work beside
+            assert int(beside_first.mapped.counts[0].sum()) == pairs
             assert torch.equal(routed, plain.dispatch(layer, hidden, ids, weights))
     assert len(seen) == 4 * len(LAYOUT.moe_layers)
     beside_first.close()

@@ -65,11 +65,20 @@ LAG_STEPS = 2
 _HOST_READS = grouped_experts.HOST_READ_FP4_BLOCKS
 
 
-def mapped_overlap_enabled() -> bool:
-    """``MOETIER_MAPPED_OVERLAP=0`` (read per call, for A/B runs): a mapped call counts its uses with torch ops before
-    its kernels, and the work beside it (:meth:`ExpertDispatcher.dispatch_beside`) runs before the call, as before
-    the count kernel; the bits are the same."""
-    return os.environ.get("MOETIER_MAPPED_OVERLAP", "1") != "0"
+MAPPED_ORDERS = ("kernel", "beside", "torch")
+
+
+def mapped_order() -> str:
+    """``MOETIER_MAPPED_ORDER`` (read per call, for A/B runs; the bits are the same in each):
+
+    - ``kernel`` (default): a mapped call's uses counted by one kernel before its kernels, the work beside it
+      (:meth:`ExpertDispatcher.dispatch_beside`, the shared expert) before the call;
+    - ``beside``: both after the call's kernels, inside the device's timed share, before it waits for the CPU tier's
+      sums (measured on an H100: no gain at 1 stream, ~3% under ``torch`` at 4 streams,
+      ``results/h100-20261207-54a6968-mapped-order-ab``);
+    - ``torch``: counted by nine torch ops before the call's kernels, the work beside first (the order before)."""
+    order = os.environ.get("MOETIER_MAPPED_ORDER", "kernel")
+    return order if order in MAPPED_ORDERS else "kernel"
 
 
 class MappedExperts:
@@ -167,18 +176,18 @@ class MappedExperts:
         """Add the layer's routed experts into ``out`` (float32 ``[T, H]``), each read where the table says (the
         CPU tier's picks computed by the fed worker, where there is one; ``stream``: the call's, on CUDA), and count
         the call's uses. ``beside`` (the model's work that does not need the routed experts) runs once its kernels
-        are enqueued, with the counts: on the device before it waits for the CPU tier's sums, in time it would
-        otherwise spend waiting (:meth:`ExpertDispatcher.dispatch_beside`). Both count as the device's share of the
-        call when it is timed: outside it, a CPU done during them looked late to the balance, which then gave
-        it less (H100, 4 streams: share 0.54 against 0.64, 0.9x the tok/s)."""
+        are enqueued, with the counts (:func:`mapped_order` ``beside``; by default the counts come first and
+        ``beside`` is None): on the device before it waits for the CPU tier's sums. Both count as the device's
+        share of the call when it is timed: outside it, a CPU done during them looked late to the balance, which
+        then gave it less (H100, 4 streams: share 0.54 against 0.64, 0.9x the tok/s)."""
         fed = self.cpu is not None and self.cpu.usable(hidden)
         if self.cpu is not None and not fed:
             self.cpu.abort_step()  # a queued step whose call cannot be fed: no job may wait for a start never stored
         pick = self._pick_rows[layer] if fed else None
-        if not mapped_overlap_enabled():  # the A/B's other side: counted by torch ops before the call's kernels
-            count_uses_reference(self._layer_counts[layer], self._in_slot_rows[layer], topk_ids.reshape(-1),
-                                 self._used[layer])  # fmt: skip
-        after = partial(self._after_kernels, layer, topk_ids, beside)
+        order = mapped_order()
+        if order != "beside":
+            self._count(layer, topk_ids, order)
+        after = partial(self._after_kernels, layer, topk_ids, beside, order)
         if self.cuda:
             self._dispatch_on_device(layer, out, hidden, topk_ids, topk_weights, pick, stream, after)
             self._restore_ahead(layer, topk_ids)
@@ -206,12 +215,21 @@ class MappedExperts:
             self.cpu.collect(call, out, stream)
         self._restore_ahead(layer, topk_ids)
 
-    def _after_kernels(self, layer: int, topk_ids: torch.Tensor, beside: Callable[[], None] | None) -> None:
-        """Once the call's kernels are enqueued: its uses counted on the device, then the work beside it."""
-        if mapped_overlap_enabled():
-            count_uses(self._layer_counts[layer], self._in_slot_rows[layer], topk_ids, self._used[layer])
+    def _after_kernels(self, layer, topk_ids: torch.Tensor, beside: Callable[[], None] | None, order: str) -> None:
+        """Once the call's kernels are enqueued (order ``beside``): its uses counted on the device, then the work
+        beside it."""
+        if order == "beside":
+            self._count(layer, topk_ids, order)
         if beside is not None:
             beside()
+
+    def _count(self, layer: int, topk_ids: torch.Tensor, order: str) -> None:
+        """The call's uses into the layer's count rows: one kernel, or the torch ops (order ``torch``)."""
+        counts, in_slot, used = self._layer_counts[layer], self._in_slot_rows[layer], self._used[layer]
+        if order == "torch":
+            count_uses_reference(counts, in_slot, topk_ids.reshape(-1), used)
+        else:
+            count_uses(counts, in_slot, topk_ids, used)
 
     def _restore_ahead(self, layer: int, topk_ids: torch.Tensor) -> None:
         """After the call's kernels: the entries its reads ahead pointed at staging slots point home again."""

@@ -53,7 +53,7 @@ from moetier.tiers.expert_cache import ExpertCache
 from moetier.tiers.experts import ExpertStore
 from moetier.tiers.gpu_wait import HostFlag
 from moetier.tiers.hints import HintBuffer
-from moetier.tiers.mapped import MappedExperts, mapped_overlap_enabled
+from moetier.tiers.mapped import MappedExperts, mapped_order
 from moetier.tiers.mapped_cpu import FedCpuShare, fed_share
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.next_layer import NextLayerPrefetch
@@ -256,8 +256,8 @@ class TieredDispatcher(ExpertDispatcher):
     ) -> tuple[torch.Tensor, T]:
         """``beside`` runs where the call would wait for the CPU tier: a mapped call's once its kernels are enqueued
         (before the device waits for the CPU's sums), a copy-path call's before the CPU's sums are added; else
-        after the call. ``MOETIER_MAPPED_OVERLAP=0``: first (:func:`~moetier.tiers.mapped.mapped_overlap_enabled`)."""
-        if not mapped_overlap_enabled():
+        after the call; with :func:`~moetier.tiers.mapped.mapped_order` other than ``beside`` (the default): first."""
+        if mapped_order() != "beside":
             return super().dispatch_beside(layer, hidden, topk_ids, topk_weights, beside)
         self._beside = Beside(beside)
         try:
