@@ -546,3 +546,33 @@ def test_the_default_dispatch_beside_runs_the_work_once_with_dispatchs_result():
     routed, done = resident.dispatch_beside(0, hidden, ids, weights, lambda: calls.append(1) or "shared")
     assert done == "shared" and calls == [1]
     assert torch.equal(routed, resident.dispatch(0, hidden, ids, weights))
+
+
+@needs_kernel
+def test_work_beside_a_cpu_routed_call_runs_once_before_the_cpu_sums_and_changes_no_result(monkeypatch):
+    """``MOETIER_MAPPED_ORDER=beside`` on the CPU route (not mapped): the work beside runs once per call, before the
+    CPU tier's sums are added (or after the call where it started no job); the routed result is dispatch's own."""
+    monkeypatch.setenv("MOETIER_MAPPED_ORDER", "beside")
+    store = _random_store(LAYOUT, torch.float32)
+    options = {"cache_slots": 2, "miss_route": "cpu", "policy": "lfu"}
+    beside_first, plain = TieredDispatcher(store, **options), TieredDispatcher(store, **options)
+    generator = torch.Generator().manual_seed(6)
+    runs = []
+    for n in (1, 3, 1):
+        for layer in LAYOUT.moe_layers:
+            hidden, ids, weights = _routing(n, LAYOUT, generator, torch.float32, skew=1.0)
+            routed, done = beside_first.dispatch_beside(layer, hidden, ids, weights, lambda: runs.append(1) or 7)
+            assert done == 7 and torch.equal(routed, plain.dispatch(layer, hidden, ids, weights))
+    assert len(runs) == 3 * len(LAYOUT.moe_layers)
+    assert beside_first.metrics.snapshot()["totals"]["cpu_pairs"] > 0
+    beside_first.close()
+    plain.close()
+
+
+def test_a_misspelt_mapped_order_warns_once_and_takes_the_default(monkeypatch, caplog):
+    from moetier.tiers.mapped import mapped_order
+
+    monkeypatch.setenv("MOETIER_MAPPED_ORDER", "besides")
+    with caplog.at_level("WARNING"):
+        assert mapped_order() == mapped_order() == "kernel"
+    assert sum("MOETIER_MAPPED_ORDER='besides'" in r.message for r in caplog.records) == 1

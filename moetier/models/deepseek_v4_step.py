@@ -236,11 +236,10 @@ def _post(
         routed, shared = dispatcher.dispatch_beside(layer.layer, x, topk_ids, weights, partial(layer.ffn.shared, x))
         carry = streams, post, comb, routed, shared
         return carry if ahead is None else (*carry, ahead.predict_routing(streams, post, comb, shared, ids))
-    outputs = (*outputs, layer.ffn.shared(x))
+    shared = layer.ffn.shared(x)
     if ahead is None:
-        return outputs
-    streams, post, comb, *_, shared = outputs
-    return *outputs, ahead.predict_routing(streams, post, comb, shared, ids)
+        return *outputs, shared
+    return *outputs, shared, ahead.predict_routing(streams, post, comb, shared, ids)
 
 
 def _final(model: DeepseekV4ForCausalLM, *carry: torch.Tensor | None) -> torch.Tensor:

@@ -33,6 +33,7 @@ beside every expert's uses, so the metrics know each side's share exactly.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from functools import partial
@@ -57,6 +58,8 @@ from moetier.tiers.mapped_cpu import FedCpuShare
 from moetier.tiers.metrics import TierMetrics
 from moetier.tiers.policies import CachePolicy, Key
 
+log = logging.getLogger(__name__)
+
 # Missed experts admitted per mapped step: each copy shares PCIe with the step's own host reads.
 DEFAULT_MAPPED_ADMISSIONS = 2
 # Steps the host may run ahead of the counts it reads back before it waits for them.
@@ -66,6 +69,7 @@ _HOST_READS = grouped_experts.HOST_READ_FP4_BLOCKS
 
 
 MAPPED_ORDERS = ("kernel", "beside", "torch")
+_WARNED_ORDERS: set[str] = set()
 
 
 def mapped_order() -> str:
@@ -78,7 +82,12 @@ def mapped_order() -> str:
       ``results/h100-20261207-54a6968-mapped-order-ab``);
     - ``torch``: counted by nine torch ops before the call's kernels, the work beside first (the order before)."""
     order = os.environ.get("MOETIER_MAPPED_ORDER", "kernel")
-    return order if order in MAPPED_ORDERS else "kernel"
+    if order in MAPPED_ORDERS:
+        return order
+    if order not in _WARNED_ORDERS:  # an A/B with a misspelt side would measure the default twice
+        _WARNED_ORDERS.add(order)
+        log.warning("MOETIER_MAPPED_ORDER=%r is not one of %s: using kernel", order, ", ".join(MAPPED_ORDERS))
+    return "kernel"
 
 
 class MappedExperts:
