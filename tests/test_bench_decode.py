@@ -65,6 +65,10 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
             assert set(r["distinct_experts_per_layer"]) == {"0", "1", "2"}
             assert 0 < max(r["distinct_experts_per_layer"].values()) <= 16
             assert r["bound_dram_tok_s"] > 0 and 0 <= r["hit_rate"] <= 1
+            resident = by_key["resident", streams]["tok_s"]["median"]
+            step = streams / resident + streams / r["bound_dram_tok_s"]  # seconds: the two one after the other
+            assert r["bound_serial_tok_s"] == pytest.approx(streams / step) and r["bound_serial_tok_s"] < resident
+            assert r["ratio_to_serial_bound"] == pytest.approx(r["tok_s"]["median"] / r["bound_serial_tok_s"])
     assert by_key["naive", 1]["hit_rate"] == 0.0  # no cache at all
     assert by_key["naive", 1]["copy_bytes_per_token"] > 0 and by_key["cpu", 1]["cpu_pairs_per_token"] > 0
     # fp32: every placement computes the same tokens.

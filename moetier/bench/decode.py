@@ -29,8 +29,9 @@ The same loaded model (one pinned home copy of the experts) is measured with eac
 
 Each result carries its expert coverage (distinct experts touched per layer), its traffic, and
 ratios to the naive baseline, to the resident run and to the bound ``streams * DRAM_bw / missed
-bytes per step`` computed from bandwidths measured in the same process. With ``hf_baseline``,
-transformers + accelerate ``device_map="auto"`` under the ``gpu_memory`` budget is measured first
+bytes per step`` computed from bandwidths measured in the same process; with a resident run, also to the
+serial bound (:func:`serial_bound`: the resident step plus the misses at that DRAM rate, one after the other).
+With ``hf_baseline``, transformers + accelerate ``device_map="auto"`` under the ``gpu_memory`` budget is measured first
 (in a subprocess, see :mod:`moetier.bench.hf_baseline`) and every result gets ``ratio_to_hf``.
 With ``routing_trace``, every measured dispatcher routes from that recorded trace instead of the
 checkpoint's router (:mod:`moetier.bench.trace_routing`), rewound at the start of each run.
@@ -323,8 +324,19 @@ def _add_ratios(results: list[dict[str, Any]]) -> None:
         for base in ("naive", "resident"):
             if (base, r["streams"]) in by_key:
                 r[f"ratio_to_{base}"] = r["tok_s"]["median"] / by_key[(base, r["streams"])]
+        resident = by_key.get(("resident", r["streams"]))
+        if resident and r.get("bound_dram_tok_s") and r["mode"] != "resident":
+            r["bound_serial_tok_s"] = serial_bound(resident, r["bound_dram_tok_s"])
+            r["ratio_to_serial_bound"] = r["tok_s"]["median"] / r["bound_serial_tok_s"]
         if ("tiered", 1) in by_key and r["mode"] == "tiered":
             r["ratio_to_tiered_1_stream"] = r["tok_s"]["median"] / by_key[("tiered", 1)]
+
+
+def serial_bound(resident_tok_s: float, dram_bound_tok_s: float) -> float:
+    """tok/s of a step that is the resident step (backbone, LM head, experts in VRAM) followed by the misses read once
+    at the host's DRAM rate: the bound for a tiered step whose expert reads never overlap the backbone (they can
+    only with reads ahead of the routing, e.g. hints). The DRAM bound leaves the backbone out."""
+    return 1.0 / (1.0 / resident_tok_s + 1.0 / dram_bound_tok_s)
 
 
 def load_for_bench(cfg: DecodeBenchConfig) -> tuple[LoadedModel, torch.device, HostExpertArena]:
@@ -460,8 +472,8 @@ def markdown_table(receipt: dict[str, Any]) -> str:
         f"({receipt['config'].get('backbone_format', 'dense')}), git {receipt['environment']['git_sha']}",
         "",
         "| mode | streams | tok/s (median [min-max]) | x naive | x resident | x hf | hit rate | DRAM bound tok/s "
-        "| x bound | prefetched used / wasted per step | hint precision / recall |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| x bound | x serial bound | prefetched used / wasted per step | hint precision / recall |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in receipt["results"]:
         t = r["tok_s"]
@@ -470,6 +482,7 @@ def markdown_table(receipt: dict[str, Any]) -> str:
             f"| {fmt(r.get('ratio_to_naive'))} | {fmt(r.get('ratio_to_resident'))} | {fmt(r.get('ratio_to_hf'))} "
             f"| {fmt(r.get('hit_rate'))} "
             f"| {fmt(r.get('bound_dram_tok_s'), 1)} | {fmt(r.get('ratio_to_dram_bound'))} "
+            f"| {fmt(r.get('ratio_to_serial_bound'))} "
             f"| {_pair(r, 'prefetch_used_per_step', 'prefetch_wasted_per_step', 1)} "
             f"| {_pair(r, 'hint_precision', 'hint_recall', 2)} |"
         )

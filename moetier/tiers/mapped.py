@@ -181,6 +181,7 @@ class MappedExperts:
         topk_weights: torch.Tensor,
         stream: Any = None,
         beside: Callable[[], None] | None = None,
+        order: str | None = None,
     ) -> None:
         """Add the layer's routed experts into ``out`` (float32 ``[T, H]``), each read where the table says (the
         CPU tier's picks computed by the fed worker, where there is one; ``stream``: the call's, on CUDA), and count
@@ -188,12 +189,13 @@ class MappedExperts:
         are enqueued, with the counts (:func:`mapped_order` ``beside``; by default the counts come first and
         ``beside`` is None): on the device before it waits for the CPU tier's sums. Both count as the device's
         share of the call when it is timed: outside it, a CPU done during them looked late to the balance, which
-        then gave it less (H100, 4 streams: share 0.54 against 0.64, 0.9x the tok/s)."""
+        then gave it less (H100, 4 streams: share 0.54 against 0.64, 0.9x the tok/s). ``order``: the caller's
+        :func:`mapped_order` (None: read here)."""
         fed = self.cpu is not None and self.cpu.usable(hidden)
         if self.cpu is not None and not fed:
             self.cpu.abort_step()  # a queued step whose call cannot be fed: no job may wait for a start never stored
         pick = self._pick_rows[layer] if fed else None
-        order = mapped_order()
+        order = order or mapped_order()
         if order != "beside":
             self._count(layer, topk_ids, order)
         after = partial(self._after_kernels, layer, topk_ids, beside, order)

@@ -35,20 +35,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from moetier.errors import ConfigError
 from moetier.profiling import phase
 from moetier.tiers.calibration import calibrate_routes
-from moetier.tiers.call_routing import Group, Routing, add_rows, sort_pairs, sort_pairs_for_device
+from moetier.tiers.call_routing import Group, Routing, sort_pairs, sort_pairs_for_device
 from moetier.tiers.copy_path import CopyPath
 from moetier.tiers.copy_timings import CopyTimings
-from moetier.tiers.cpu_jobs import decode_groups, gather_streaming
-from moetier.tiers.cpu_tier import CpuExpertTier, CpuJob
+from moetier.tiers.cpu_jobs import CallJobs
+from moetier.tiers.cpu_tier import CpuExpertTier
 from moetier.tiers.decode_inputs import HostBuffers, read_host_inputs
-from moetier.tiers.dispatcher import Beside, ExpertDispatcher, expert_accumulator
+from moetier.tiers.dispatcher import Beside, ExpertDispatcher, T, expert_accumulator
 from moetier.tiers.expert_cache import ExpertCache
 from moetier.tiers.experts import ExpertStore
 from moetier.tiers.gpu_wait import HostFlag
@@ -61,8 +61,6 @@ from moetier.tiers.policies import make_policy
 from moetier.tiers.route_costs import RouteAdapter, RouteCosts, split_misses
 from moetier.tiers.split_choice import SplitChooser, StepTimer
 from moetier.tiers.tiered_config import TieredConfig, default_staging_slots
-
-T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 # A longer gap between two decode steps is idle time (no requests), not a step: it is not timed.
@@ -96,8 +94,7 @@ class TieredDispatcher(ExpertDispatcher):
         self._first_layer = min(store.layout.moe_layers)
         self._last_layer = max(store.layout.moe_layers)
         self._flag: HostFlag | None = None
-        # CPU jobs the GPU waits for (not the host): (layer, future, buffers kept alive until the GPU is past them)
-        self._pending: list[tuple[int, Any, tuple]] = []
+        self.jobs: CallJobs | None = None  # the CPU tier's jobs for the calls (made by prepare)
         self.adapter = RouteAdapter()
         self.metrics.route_cost_scales = self.adapter.scales  # the same dict: /metrics reads it live
         self._copy_timings = CopyTimings(self.adapter, None)  # on the cache's copy stream once prepared
@@ -119,6 +116,7 @@ class TieredDispatcher(ExpertDispatcher):
         self._ahead_step, self._graphed_step = False, False
         self._pending_hint: int | None = None
         self._beside: Beside | None = None  # the work beside the call in progress (dispatch_beside)
+        self._order = mapped_order()  # a mapped call's order, read once a step (for A/B runs)
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -144,6 +142,8 @@ class TieredDispatcher(ExpertDispatcher):
         self.device = device
         if cfg.gpu_waits_for_cpu and device.type == "cuda":
             self._flag = HostFlag.create(device)
+        buffers = self._host_buffers
+        self.jobs = CallJobs(self.store, self.cpu_tier, self.metrics, self.adapter, self._flag, buffers, device)
         split_priced = cfg.miss_route == "auto" and cfg.cpu_share is None
         fed_priced = cfg.miss_route == "mapped" and cfg.mapped_cpu_share is None  # the fed share from measured rates
         if device.type == "cuda" and (split_priced or fed_priced) and cfg.calibrate:
@@ -257,7 +257,7 @@ class TieredDispatcher(ExpertDispatcher):
         """``beside`` runs where the call would wait for the CPU tier: a mapped call's once its kernels are enqueued
         (before the device waits for the CPU's sums), a copy-path call's before the CPU's sums are added; else
         after the call; with :func:`~moetier.tiers.mapped.mapped_order` other than ``beside`` (the default): first."""
-        if mapped_order() != "beside":
+        if self._order != "beside":
             return super().dispatch_beside(layer, hidden, topk_ids, topk_weights, beside)
         self._beside = Beside(beside)
         try:
@@ -306,7 +306,9 @@ class TieredDispatcher(ExpertDispatcher):
             with phase("tiers.copy_submit"):
                 copies = self.copies.start(layer, copy_groups)
             if cpu_groups:
-                started = self._submit_cpu(layer, hidden, routing, cpu_groups, release, adapt)
+                # The start-up costs' price of the job, compared with its measured seconds when it is collected.
+                predicted = sum(self.costs.cpu(g.count) for g in cpu_groups) if adapt else None
+                started = self.jobs.submit(layer, hidden, routing, cpu_groups, release, self._stream, predicted)
             with phase("tiers.device"):
                 read = self.copies.compute(layer, out, hidden, routing, hits, copies, streaming, self._stream)
             if timer is not None:
@@ -326,7 +328,7 @@ class TieredDispatcher(ExpertDispatcher):
             if self._beside is not None:  # the device's work beside the call, before it waits for the CPU's sums
                 self._beside.run()
             with phase("tiers.cpu_sums"):
-                self._add_cpu_sums(layer, out, started, release)
+                self.jobs.add_sums(layer, out, started, release, self._stream)
         self.cache.mark_released(read, self._compute_stream())
         return out.to(hidden.dtype)
 
@@ -381,7 +383,7 @@ class TieredDispatcher(ExpertDispatcher):
                 if self._ahead_step and not self._graphed_step:  # the model's await_hint did it already
                     self.mapped.ahead.join(layer)
                 beside = None if self._beside is None else self._beside.run
-                self.mapped.dispatch(layer, out, hidden, topk_ids, topk_weights, self._stream, beside)
+                self.mapped.dispatch(layer, out, hidden, topk_ids, topk_weights, self._stream, beside, self._order)
                 if self._pending_hint is not None and self._pending_hint != layer:
                     self.mapped.ahead.launch(self._pending_hint)
                 self._pending_hint = None
@@ -413,6 +415,7 @@ class TieredDispatcher(ExpertDispatcher):
         """First MoE layer of a forward: time the previous decode step for the chooser, pick this step's route
         (a mapped one then brings the device table up to date)."""
         now, tokens, before = time.perf_counter(), hidden.shape[0], self._step_route
+        self._order = mapped_order()
         mapped = not streaming and not self._mapped_failed and self.mapped.usable(hidden, tokens)
         route = self.config.miss_route
         self._step_route = route if route != "mapped" or mapped else "copy"
@@ -426,8 +429,8 @@ class TieredDispatcher(ExpertDispatcher):
             self._step_route = self.chooser.route(tokens, routes)
             self._timer.label(self._step_route)
         if self._step_route == "mapped":
-            if self._pending:  # the last split step's CPU jobs: done (the host has read the step's tokens since)
-                self._collect_pending()
+            if self.jobs.pending:  # the last split step's CPU jobs: done (the host has read the step's tokens since)
+                self.jobs.collect_pending()
             self.mapped.begin_step(self.step, self._stream, fresh=before != "mapped")
 
     def split_settled(self, tokens: int) -> bool:
@@ -468,36 +471,12 @@ class TieredDispatcher(ExpertDispatcher):
             self._ahead.score_hint(layer, experts, self.metrics)
         self.metrics.record_routing(layer, experts, counts)
 
-    def _submit_cpu(
-        self, layer: int, hidden: torch.Tensor, routing: Routing, groups: list[Group], release: int | None, adapt: bool
-    ) -> tuple:
-        with phase("tiers.cpu_submit"):
-            if routing.host is not None:
-                started = self._start_cpu_from_host(layer, routing, groups, release)
-            else:
-                started = self._start_cpu(layer, hidden, routing, groups, release)
-        if adapt:
-            # The start-up costs' seconds for this job, compared with its measured seconds when it is collected.
-            started[0].predicted_seconds = sum(self.costs.cpu(g.count) for g in groups)
-        return started
-
     def _admit_cpu_routed(self, layer: int, cpu_groups: list[Group]) -> None:
         """Admitted CPU-routed misses: copied into their slots behind the critical path (read next call)."""
         for group in cpu_groups:
             if group.slot is not None:
                 self.cache.fill(group.slot, self.store.expert(layer, group.expert).block)
                 self.metrics.layer(layer).admit_bytes += self.block_bytes
-
-    def _add_cpu_sums(self, layer: int, out: torch.Tensor, started: tuple, release: int | None) -> None:
-        """Add the CPU job's fp32 sums into ``out``: the stream waits for the job's flag, or this thread for it."""
-        if release is not None and self._flag.wait_on(self._compute_stream(), release):
-            future, rows_dev, host_out, buffers = started
-            add_rows(out, rows_dev, host_out.to(out.device, non_blocking=True))
-            self._pending.append((layer, future, buffers))
-            self.metrics.layer(layer).cpu_jobs_gpu_waited += 1
-        else:
-            rows_dev, values = self._finish_cpu(layer, started)
-            add_rows(out, rows_dev, values.to(out.dtype))
 
     def _lend_or_reclaim(self, streaming: bool) -> None:
         """First MoE layer of a forward: a streaming one borrows cache slots for the ring, a decode returns them."""
@@ -525,8 +504,8 @@ class TieredDispatcher(ExpertDispatcher):
             rows = self._step_route != "copy"  # a copies-only step (or dispatcher) never runs the CPU tier
             host = read_host_inputs(hidden, topk_ids, topk_weights, self._host_buffers, rows)
             order_host, experts_l, counts_l = sort_pairs(host.ids)
-        if self._pending:  # the wait above waited for the GPU, which waited for the pending CPU jobs
-            self._collect_pending()
+        if self.jobs.pending:  # the wait above waited for the GPU, which waited for the pending CPU jobs
+            self.jobs.collect_pending()
         self._copy_timings.poll()
         groups, start = [], 0
         for expert, count in zip(experts_l, counts_l, strict=True):
@@ -534,72 +513,12 @@ class TieredDispatcher(ExpertDispatcher):
             start += count
         return Routing(groups, order_host, order_host // topk_ids.shape[1], topk_weights, host, *on_device)
 
-    def _start_cpu_from_host(self, layer: int, routing: Routing, groups: list[Group], release: int | None):
-        """Submit a decode call's CPU job over its host inputs (:func:`decode_groups`), the fp32 sums into a
-        reused (pinned) buffer that is added to every row (rows no group touched are zero). Returns what
-        :meth:`_start_cpu` returns."""
-        host = routing.host
-        job_groups = decode_groups(self.store, layer, routing, groups)
-        cuda = self.device.type == "cuda"
-        out = self._host_buffers.take("cpu_out", tuple(host.hidden.shape), torch.float32, pinned=cuda)
-        self.metrics.layer(layer).cpu_pairs += sum(g.count for g in groups)
-        job = CpuJob(hidden=host.hidden, groups=job_groups, out=out, on_done=self._on_done(release))
-        return self.cpu_tier.submit(job), None, out, (job_groups,)
-
-    def _on_done(self, release: int | None) -> Any:
-        """What a job runs when it ends: with ``release``, set the host flag a GPU stream may wait for (a decode
-        job's native worker stores it from C)."""
-        return None if release is None else self._flag.releaser(release)
-
-    def _start_cpu(self, layer: int, hidden: torch.Tensor, routing: Routing, groups: list[Group], release: int | None):
-        """Gather a streaming call's CPU-routed rows and gates to the host (:func:`gather_streaming`) and submit
-        the job; this thread goes on to launch device work while they land.
-
-        Returns ``(future, rows on device, pinned fp32 result, buffers to keep alive)``; with ``release``
-        the worker sets the host flag to it when done (a GPU stream may be waiting for it).
-        """
-        cuda = hidden.device.type == "cuda"
-        gathered = gather_streaming(self.store, layer, hidden, routing, groups, self._compute_stream())
-        out = torch.empty((gathered.hidden.shape[0], hidden.shape[1]), dtype=torch.float32, pin_memory=cuda)
-        self.metrics.layer(layer).cpu_pairs += sum(g.count for g in groups)
-        job = CpuJob(gathered.hidden, gathered.groups, gathered.ready, out, on_done=self._on_done(release))
-        return self.cpu_tier.submit(job), gathered.rows_dev, out, (*gathered.keep, out)
-
-    def _finish_cpu(self, layer: int, started) -> tuple[torch.Tensor, torch.Tensor]:
-        future, rows_dev, _, _ = started
-        wait_start = time.perf_counter()
-        with phase("tiers.cpu_wait"):
-            result = future.result()
-        counters = self.metrics.layer(layer)
-        counters.cpu_wait_seconds += time.perf_counter() - wait_start
-        counters.cpu_seconds += result.seconds
-        counters.count_cpu_marks(result.marks)
-        self._observe_cpu(future, result)
-        values = result.out.to(self.device, non_blocking=True)
-        return rows_dev, values
-
-    def _collect_pending(self) -> None:
-        """After a host sync: the GPU is past every pending CPU job; count them and raise any failure."""
-        pending, self._pending = self._pending, []
-        for layer, future, _ in pending:
-            result = future.result()  # raises the worker's error: this forward's sums were incomplete
-            counters = self.metrics.layer(layer)
-            counters.cpu_seconds += result.seconds
-            counters.count_cpu_marks(result.marks)
-            self._observe_cpu(future, result)
-
     # --- keeping the split's costs true (RouteAdapter) ------------------------------------------
 
     def _adapting(self, streaming: bool) -> bool:
         cfg = self.config
         wanted = cfg.adapt_costs if cfg.adapt_costs is not None else self.device.type == "cuda"
         return wanted and cfg.miss_route == "auto" and cfg.cpu_share is None and not streaming
-
-    def _observe_cpu(self, future: Any, result: Any) -> None:
-        """The adapter sees the job's compute time: its wait for inputs is the same whatever its share."""
-        predicted = getattr(future, "predicted_seconds", None)
-        if predicted is not None:
-            self.adapter.observe("cpu", predicted, result.seconds - result.wait_seconds)
 
     def _count(self, layer: int, hits: list[Group], misses: list[Group]) -> None:
         counters = self.metrics.layer(layer)
