@@ -44,7 +44,7 @@ for dtype in (torch.bfloat16, torch.float32):
 inv_freq = (1.0 / 10000 ** (torch.arange(0, 32, dtype=torch.float32) / 32)).to(device)
 for dtype in (torch.bfloat16, torch.float32):
     for name, positions in (("steps", torch.arange(0, 300)), ("far", torch.tensor([70_000, 131_071, 1_000_003])),
-                            ("none", torch.zeros(0, dtype=torch.int64))):
+                            ("one", torch.tensor([4097])), ("none", torch.zeros(0, dtype=torch.int64))):
         positions = positions.to(device)
         for factor in (1.0, 0.8125):
             ours = k.angles_triton(positions, inv_freq, factor, dtype)  # the kernel itself, never the fallback
@@ -65,7 +65,7 @@ def run_check(device: str) -> list[dict]:
 
 
 def _assert_results(results: list[dict], exact: bool) -> None:
-    assert len(results) == 10 + 12
+    assert len(results) == 10 + 16
     for r in results:
         assert r["fits"] and r["within"] and r["kept"], r  # the channels before the rope ones untouched
         assert r["equal"] or not exact, r

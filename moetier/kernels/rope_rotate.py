@@ -125,12 +125,14 @@ def angles_triton(
     positions: torch.Tensor, inv_freq: torch.Tensor, factor: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The angles kernel (the caller checked its inputs fit, see :func:`angles`)."""
-    width = 2 * inv_freq.shape[0]
-    out = torch.empty((3, positions.shape[0], width), dtype=torch.float32, device=positions.device)
-    if positions.shape[0]:
-        _angles_kernel[(triton.cdiv(positions.shape[0], ROWS_PER_PROGRAM),)](
-            positions, inv_freq, factor, out[0], out[1], out[2], positions.shape[0],
-            R=width, ROUND=_ROUNDINGS[dtype], ROWS=ROWS_PER_PROGRAM, LIBDEVICE=positions.is_cuda, num_warps=1,
+    width, n = 2 * inv_freq.shape[0], positions.shape[0]
+    out = torch.empty((3, n, width), dtype=torch.float32, device=positions.device)
+    if n:
+        # Masked rows still compute their cos and sin: a decode step of one position per program, not sixteen.
+        rows = min(ROWS_PER_PROGRAM, triton.next_power_of_2(n))
+        _angles_kernel[(triton.cdiv(n, rows),)](
+            positions, inv_freq, factor, out[0], out[1], out[2], n,
+            R=width, ROUND=_ROUNDINGS[dtype], ROWS=rows, LIBDEVICE=positions.is_cuda, num_warps=1,
         )  # fmt: skip
     return out[0], out[1], out[2]
 
