@@ -39,6 +39,8 @@ def test_bad_arguments_get_one_line_errors(capsys):
         (["--fp4-blocks", "8x16x16"], "fp4 block k must be a power of two in [32, 8192], got 16"),
         (["--fp4-blocks", "128x16x1024"], "a program's tile (rows x k) must be at most 65536 values"),
         (["--fp4-blocks", " , "], "--fp4-blocks must list N x H x K sizes"),
+        (["--beside", "2"], "--beside must be >= 0 and needs --where host, got 2"),
+        (["--where", "host", "--beside", "-1"], "--beside must be >= 0 and needs --where host, got -1"),
     ],
 )
 def test_bad_where_and_fp4_blocks_get_one_line_errors(capsys, argv, message):
@@ -245,3 +247,20 @@ def test_host_blocks_under_two_fp4_block_sizes_match_the_default():
             assert r["rel_vs_default"] == 0.0, r  # the reference itself: the kernels are deterministic
     assert all(rel < 0.01 for rel in receipt["formats"]["fp4"]["grouped_vs_per_expert_rel"].values())
     assert "| fp4 | grouped | 2 | host | 4x32x256 |" in gpu_experts.markdown_table(receipt)
+
+
+@pytest.mark.gpu
+def test_host_calls_beside_the_backbone_linears_report_both_alone_and_together():
+    cfg = gpu_experts.GpuExpertsBenchConfig(
+        experts=16, hidden=512, intermediate=256, tokens=[1], formats=["fp4"], where=["host"], paths=["grouped"],
+        calls=3, warmup=1, beside=2,
+    )  # fmt: skip
+    receipt = gpu_experts.run_bench(cfg)
+    (row,) = receipt["results"]
+    beside = row["beside"]
+    call, linears, together = (beside[k]["median"] for k in ("call_us", "beside_us", "together_us"))
+    assert beside["passes"] == 2 and min(call, linears) > 0
+    # Together takes at least the longer of the two (nothing runs faster beside other work) and at most about both.
+    assert 0.9 * max(call, linears) <= together <= 1.2 * (call + linears), beside
+    assert beside["hidden_share"] == pytest.approx((call + linears - together) / min(call, linears))
+    assert "| fp4 | 1 | 8x16x1024 |" in gpu_experts.markdown_table(receipt).split("Beside:")[1]

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from moetier.bench import beside_work
 from moetier.bench.bandwidth import h2d_gbps
 from moetier.bench.common import (
     add_expert_shape_arguments,
@@ -97,6 +98,7 @@ class GpuExpertsBenchConfig:
     warmup: int = 3
     swiglu_limit: float | None = 10.0
     seed: int = 0
+    beside: int = 0  # passes of a layer's backbone linears on a second stream beside host calls (0: not measured)
 
     def validate(self) -> None:
         if min(self.experts, self.hidden, self.intermediate, self.top_k, self.calls) < 1 or self.warmup < 0:
@@ -111,6 +113,8 @@ class GpuExpertsBenchConfig:
             raise ConfigError(f"--where must list some of {','.join(WHERES)} once each, got {self.where}")
         if not self.fp4_blocks or not all(isinstance(b, Fp4Blocks) for b in self.fp4_blocks):
             raise ConfigError(f"--fp4-blocks must list N x H x K sizes such as 8x16x1024, got {self.fp4_blocks}")
+        if self.beside < 0 or (self.beside and "host" not in self.where):
+            raise ConfigError(f"--beside must be >= 0 and needs --where host, got {self.beside}")
         if "host" in self.where:
             if "grouped" not in self.paths:
                 raise ConfigError("--where host runs the grouped path only (the per-expert path would run on the host)")
@@ -301,6 +305,19 @@ def kernel_times(maker: CallMaker, tokens: int, calls: int = 10) -> dict[str, fl
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def beside_row(maker: CallMaker, tokens: int, passes: int, repeats: int = 9) -> dict[str, Any]:
+    """Host calls of ``tokens`` alone, ``passes`` passes of a layer's backbone linears alone on a second stream, and
+    both at once (:mod:`moetier.bench.beside_work`)."""
+    calls = iter([maker.call(tokens) for _ in range(2 * repeats + 1)])
+
+    def one_call() -> None:
+        run_path("grouped", next(calls), maker.place)
+
+    work = beside_work.backbone_linears(tokens, passes, maker.device, maker.cfg.seed)
+    one_call(), work()  # compiled
+    return {"passes": passes, **beside_work.time_beside(one_call, work, repeats, torch.cuda.Stream())}
+
+
 def _best_copy_seconds(dst: torch.Tensor, src: torch.Tensor, copies: int = 6) -> float:
     best = float("inf")
     for _ in range(copies):
@@ -369,6 +386,8 @@ def bench_format(cfg: GpuExpertsBenchConfig, fmt: str, device: torch.device) -> 
                     if path == "grouped":
                         row["kernel_us"] = kernel_times(maker, t)
                         row["rel_vs_default"] = relative_rms(grouped_output(checks[t], maker.place), refs[t])
+                        if cfg.beside and maker.place.where == "host":
+                            row["beside"] = beside_row(maker, t, cfg.beside)
                     rows.append(row)
     expert_bytes = makers[0].expert_bytes
     info: dict[str, Any] = {"expert_bytes": expert_bytes, "all_experts_bytes": cfg.experts * expert_bytes}
@@ -443,7 +462,30 @@ def markdown_table(receipt: dict[str, Any]) -> str:
             f"| {us['median']:.0f} [{us['min']:.0f}-{us['max']:.0f}] | {r['host_us_per_call']['median']:.0f} "
             f"| {r['gbps']:.1f} | {r['x_copy']:.2f} | {split} | {rel} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _beside_lines(receipt["results"])) + "\n"
+
+
+def _beside_lines(results: list[dict[str, Any]]) -> list[str]:
+    """The host calls measured beside a layer's backbone linears, if any (:mod:`moetier.bench.beside_work`)."""
+    rows = [r for r in results if "beside" in r]
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"Beside: each host call on one stream, {rows[0]['beside']['passes']} pass(es) of a V4-Flash layer's six fp8"
+        " backbone linears at its tokens on a second, alone and together (device us, medians). Hidden share: of the"
+        " shorter under the longer (1: fully, 0: one after the other).",
+        "",
+        "| format | tokens | fp4 blocks | call us | linears us | together us | hidden share |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        b = r["beside"]
+        lines.append(
+            f"| {r['format']} | {r['tokens']} | {r['fp4_blocks'] or '-'} | {b['call_us']['median']:.0f} "
+            f"| {b['beside_us']['median']:.0f} | {b['together_us']['median']:.0f} | {b['hidden_share']:.2f} |"
+        )
+    return lines
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -467,6 +509,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls", type=int, default=50, help="timed calls per (format, path, where, blocks, tokens)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--swiglu-limit", type=float, default=10.0, help="DeepSeek-V4's clamp (0: none)")
+    parser.add_argument(
+        "--beside",
+        type=int,
+        default=0,
+        help="with --where host: also time each host call beside N passes of a V4-Flash layer's backbone linears "
+        "on a second stream (can the backbone hide under the mapped reads?); 0: not measured",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -480,6 +529,7 @@ def run(args: argparse.Namespace) -> int:
         calls=args.calls,
         warmup=args.warmup,
         swiglu_limit=args.swiglu_limit or None,
+        beside=args.beside,
     )
     receipt = run_bench(cfg)
     path = write_receipt_files(receipt, args.out, markdown_table)
