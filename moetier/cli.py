@@ -334,6 +334,9 @@ def _setup_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="device the plan is for (default: cuda if available)")
     parser.add_argument("--host-read-gbps", type=float, default=None, help="host DRAM read GB/s (default: H200 box)")
     parser.add_argument("--pcie-gbps", type=float, default=None, help="PCIe host->device GB/s (default: H200 box)")
+    parser.add_argument(
+        "--hbm-gbps", type=float, default=None, help="GPU memory GB/s, read + write (default: H200 box's copy)"
+    )
     add_kv_dtype_argument(parser)
     add_expert_format_argument(parser)
     add_backbone_format_argument(parser)
@@ -356,7 +359,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     path = Path(args.model).expanduser()
     hf_config = checkpoint_config(path)
     device = torch.device(args.device) if args.device else default_device()
-    bandwidths = {"host_read_gbps": args.host_read_gbps, "pcie_gbps": args.pcie_gbps}
+    bandwidths = {"host_read_gbps": args.host_read_gbps, "pcie_gbps": args.pcie_gbps, "hbm_gbps": args.hbm_gbps}
     prefix = parse_size(args.prefix_cache, "--prefix-cache")
     # The prefix cache as `moetier serve` reserves it.
     serving = EngineConfig(max_streams=args.max_streams, prefix_cache_bytes=prefix, enable_prefix_caching=prefix > 0)

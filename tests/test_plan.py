@@ -11,6 +11,7 @@ from test_qwen3_moe import tiny_qwen3_config
 from moetier import cli
 from moetier.errors import ConfigError
 from moetier.tiers.plan import (
+    DEFAULT_HBM_GBPS,
     DEFAULT_HOST_READ_GBPS,
     DEFAULT_PCIE_GBPS,
     WORKSPACE_HIDDEN_ROWS,
@@ -108,6 +109,10 @@ def test_plan_numbers_by_hand(checkpoint):
     assert plan.routed_bytes_per_token == routed
     assert plan.decode_bound_dram == pytest.approx(DEFAULT_HOST_READ_GBPS * 1e9 / ((1 - 5 / 24) * routed))
     assert plan.decode_bound_pcie == pytest.approx(DEFAULT_PCIE_GBPS * 1e9 / ((1 - 5 / 24) * routed))
+    # A step reads the backbone but the embedding table (one row a token), then the misses, one after the other.
+    assert sizes.embedding == VOCAB * HIDDEN * 4 and plan.backbone_read_bytes == sizes.backbone - sizes.embedding
+    step = plan.backbone_read_bytes / (DEFAULT_HBM_GBPS * 1e9) + (1 - 5 / 24) * routed / (DEFAULT_HOST_READ_GBPS * 1e9)
+    assert plan.decode_bound_serial == pytest.approx(1 / step) and plan.decode_bound_serial < plan.decode_bound_dram
     assert plan.dispatcher_options(policy="lfu") == {
         "cache_slots": 5,
         "staging_slots": default_staging_slots(TOP_K),
@@ -117,6 +122,7 @@ def test_plan_numbers_by_hand(checkpoint):
     for fragment in ["backbone", "KV cache: 2 stream(s) x 256 tokens", "expert cache: 5 of 24 experts (20.8%)"]:
         assert fragment in table
     assert "tok/s (host read 118.6 GB/s)" in table and "pinned" in table
+    assert f"backbone then misses: 1 / (B / HBM_bw + (1-h) R / DRAM_bw) = {plan.decode_bound_serial:.1f} tok/s" in table
 
 
 def test_big_budget_caches_every_expert_and_bf16_halves_blocks(checkpoint):
@@ -170,9 +176,10 @@ def test_kv_estimates_per_attention_kind():
 def test_plan_cli_prints_the_table(checkpoint, capsys):
     args = ["plan", "--model", str(checkpoint), "--gpu-memory", "8MiB", "--context", "256", "--max-streams", "2"]
     args += ["--prefix-cache", "0"]  # the default 1GiB (as `moetier serve` reserves it) would not fit 8MiB
-    assert cli.main([*args, "--device", "cpu", "--dtype", "fp32", "--host-read-gbps", "50"]) == 0
+    assert cli.main([*args, "--device", "cpu", "--dtype", "fp32", "--host-read-gbps", "50", "--hbm-gbps", "900"]) == 0
     out = capsys.readouterr().out
     assert "placement plan for" in out and "expert cache:" in out and "host read 50 GB/s" in out
+    assert "read a token, HBM 900 GB/s)" in out
     assert "prefill chunk: 512 tokens (auto: workspace" in out  # 256 x 2 tokens in flight at most
     assert cli.main([*args, "--device", "cpu", "--dtype", "fp32", "--prefill-chunk", "384"]) == 0
     assert "prefill chunk: 384 tokens (given)" in capsys.readouterr().out

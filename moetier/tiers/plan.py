@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 # cores, and PCIe Gen5 host->device from pinned memory. Override them for other hardware.
 DEFAULT_HOST_READ_GBPS = 118.6
 DEFAULT_PCIE_GBPS = 55.4
+# The same machine's HBM: a device copy's bytes read plus written per second (what the memory serves at once).
+DEFAULT_HBM_GBPS = 4205.3
 # The smallest useful KV cache: one stream of this many tokens (or the requested context if shorter).
 MIN_CONTEXT = 4096
 
@@ -78,6 +80,7 @@ class CheckpointSizes:
     family_config: Any
     architecture: str
     fp8_linears: int = 0  # backbone linears kept fp8-block as stored (backbone_format "fp8")
+    embedding: int = 0  # VRAM bytes of the embedding tables (of which a decode step reads a row a token)
 
 
 def checkpoint_sizes(
@@ -115,7 +118,7 @@ def checkpoint_sizes(
             else "backbone"
         )
         sizes[kind] += ckpt.tensors[name].nbytes
-    backbone = 0
+    backbone = embedding = 0
     for module_name, module in model.named_modules():
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
@@ -124,9 +127,11 @@ def checkpoint_sizes(
                 full_name = f"{module_name}.{name}" if module_name else name
                 target = materialized_dtype(model, module, name, full_name, tensor, dtype)
                 backbone += tensor.numel() * _size_of(target)
+                if isinstance(module, torch.nn.Embedding):  # a tied LM head is its own parameter here, counted
+                    embedding += tensor.numel() * _size_of(target)
     return CheckpointSizes(
         sizes["backbone"], sizes["experts"], sizes["ignored"], backbone, layout, family_config, cls.__name__,
-        fp8_linears,
+        fp8_linears, embedding,
     )  # fmt: skip
 
 
@@ -162,6 +167,7 @@ class PlanBudget:
     kv_bytes_per_token: int | None = None
     host_read_gbps: float = DEFAULT_HOST_READ_GBPS
     pcie_gbps: float = DEFAULT_PCIE_GBPS
+    hbm_gbps: float = DEFAULT_HBM_GBPS
     device_memory: int | None = None
     prefix_cache: int | str = 0
     prefix_snapshots: int | None = None
@@ -197,8 +203,8 @@ class PlanBudget:
             raise ConfigError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
         if self.kv_dtype not in ("auto", "bf16", "fp8"):
             raise ConfigError(f"--kv-dtype must be auto, bf16 or fp8, got {self.kv_dtype!r}")
-        if self.host_read_gbps <= 0 or self.pcie_gbps <= 0:
-            raise ConfigError("bandwidths (host read, PCIe) must be positive GB/s")
+        if self.host_read_gbps <= 0 or self.pcie_gbps <= 0 or self.hbm_gbps <= 0:
+            raise ConfigError("bandwidths (host read, PCIe, HBM) must be positive GB/s")
 
     @property
     def reserved_streams(self) -> int:
@@ -246,6 +252,8 @@ class PlacementPlan:
     # The VRAM reserved for prefix snapshots: the budget's bound, or what its borrowed snapshots hold.
     prefix_cache_bytes: int = 0
     prefix_note: str = "snapshots of earlier prompts"
+    # What a decode step reads of the backbone for a token: all of it but the embedding tables' other rows.
+    backbone_read_bytes: int = 0
 
     def __post_init__(self) -> None:
         if min(self.backbone_bytes, self.kv_bytes, self.workspace_bytes, self.cache_slots) < 0:
@@ -296,6 +304,16 @@ class PlacementPlan:
     @property
     def decode_bound_dram(self) -> float:
         return self.decode_bound(self.budget.host_read_gbps)
+
+    @property
+    def decode_bound_serial(self) -> float:
+        """tokens/s at one stream when a step reads the backbone at the HBM rate, then its misses at the DRAM rate,
+        one after the other (a step whose expert reads never overlap its backbone: moetier's decode steps). The
+        kernels' launches and latencies come on top, so a measured step is slower still (on the bench model's
+        H100 runs, the resident step took ~2x its bytes at the HBM rate)."""
+        seconds = self.backbone_read_bytes / (self.budget.hbm_gbps * 1e9)
+        seconds += self.missed_bytes_per_token / (self.budget.host_read_gbps * 1e9)
+        return math.inf if seconds <= 0 else 1.0 / seconds
 
     @property
     def decode_bound_pcie(self) -> float:
@@ -351,6 +369,9 @@ class PlacementPlan:
             f"(host read {b.host_read_gbps:g} GB/s)",
             f"decode bound, 1 stream, misses copied in: PCIe_bw / ((1-h) R) = {_rate(self.decode_bound_pcie)} "
             f"(PCIe {b.pcie_gbps:g} GB/s)",
+            f"decode bound, 1 stream, backbone then misses: 1 / (B / HBM_bw + (1-h) R / DRAM_bw) = "
+            f"{_rate(self.decode_bound_serial)} (B = {self.backbone_read_bytes / 1e9:.3g} GB read a token, HBM "
+            f"{b.hbm_gbps:g} GB/s)",
         ]
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -421,6 +442,7 @@ def make_plan(path: str | Path, budget: PlanBudget, dtype: torch.dtype = torch.b
         chunk_note=chunk.note,
         prefix_cache_bytes=prefix,
         prefix_note=prefix_note,
+        backbone_read_bytes=sizes.backbone - sizes.embedding,
     )
     plan.warnings.extend(_host_warnings(plan, budget))
     return plan
@@ -483,6 +505,7 @@ class TierOptions:
     workspace: int | str | None = None
     host_read_gbps: float = DEFAULT_HOST_READ_GBPS
     pcie_gbps: float = DEFAULT_PCIE_GBPS
+    hbm_gbps: float = DEFAULT_HBM_GBPS
     # Elastic expert cache (moetier.engine.elastic): KV reserved for this many streams (None = all), the
     # others borrow whole expert-cache slots while they run; the cache never shrinks below
     # ``min_cache_slots`` (None = the model's top_k), and admissions wait instead.
@@ -540,6 +563,7 @@ def plan_for(
         workspace=options.workspace,
         host_read_gbps=options.host_read_gbps,
         pcie_gbps=options.pcie_gbps,
+        hbm_gbps=options.hbm_gbps,
         device_memory=device_memory(load_config.device),
         kv_reserve_streams=options.kv_reserve_streams,
         expert_format=load_config.expert_format,
