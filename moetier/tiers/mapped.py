@@ -73,7 +73,7 @@ _WARNED_ORDERS: set[str] = set()
 
 
 def mapped_order() -> str:
-    """``MOETIER_MAPPED_ORDER`` (read per call, for A/B runs; the bits are the same in each):
+    """``MOETIER_MAPPED_ORDER`` (the tiered dispatcher reads it once a step, for A/B runs; the same bits in each):
 
     - ``kernel`` (default): a mapped call's uses counted by one kernel before its kernels, the work beside it
       (:meth:`ExpertDispatcher.dispatch_beside`, the shared expert) before the call;
