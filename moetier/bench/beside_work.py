@@ -10,8 +10,10 @@ PCIe: they hold SMs for the whole read.
 
 This measures that directly (``bench gpu-experts --where host --beside N``): one host-read call on one stream, and
 on a second stream ``N`` passes of a V4-Flash layer's six fp8 backbone linears at the call's tokens (the shapes of
-:data:`moetier.bench.v4_kernels.FP8_LINEARS`, weights in HBM, more bytes than L2), each alone and both at once,
-every call queued behind a sleep kernel so that the device, not the host's launches, sets the times.
+:data:`moetier.bench.v4_kernels.FP8_LINEARS`, weights in HBM, more bytes than L2) replayed from one CUDA graph,
+each alone and both at once, every call queued behind a sleep kernel so that the device, not the host's launches,
+sets the times. (Launched eagerly, the linears measured the host instead: ~560 us a pass of six on the H100 host,
+results/h100-20261207-1c973ca-beside-eager.)
 ``hidden_share`` is ``(call + beside - together) / min(call, beside)``: 1 when the shorter one hides entirely
 under the longer, 0 when they run one after the other.
 """
@@ -33,7 +35,9 @@ _SLEEP_CYCLES = 2_000_000
 
 def backbone_linears(tokens: int, passes: int, device: torch.device, seed: int = 0) -> Callable[[], None]:
     """``passes`` passes of the six fp8 linears a V4-Flash decode layer runs, at ``tokens`` rows: one weight of
-    each shape in HBM (~136 MB together, more than an H100's or H200's L2), random activations."""
+    each shape in HBM (~136 MB together, more than an H100's or H200's L2), random activations. Eager: each linear
+    costs the host more to launch (~90 us on the H100 host) than the device to run; :func:`graphed` makes it one
+    launch, as a decode step's segments are."""
     g = torch.Generator().manual_seed(seed)
     linears = []
     for n, k, groups in FP8_LINEARS.values():
@@ -48,6 +52,20 @@ def backbone_linears(tokens: int, passes: int, device: torch.device, seed: int =
                 fp8_linear.fp8_linear(x, values, scale, (128, 128), groups=groups)
 
     return run
+
+
+def graphed(work: Callable[[], None], stream: torch.cuda.Stream) -> Callable[[], None]:
+    """``work`` captured once in a CUDA graph on ``stream`` (after a warm-up run there, which compiles it); the
+    returned callable replays it on the current stream."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        work()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        work()
+    torch.cuda.synchronize()
+    return graph.replay
 
 
 def time_beside(

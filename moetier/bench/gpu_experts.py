@@ -313,9 +313,10 @@ def beside_row(maker: CallMaker, tokens: int, passes: int, repeats: int = 9) -> 
     def one_call() -> None:
         run_path("grouped", next(calls), maker.place)
 
-    work = beside_work.backbone_linears(tokens, passes, maker.device, maker.cfg.seed)
-    one_call(), work()  # compiled
-    return {"passes": passes, **beside_work.time_beside(one_call, work, repeats, torch.cuda.Stream())}
+    side = torch.cuda.Stream()
+    work = beside_work.graphed(beside_work.backbone_linears(tokens, passes, maker.device, maker.cfg.seed), side)
+    one_call()  # compiled
+    return {"passes": passes, **beside_work.time_beside(one_call, work, repeats, side)}
 
 
 def _best_copy_seconds(dst: torch.Tensor, src: torch.Tensor, copies: int = 6) -> float:
