@@ -334,8 +334,9 @@ def _add_ratios(results: list[dict[str, Any]]) -> None:
 
 def serial_bound(resident_tok_s: float, dram_bound_tok_s: float) -> float:
     """tok/s of a step that is the resident step (backbone, LM head, experts in VRAM) followed by the misses read once
-    at the host's DRAM rate: the bound for a tiered step whose expert reads never overlap the backbone (they can
-    only with reads ahead of the routing, e.g. hints). The DRAM bound leaves the backbone out."""
+    at the host's DRAM rate: the bound for a tiered step whose expert reads never overlap the backbone (they would
+    with reads ahead of the routing, i.e. hints, or with other streams' backbone beside them). The DRAM bound leaves
+    the backbone out."""
     return 1.0 / (1.0 / resident_tok_s + 1.0 / dram_bound_tok_s)
 
 
