@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from moetier.bench.common import stats
-from moetier.bench.v4_kernels import FP8_LINEARS
+from moetier.bench.v4_kernels import FP8_LINEARS, random_fp8_weight
 from moetier.kernels import fp8_linear
 
 # Device cycles the sleep kernel holds a stream for per queued call: longer than the host takes to queue one.
@@ -41,8 +41,7 @@ def backbone_linears(tokens: int, passes: int, device: torch.device, seed: int =
     g = torch.Generator().manual_seed(seed)
     linears = []
     for n, k, groups in FP8_LINEARS.values():
-        values = (torch.randn(n, k, generator=g) * 16).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
-        scale = (torch.rand(-(-n // 128), -(-k // 128), generator=g) / 256).to(device)
+        values, scale = random_fp8_weight(n, k, device, g)
         x = torch.randn(tokens, groups * k, generator=g).to(torch.bfloat16).to(device)
         linears.append((x, values, scale, groups))
 

@@ -170,10 +170,16 @@ def fp8_weight_copies(shape: tuple[int, int, int], device: torch.device, g: torc
     copies = max(1, -(-FP8_LINEAR_BYTES // (n * k))) if device.type == "cuda" else 1
     weights = []
     for _ in range(copies):
-        values = (torch.randn(n, k, generator=g) * 16).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
-        scale = (torch.rand(-(-n // 128), -(-k // 128), generator=g) / 256).to(device)
+        values, scale = random_fp8_weight(n, k, device, g)
         weights.append((values, scale, fp8_linear.dequantized(values, scale, (128, 128), torch.bfloat16)))
     return weights
+
+
+def random_fp8_weight(n: int, k: int, device: torch.device, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random ``[n, k]`` fp8 (e4m3) weight over the format's range and its float32 scale per 128 x 128 tile."""
+    values = (torch.randn(n, k, generator=g) * 16).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
+    scale = (torch.rand(-(-n // 128), -(-k // 128), generator=g) / 256).to(device)
+    return values, scale
 
 
 def fp8_linear_sides(
