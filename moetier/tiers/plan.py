@@ -307,11 +307,12 @@ class PlacementPlan:
 
     @property
     def decode_bound_serial(self) -> float:
-        """tokens/s at one stream when a step reads the backbone at the HBM rate, then its misses at the DRAM rate,
-        one after the other (a step whose expert reads never overlap its backbone: moetier's decode steps). The
-        kernels' launches and latencies come on top, so a measured step is slower still (on the bench model's
-        H100 runs, the resident step took ~2x its bytes at the HBM rate)."""
-        seconds = self.backbone_read_bytes / (self.budget.hbm_gbps * 1e9)
+        """tokens/s at one stream when a step reads the backbone and its cached experts at the HBM rate, then its
+        misses at the DRAM rate, one after the other (a step whose expert reads never overlap its backbone:
+        moetier's decode steps). The kernels' launches and latencies come on top, so a measured step is slower
+        still (on the bench model's H100 runs, the resident step took ~2x its bytes at the HBM rate)."""
+        hits = self.routed_bytes_per_token - self.missed_bytes_per_token
+        seconds = (self.backbone_read_bytes + hits) / (self.budget.hbm_gbps * 1e9)
         seconds += self.missed_bytes_per_token / (self.budget.host_read_gbps * 1e9)
         return math.inf if seconds <= 0 else 1.0 / seconds
 
@@ -369,7 +370,7 @@ class PlacementPlan:
             f"(host read {b.host_read_gbps:g} GB/s)",
             f"decode bound, 1 stream, misses copied in: PCIe_bw / ((1-h) R) = {_rate(self.decode_bound_pcie)} "
             f"(PCIe {b.pcie_gbps:g} GB/s)",
-            f"decode bound, 1 stream, backbone then misses: 1 / (B / HBM_bw + (1-h) R / DRAM_bw) = "
+            f"decode bound, 1 stream, backbone then misses: 1 / ((B + h R) / HBM_bw + (1-h) R / DRAM_bw) = "
             f"{_rate(self.decode_bound_serial)} (B = {self.backbone_read_bytes / 1e9:.3g} GB read a token, HBM "
             f"{b.hbm_gbps:g} GB/s)",
         ]
