@@ -46,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("receipts", nargs="+", type=Path, help="decode receipts (JSON)")
     args = parser.parse_args(argv)
-    table = [row for path in args.receipts for row in rows(path)]
+    table = []
+    for path in args.receipts:
+        try:
+            table += rows(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # not a readable decode receipt: name it, go on
+            print(f"{path}: skipped, not a decode receipt ({type(exc).__name__}: {exc})", file=sys.stderr)
     if not table:
         print("no receipt holds both a tiered and a resident decode run", file=sys.stderr)
         return 1

@@ -195,6 +195,7 @@ def test_plan_cli_prints_the_table(checkpoint, capsys):
         (["--gpu-memory", "1GiB", "--context", "100000"], "max_position_embeddings"),
         (["--gpu-memory", "1GiB", "--prefix-cache", "lots"], "--prefix-cache: cannot read 'lots'"),
         (["--gpu-memory", "1GiB"], "raise --gpu-memory by"),  # the default 1GiB prefix cache does not fit
+        (["--gpu-memory", "1GiB", "--prefix-cache", "0", "--hbm-gbps", "0"], "(host read, PCIe, HBM) must be positive"),
     ],
 )
 def test_plan_cli_bad_input_is_one_line_exit_2(checkpoint, capsys, extra, fragment):
