@@ -52,9 +52,10 @@ import torch
 
 from moetier.kernels.hyper_mix import Merge
 from moetier.models import deepseek_v4_static_decode as static_decode
-from moetier.models.base import ForwardBatch
+from moetier.models.base import ForwardBatch, SequenceSlice
 from moetier.models.decode_segments import DecodePlan, decode_plan
 from moetier.models.deepseek_v4_attention import Projections
+from moetier.models.deepseek_v4_halves import halves_plan, halves_wanted, run_halves
 from moetier.models.deepseek_v4_rope import StepRope, rotations_from
 from moetier.models.graph_segments import SegmentGraphs
 from moetier.profiling import phase
@@ -72,6 +73,9 @@ def decode_step(model: DeepseekV4ForCausalLM, input_ids: torch.Tensor, batch: Fo
     layers = list(model.layers)
     with model.dispatcher.decode_step(size, model.embed.weight.dtype) as experts:
         plan = decode_plan(graphs, model.dispatcher, size, experts)
+        halves = halves_wanted(model, batch, plan)
+        if halves:  # no hints, experts eagerly, graphs of their own (decode_halves' contract)
+            plan = halves_plan(graphs)
         # Each layer predicts the next one's experts (the last none), when the dispatcher wants hints.
         targets = (layers[1:] + [None]) if plan.hints else [None] * len(layers)
         inputs = graphs.run(("inputs", size), model.decode_inputs, input_ids, batch.positions)
@@ -80,16 +84,19 @@ def decode_step(model: DeepseekV4ForCausalLM, input_ids: torch.Tensor, batch: Fo
         serials = tuple(s.cache.serial for s in batch.slices)
         for serial, piece in zip(serials, batch.slices, strict=True):  # a finished sequence's graphs go with it
             graphs.track(serial, piece.cache)
-        step = _Step(graphs, ids, tuple(rope_tensors), rope, batch, plan, model.embed.weight.dtype, serials)
-        carry: Carry = (streams,)
-        for layer, ahead in zip(layers, targets, strict=True):
-            carry = _layer_step(step, layer, ahead, carry)
+        step = Step(graphs, ids, tuple(rope_tensors), rope, batch.slices, plan, model.embed.weight.dtype, serials)
+        if halves:
+            carry = run_halves(step, layers, streams, model.dispatcher)
+        else:
+            carry: Carry = (streams,)
+            for layer, ahead in zip(layers, targets, strict=True):
+                carry = _layer_step(step, layer, ahead, carry)
         (hidden,) = graphs.run(("final", size), partial(_final, model), *carry)
         return graphs.fresh(hidden)
 
 
 @dataclass(frozen=True)
-class _Step:
+class Step:
     """What every layer of one decode step shares: the graphs, the token ids and positions (the inputs
     segment's outputs, read in place), the rotations, the batch, the step's plan and the caches' serials."""
 
@@ -97,32 +104,43 @@ class _Step:
     ids: torch.Tensor
     rope_tensors: tuple[torch.Tensor, ...]
     rope: StepRope
-    batch: ForwardBatch
+    slices: list[SequenceSlice]
     plan: DecodePlan
     dtype: torch.dtype
     serials: tuple[int, ...]  # the sequences' caches (the fixed-shape layers' graph keys and tags)
 
     @property
     def caches(self) -> list:
-        return [s.cache for s in self.batch.slices]
+        return [s.cache for s in self.slices]
 
 
-def _layer_step(
-    step: _Step, layer: DeepseekV4DecoderLayer, ahead: DeepseekV4DecoderLayer | None, carry: Carry
-) -> Carry:
-    """One layer (with ``ahead``, the layer it predicts, its hint) -> its carry. Contiguous states: the whole
-    layer is one segment, its attention the fixed-shape step (:mod:`deepseek_v4_static_decode`); otherwise pre
-    (graph), the attention core (eager), post (graph). The routed experts run inside the (last) segment with
-    ``plan.experts_in_graphs``, else eagerly after it."""
-    index, experts_in_graph = layer.layer, step.plan.experts_in_graphs
-    dispatcher = layer.ffn.dispatcher
+def _layer_step(step: Step, layer: DeepseekV4DecoderLayer, ahead: DeepseekV4DecoderLayer | None, carry: Carry) -> Carry:
+    """One layer (with ``ahead``, the layer it predicts, its hint) -> its carry: its segments, then its experts."""
+    return layer_experts(step, layer, ahead, layer_segments(step, layer, ahead, carry))
+
+
+def layer_segments(
+    step: Step, layer: DeepseekV4DecoderLayer, ahead: DeepseekV4DecoderLayer | None, carry: Carry
+) -> tuple:
+    """A layer's segments -> their outputs. Contiguous states: the whole layer is one segment, its attention the
+    fixed-shape step (:mod:`deepseek_v4_static_decode`); otherwise pre (graph), the attention core (eager), post
+    (graph). The routed experts run inside the (last) segment with ``plan.experts_in_graphs``."""
+    index = layer.layer
     states = [cache.layers[index] for cache in step.caches]
     if static_decode.supports(states):
-        if step.plan.hints and experts_in_graph:  # what a hint for this layer started, before the segment with its call
-            dispatcher.await_hint(index)
-        outputs = _static_layer(step, layer, ahead, carry, states)
-    else:
-        outputs = _split_layer(step, layer, ahead, carry, states)
+        if step.plan.hints and step.plan.experts_in_graphs:  # what a hint for this layer started, before its call
+            layer.ffn.dispatcher.await_hint(index)
+        return _static_layer(step, layer, ahead, carry, states)
+    return _split_layer(step, layer, ahead, carry, states)
+
+
+def layer_experts(
+    step: Step, layer: DeepseekV4DecoderLayer, ahead: DeepseekV4DecoderLayer | None, outputs: tuple
+) -> Carry:
+    """:func:`layer_segments`' outputs -> the layer's carry: the routed experts dispatched eagerly (after the hint),
+    unless they ran inside the segment."""
+    index, experts_in_graph = layer.layer, step.plan.experts_in_graphs
+    dispatcher = layer.ffn.dispatcher
     if experts_in_graph:  # the routed experts ran inside the segment: its outputs are the carry (and the hint)
         if ahead is not None:
             dispatcher.hint(ahead.layer, outputs[5])
@@ -138,10 +156,10 @@ def _layer_step(
 
 
 def _split_layer(
-    step: _Step, layer: DeepseekV4DecoderLayer, ahead: DeepseekV4DecoderLayer | None, carry: Carry, states: list
+    step: Step, layer: DeepseekV4DecoderLayer, ahead: DeepseekV4DecoderLayer | None, carry: Carry, states: list
 ) -> tuple:
     """Pre (graph), the eager attention core, post (graph) -> post's outputs."""
-    index, size, graphs = layer.layer, len(step.batch.slices), step.graphs
+    index, size, graphs = layer.layer, len(step.slices), step.graphs
     pre = graphs.run(("pre", index, size), partial(_pre, layer, len(carry)), *carry, *step.rope_tensors)
     streams, post, comb, q, index_q = pre[:5]
     with phase("v4.attend"):
@@ -153,12 +171,12 @@ def _split_layer(
 
 
 def _static_layer(
-    step: _Step, layer: DeepseekV4DecoderLayer, ahead: DeepseekV4DecoderLayer | None, carry: Carry, states: list
+    step: Step, layer: DeepseekV4DecoderLayer, ahead: DeepseekV4DecoderLayer | None, carry: Carry, states: list
 ) -> tuple:
     """The whole layer as one segment, keyed by the sequences (their states' fixed tensors) and the entry bucket
     -> post's outputs; the host's counts follow after."""
     bucket = static_decode.entry_bucket(states)
-    table = _entry_table(step, layer, states)
+    table = entry_table(step, layer, states)
     key = ("layer", layer.layer, len(states), bucket, step.serials, table)
     fn = partial(_whole_layer, layer, ahead, step.plan.experts_in_graphs, len(carry), states, bucket, step.rope)
     outputs = step.graphs.run(key, fn, *carry, *step.rope_tensors, step.rope.positions, step.ids, tags=step.serials)
@@ -166,7 +184,7 @@ def _static_layer(
     return outputs
 
 
-def _entry_table(step: _Step, layer: DeepseekV4DecoderLayer, states: list) -> int:
+def entry_table(step: Step, layer: DeepseekV4DecoderLayer, states: list) -> int:
     """The compressed entries' rotation table grown now to the largest store's capacity (a graph must not grow it), and
     its address (part of the key: a table grown for a longer sequence is a new tensor); 0 without a compressor."""
     compressor = layer.attn.compressor

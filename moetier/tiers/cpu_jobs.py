@@ -155,10 +155,15 @@ class CallJobs:
         self.metrics.layer(layer).cpu_wait_seconds += time.perf_counter() - wait_start
         return rows_dev, result.out.to(self.device, non_blocking=True)
 
-    def collect_pending(self) -> None:
-        """After a host sync: the GPU is past every pending job; account for them and raise any failure."""
+    def collect_pending(self, finished_only: bool = False) -> None:
+        """After a host sync: the GPU is past every pending job; account for them and raise any failure. With
+        ``finished_only`` (the sync proved one stream past its jobs, not another's) the jobs not done yet stay."""
         pending, self.pending = self.pending, []
-        for layer, future, _ in pending:
+        for entry in pending:
+            layer, future, _ = entry
+            if finished_only and not future.done():
+                self.pending.append(entry)
+                continue
             self._account(layer, future, future.result())  # raises the worker's error: those sums were incomplete
 
     def _account(self, layer: int, future: Any, result: Any) -> None:

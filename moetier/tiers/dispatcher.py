@@ -70,6 +70,19 @@ class ExpertDispatcher(ABC):
         :meth:`graphable`, else None."""
         yield "graphable" if self.graphable(tokens) else None
 
+    def decode_halves(self, tokens: int) -> bool:
+        """Whether the step in progress (read after :meth:`decode_step` yielded) gains from running its ``tokens``
+        sequences as two halves alternating layers: each half's calls inside :meth:`decode_lane` (0, 1), half 1's
+        backbone on the device while half 0's experts wait on the host's links (CPU tier, copies), and in turn.
+        Such a step hints nothing. Default: False (a dispatcher whose calls keep the device busy loses by it)."""
+        return False
+
+    def decode_lane(self, lane: int) -> contextlib.AbstractContextManager[None]:
+        """Around the calls of half ``lane`` of a :meth:`decode_halves` step, on that half's stream: a dispatcher
+        whose calls keep host state until the device is past them (pinned buffers, jobs) keeps it per lane, since
+        the other half's calls come before this one's are done. Default: nothing."""
+        return contextlib.nullcontext()
+
     @property
     def wants_hints(self) -> bool:
         """Whether :meth:`hint` does anything: models skip computing predictions for a dispatcher that

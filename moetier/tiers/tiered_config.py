@@ -83,6 +83,9 @@ class TieredConfig:
     layer (:meth:`ExpertDispatcher.hint`) into free staging slots once its own copies are enqueued
     (0: hints are not asked for), and only the ranks of the prediction whose measured precision reaches
     ``hint_min_precision`` (:mod:`moetier.tiers.hints`; 0: every predicted expert).
+    A decode step of at least ``decode_halves_min_tokens`` sequences (0: never; else >= 2) whose route is not the
+    mapped one runs as two halves of its batch alternating layers (:meth:`TieredDispatcher.decode_halves`): one
+    half's backbone runs on the device while the other's experts wait for the CPU tier and the copies.
     """
 
     cache_slots: int | None = None
@@ -110,6 +113,7 @@ class TieredConfig:
     mapped_prefetch_min_tokens: int = DEFAULT_MAPPED_PREFETCH_MIN_TOKENS
     decode_prefetch: int = 4
     hint_min_precision: float = 0.8
+    decode_halves_min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if (self.cache_slots is None) == (self.cache_bytes is None):
@@ -141,6 +145,9 @@ class TieredConfig:
             raise ConfigError(f"decode_prefetch must be >= 0, got {self.decode_prefetch}")
         if not 0.0 <= self.hint_min_precision <= 1.0:
             raise ConfigError(f"hint_min_precision must be in [0, 1], got {self.hint_min_precision}")
+        halves = self.decode_halves_min_tokens
+        if isinstance(halves, bool) or not isinstance(halves, int) or halves < 0 or halves == 1:
+            raise ConfigError(f"decode_halves_min_tokens must be 0 (off) or an integer >= 2, got {halves!r}")
         if self.fat_threshold < 1 or self.stream_min_tokens < 1:
             raise ConfigError(
                 f"fat_threshold and stream_min_tokens must be >= 1, got {self.fat_threshold}, {self.stream_min_tokens}"

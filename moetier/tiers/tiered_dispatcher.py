@@ -108,6 +108,8 @@ class TieredDispatcher(ExpertDispatcher):
         floor = {"cpu": 0, "auto": self.config.fat_threshold}.get(self.config.miss_route, 1)
         self._ahead = NextLayerPrefetch(store.layout.moe_layers, store.layout.num_experts, floor, self._hints)
         self._host_buffers = HostBuffers()  # a decode call's routing, rows and CPU sums on the host
+        self._lane_buffers: dict[int, HostBuffers] = {}  # the same per half of a decode_halves step
+        self._lane: int | None = None  # the half whose call is in progress (decode_lane)
         self._stream: Any = None  # the compute stream of the call in progress (None off CUDA)
         self._step_open = False  # inside decode_step: the step has started, its first call must not start another
         self._probes: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -204,6 +206,27 @@ class TieredDispatcher(ExpertDispatcher):
     def await_hint(self, layer: int) -> None:
         if self._ahead_step:
             self.mapped.ahead.join(layer)
+
+    def decode_halves(self, tokens: int) -> bool:
+        """``TieredConfig.decode_halves_min_tokens``: a decode step of that many sequences or more whose route the
+        host decides per call (not the mapped route: its kernels wait on PCIe themselves, no device time is idle)."""
+        least = self.config.decode_halves_min_tokens
+        return self._step_open and 0 < least <= tokens and self._step_route != "mapped"
+
+    @contextlib.contextmanager
+    def decode_lane(self, lane: int) -> Iterator[None]:
+        """Half ``lane``'s pinned buffers (the routing, rows and CPU sums a call reads and writes after it returns)
+        for the calls inside: the other half's calls come before the device and the CPU tier are past these."""
+        buffers = self._lane_buffers.get(lane)
+        if buffers is None:
+            buffers = self._lane_buffers[lane] = HostBuffers()
+        before, self._lane = self._host_buffers, lane
+        self._host_buffers = self.jobs.buffers = buffers
+        try:
+            yield
+        finally:
+            self._host_buffers = self.jobs.buffers = before
+            self._lane = None
 
     @property
     def gpu_waits_for_cpu(self) -> bool:
@@ -505,7 +528,8 @@ class TieredDispatcher(ExpertDispatcher):
             host = read_host_inputs(hidden, topk_ids, topk_weights, self._host_buffers, rows)
             order_host, experts_l, counts_l = sort_pairs(host.ids)
         if self.jobs.pending:  # the wait above waited for the GPU, which waited for the pending CPU jobs
-            self.jobs.collect_pending()
+            # (in a half's call only for this half's stream: the other half's jobs are taken once they are done)
+            self.jobs.collect_pending(finished_only=self._lane is not None)
         self._copy_timings.poll()
         groups, start = [], 0
         for expert, count in zip(experts_l, counts_l, strict=True):
