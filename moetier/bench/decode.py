@@ -260,6 +260,8 @@ def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams
         "mapped_bytes_per_token": total.mapped_bytes / tokens,  # the mapped route's reads over PCIe
         "cpu_pairs_per_token": total.cpu_pairs / tokens,
         "cpu_ms_per_layer_call": 1e3 * total.cpu_seconds / max(1, total.calls),
+        # The share of calls made by halves of steps run as two halves alternating layers (decode_halves_min_tokens).
+        "half_call_share": total.half_calls / max(1, total.calls),
         # The CPU tier's native jobs: how long their team took to start, how many threads joined (of cpu_threads).
         "cpu_team_start_ms_per_job": 1e3 * total.cpu_team_start_seconds / max(1, total.cpu_jobs_marked),
         "cpu_threads_joined_per_job": total.cpu_threads_joined / max(1, total.cpu_jobs_marked),

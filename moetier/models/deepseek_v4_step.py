@@ -35,6 +35,9 @@ the step's token ids and positions are copied in. The math is the layers' own (`
 the attention's ``decode_*`` methods), the same the one-call forward uses; without CUDA, or with graphs off,
 the segments run eagerly, so the CPU tests of this path test the graphed math.
 
+A step the dispatcher marks (:meth:`~moetier.tiers.dispatcher.ExpertDispatcher.decode_halves`) runs its layers over
+two halves of the batch instead, alternating on two streams (:mod:`moetier.models.deepseek_v4_halves`).
+
 Expert hints, as in :mod:`moetier.models.decode_segments`: every V4 layer is a MoE layer, so each but the last
 hands ``dispatcher.hint(L + 1, ids)`` the next layer's predicted experts (exact for a hash-routed next layer)
 before its own dispatch (after the post segment holding it, for calls in graphs), and ``await_hint(L)`` comes

@@ -67,6 +67,7 @@ class LayerCounters:
     hint_experts: int = 0
     hint_correct: int = 0
     hint_actual: int = 0
+    half_calls: int = 0  # calls by a half of a decode step run as two halves (ExpertDispatcher.decode_halves)
 
     def count_cpu_marks(self, marks: dict[str, float]) -> None:
         """One native job's marks (empty for a Python-worker job, or one that failed before its kernel ran)."""

@@ -547,6 +547,7 @@ class TieredDispatcher(ExpertDispatcher):
     def _count(self, layer: int, hits: list[Group], misses: list[Group]) -> None:
         counters = self.metrics.layer(layer)
         counters.calls += 1
+        counters.half_calls += self._lane is not None
         counters.experts_hit += len(hits)
         counters.experts_miss += len(misses)
         counters.uses_hit += sum(g.count for g in hits)
