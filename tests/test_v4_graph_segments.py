@@ -241,6 +241,49 @@ def test_each_variant_keeps_its_own_graphs_across_switches():
     assert graphs.captures == 3
 
 
+class PooledFakeGraphs(FakeGraphs):
+    """:class:`FakeGraphs` that take their variant's pool as a real capture does, noting which pool each used."""
+
+    def __init__(self) -> None:
+        super().__init__(warmup=0)
+        self.used_pools: list[object] = []
+
+    def _new_pool(self):
+        return object()
+
+    def _capture(self, fn, inputs):
+        self.used_pools.append(self._variant_pool())
+        return super()._capture(fn, inputs)
+
+
+@torch.no_grad()
+def test_a_pool_whose_graphs_are_all_dropped_is_replaced():
+    """torch's allocator asserts on a capture into a pool whose graphs are all gone while its memory is held (the
+    H100 run of V4's halves steps, whose graphs all go with their sequences): that variant's next capture opens a
+    new pool, while a pool that still holds a graph is kept."""
+    graphs = PooledFakeGraphs()
+    x = torch.ones(2)
+    graphs.use_variant("halves")
+    graphs.run(("layer", 0), lambda t: t * 2, x, tags=("first",))
+    graphs.run(("layer", 1), lambda t: t * 3, x, tags=("second",))
+    graphs.use_variant("whole")
+    graphs.run("inputs", lambda t: t + 1, x)  # untagged: stays
+    first_halves, whole = graphs.used_pools[0], graphs.used_pools[2]
+    assert graphs.used_pools[1] is first_halves
+    graphs.drop_tag("first")  # one of the pool's two graphs: the pool stays
+    graphs.use_variant("halves")
+    graphs.run(("layer", 2), lambda t: t * 4, x, tags=("third",))
+    assert graphs.used_pools[3] is first_halves
+    graphs.use_variant("whole")  # the last graphs of "halves" go while another variant is current
+    graphs.drop_tag("second")
+    graphs.drop_tag("third")
+    graphs.run("final", lambda t: t - 1, x)
+    assert graphs.used_pools[4] is whole
+    graphs.use_variant("halves")
+    graphs.run(("layer", 0), lambda t: t * 2, x, tags=("fourth",))
+    assert graphs.used_pools[5] is not first_halves
+
+
 @torch.no_grad()
 def test_failed_capture_warns_once_and_runs_eagerly(caplog):
     graphs = FakeGraphs(warmup=1)

@@ -87,6 +87,7 @@ class _Entry:
     failed: bool = False
     tags: tuple[Hashable, ...] = ()
     last_run: int = 0  # the graphs' run counter at this key's last run
+    pool: tuple[Hashable, int] | None = None  # the (variant, generation) of the pool its graph was captured in
 
 
 class SegmentGraphs:
@@ -113,6 +114,10 @@ class SegmentGraphs:
         # here are read in place.
         self._outputs: dict[int, torch.Tensor] = {}
         self._pools: dict[Hashable, Any] = {}  # per variant: its graphs never share memory with another's
+        # The graphs each pool holds, by (variant, generation): a variant's pool is replaced (its generation + 1)
+        # after a failed capture and once all of its graphs are gone.
+        self._pool_graphs: dict[tuple[Hashable, int], int] = {}
+        self._generations: dict[Hashable, int] = {}
         self._capture_stream: Any = None
         self._side_stream: Any = None
         self._variant: Hashable = None
@@ -160,7 +165,9 @@ class SegmentGraphs:
 
     def _forget(self, signature: Hashable) -> None:
         entry = self._entries.pop(signature)
-        self._graphs -= entry.graph is not None
+        if entry.graph is not None:
+            self._graphs -= 1
+            self._release_pool_graph(entry.pool)
         for output in entry.outputs:
             if output is not None:
                 self._outputs.pop(id(output), None)
@@ -174,11 +181,35 @@ class SegmentGraphs:
             self._forget(signature)
             self.evictions += 1
 
+    def _release_pool_graph(self, pool: tuple[Hashable, int]) -> None:
+        """One graph of ``pool`` dropped. With none left the variant's pool (if it is still that one) is replaced at
+        its next capture: torch's allocator refuses a capture into a pool all of whose graphs are gone while memory of
+        it is still held (an internal assert on its use count; V4's halves steps, whose graphs go with their
+        sequences, hit it)."""
+        left = self._pool_graphs.pop(pool, 0) - 1
+        if left > 0:
+            self._pool_graphs[pool] = left
+            return
+        variant, generation = pool
+        if self._generations.get(variant, 0) == generation:  # still the variant's pool
+            self._replace_pool(variant)
+
+    def _pool_key(self) -> tuple[Hashable, int]:
+        """The current variant's pool: ``(variant, generation)``."""
+        return self._variant, self._generations.get(self._variant, 0)
+
+    def _replace_pool(self, variant: Hashable) -> None:
+        """``variant``'s next capture opens a new pool."""
+        self._pools.pop(variant, None)
+        self._generations[variant] = self._generations.get(variant, 0) + 1
+
     def reset(self) -> None:
         """Drop every graph (e.g. after the weights moved): keys warm up and capture again."""
         self._entries.clear()
         self._outputs.clear()
         self._pools.clear()
+        self._pool_graphs.clear()
+        self._generations.clear()
         self._graphs = 0
 
     def use_variant(self, variant: Hashable) -> None:
@@ -212,11 +243,20 @@ class SegmentGraphs:
         current.wait_stream(self._side_stream)
         return out
 
-    def _capture(self, fn: SegmentFn, inputs: Tensors) -> tuple[Replayable, Any]:
-        """Capture ``fn(*inputs)`` into a CUDA graph in the variant's pool; return the graph and ``fn``'s outputs."""
+    def _new_pool(self) -> Any:
+        """A fresh memory pool for a variant's graphs."""
+        return torch.cuda.graph_pool_handle()
+
+    def _variant_pool(self) -> Any:
+        """The current variant's pool (opened on its first capture)."""
         pool = self._pools.get(self._variant)
         if pool is None:
-            pool = self._pools[self._variant] = torch.cuda.graph_pool_handle()
+            pool = self._pools[self._variant] = self._new_pool()
+        return pool
+
+    def _capture(self, fn: SegmentFn, inputs: Tensors) -> tuple[Replayable, Any]:
+        """Capture ``fn(*inputs)`` into a CUDA graph in the variant's pool; return the graph and ``fn``'s outputs."""
+        pool = self._variant_pool()
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
@@ -243,7 +283,7 @@ class SegmentGraphs:
             entry.failed = True
             self.failures[key] = f"{type(exc).__name__}: {exc}"
             # A failed capture may leave its pool and stream mid-capture: later captures start afresh.
-            self._pools.pop(self._variant, None)
+            self._replace_pool(self._variant)
             self._capture_stream = None
             log.warning("CUDA graph capture of segment %s failed (%s); it runs eagerly from now on", key, exc)
             return _as_tuple(fn(*tensors))
@@ -251,6 +291,8 @@ class SegmentGraphs:
         self._outputs.update((id(t), t) for t in entry.outputs if t is not None)
         self.captures += 1
         self._graphs += 1
+        entry.pool = self._pool_key()
+        self._pool_graphs[entry.pool] = self._pool_graphs.get(entry.pool, 0) + 1
         self._evict()
         return self._replay(entry, tensors)
 
