@@ -192,7 +192,7 @@ def test_reads_ahead_beside_the_fed_cpu_tier_stay_within_bf16_noise(tmp_path):
     resident = load_model(tmp_path, ModelLoadConfig(dtype=torch.bfloat16, device="cpu"), progress=False)
     _, ref_steps, ref_tokens = moetier_run(resident, prompt, 12)
     loaded, _ = load_tiered(tmp_path, torch.bfloat16, cache_slots=2, miss_route="mapped", mapped_cpu_share=0.5,
-                            mapped_prefetch_min_tokens=1, policy="lfu")  # fmt: skip
+                            mapped_prefetch=2, mapped_prefetch_min_tokens=1, policy="lfu")  # fmt: skip
     with torch.inference_mode():  # buffers made in inference mode are written outside it next
         moetier_run(loaded, prompt, 3)
     _, forced = forced_logits(loaded, prompt, ref_tokens)

@@ -279,7 +279,8 @@ def test_a_graphed_mapped_step_whose_capture_fails_runs_that_segment_eagerly_wit
     runs, graphs_used = {}, {}
     for failing in (False, True):
         loaded, _ = load_tiered(v4_checkpoint, torch.bfloat16, "cuda", cache_slots=2, miss_route="mapped",
-                                mapped_cpu_share=0.5, mapped_prefetch_min_tokens=1, policy="lfu")  # fmt: skip
+                                mapped_cpu_share=0.5, mapped_prefetch=2, mapped_prefetch_min_tokens=1,
+                                policy="lfu")  # fmt: skip
         graphs = loaded.model.graphs
         if failing:
             real_entry = SegmentGraphs._capture_entry

@@ -18,9 +18,12 @@ MIN_STAGING_SLOTS = 16
 # A V4-Flash layer's attention over a 16k-token chunk at long context takes ~100+ ms on an H200,
 # during which PCIe could land ~110 experts: lend up to that many cache slots to the ring.
 DEFAULT_LEND_SLOTS = 128
-# Experts a mapped decode step reads ahead per MoE layer: two fp4 V4-Flash experts (~26 MB) cross PCIe in about
-# the time one layer's attention takes at a few streams.
-DEFAULT_MAPPED_PREFETCH = 2
+# Experts a mapped decode step reads ahead per MoE layer: none. Two fp4 V4-Flash experts (~26 MB) cross PCIe in
+# about the time one layer's attention takes at a few streams, but with the bench model's ~58% precise predictions
+# two ahead lost at 4 streams on an H100 in 4 runs of 4, even with the copies beside the attention: 464 / 469 / 454 /
+# 499 tok/s against 505 / 523 / 470 / 539 without (results/h100-20261207-463e837-reads-ahead-ab). A model whose
+# predictions are better may pass mapped_prefetch=2.
+DEFAULT_MAPPED_PREFETCH = 0
 # Mapped decode steps per round of the host's bookkeeping (counts taken in, admissions, the table brought up to date):
 # at 1 stream on the H200 that round took ~0.8 ms of a ~3.2 ms host-bound step (results/h200-20261203-9014c9a-host);
 # every 4th step it took 0.44-0.46 ms a step against 0.77-1.08, while tok/s moved no more than the lent host's spread
