@@ -20,7 +20,9 @@ The same loaded model (one pinned home copy of the experts) is measured with eac
   balances the two links' measured rates runs on host cores (:mod:`moetier.tiers.mapped_cpu`; still no host
   wait). Not in the default modes (``tiered``'s mapped route is this one where the CPU tier can run).
 - ``mapped-cpu-noahead``: ``mapped-cpu`` without the device's reads ahead of the next layer's predicted experts
-  during the attention (``mapped_prefetch=0``, :mod:`moetier.tiers.mapped_ahead`). Not in the default modes.
+  during the attention (``mapped_prefetch=0``, :mod:`moetier.tiers.mapped_ahead`): since reads ahead are off by
+  default, the same as ``mapped-cpu`` (kept so that earlier A/B commands run; the earlier default, two ahead in
+  steps of >= 4 tokens a call, is ``mapped-cpu`` with ``--tiered mapped_prefetch=2``). Not in the default modes.
 - ``mapped-cpu-ahead<K>`` (K = 1-4): ``mapped-cpu`` reading K experts ahead at every batch size
   (``mapped_prefetch=K``, ``mapped_prefetch_min_tokens=1``). Not in the default modes.
 - ``resident-host``: ``resident`` with launch tables built on the host from the router's ids (one wait
