@@ -54,7 +54,8 @@
 # CPU_THREADS_AB="10 12" adds a decode run of CPU_THREADS_AB_MODES (default tiered,mapped-cpu) per CPU-tier thread
 # count named (--cpu-threads), then one at the default count again.
 # TIERED_AB="mapped_bookkeeping_every=1 mapped_bookkeeping_every=4" adds a decode run of TIERED_AB_MODES (default
-# tiered,mapped-cpu) per TieredConfig setting named (--tiered KEY=JSON), in order (name a setting twice for an ABA).
+# tiered,mapped-cpu) per TieredConfig setting named (--tiered KEY=JSON), in order (name a setting twice for an ABA);
+# one run's several fields are joined by "+", e.g. TIERED_AB="mapped=false+decode_halves_min_tokens=2 mapped=false".
 # HOST_CONTENTION=1 adds bench/host_contention.py (the launching thread's costs while the CPU tier's jobs run).
 # CPU_WORKER_AB=1 adds a decode run of CPU_WORKER_AB_MODES (default cpu,tiered) with MOETIER_CPU_WORKER=python (the
 # CPU tier's Python worker thread instead of its native one), to compare with the main decode run.
@@ -239,11 +240,14 @@ if [ -z "${SKIP_BENCH:-}" ]; then
                 --modes "${CPU_THREADS_AB_MODES:-tiered,mapped-cpu}" --profile "${extra[@]}"
         done
     fi
-    if [ -n "${TIERED_AB:-}" ]; then  # one TieredConfig field, run by run
+    if [ -n "${TIERED_AB:-}" ]; then  # TieredConfig fields, run by run (a run's fields joined by "+")
         for setting in $TIERED_AB; do
             echo "=== decode with --tiered $setting" >> "$LOG"
+            tiered=()
+            IFS='+' read -ra fields <<< "$setting"
+            for field in "${fields[@]}"; do tiered+=(--tiered "$field"); done
             bench decode 300 --streams "${TIERED_AB_STREAMS:-1,2,4}" --cache-fraction 0.05 --policy lfu \
-                --modes "${TIERED_AB_MODES:-tiered,mapped-cpu}" --profile --tiered "$setting"
+                --modes "${TIERED_AB_MODES:-tiered,mapped-cpu}" --profile "${tiered[@]}"
         done
     fi
     if [ -n "${BACKBONE_AB:-}" ]; then  # the backbone's linears fp8 (as stored) against dequantised at load
