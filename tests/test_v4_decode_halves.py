@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,10 +42,7 @@ def tiered_v4(checkpoint, device: str = "cpu", **options):
 
 
 def small_cache_of(model) -> int:
-    class _Loaded:  # small_cache reads loaded.store
-        store = model.dispatcher.store
-
-    return small_cache(_Loaded())
+    return small_cache(SimpleNamespace(store=model.dispatcher.store))  # small_cache reads a loaded model's store
 
 
 class CallLog:

@@ -41,7 +41,7 @@ from moetier.models.graph_segments import SegmentGraphs
 
 if TYPE_CHECKING:
     from moetier.models.base import ForwardBatch
-    from moetier.models.deepseek_v4 import DeepseekV4DecoderLayer, DeepseekV4ForCausalLM
+    from moetier.models.deepseek_v4 import DeepseekV4ForCausalLM
     from moetier.models.deepseek_v4_step import Carry, Step
     from moetier.tiers.dispatcher import ExpertDispatcher
 
@@ -75,7 +75,7 @@ def run_halves(step: Step, layers: list, streams: torch.Tensor, dispatcher: Expe
     cut = (size + 1) // 2
     halves = [half_step(step, slice(0, cut)), half_step(step, slice(cut, size))]
     for layer in layers:  # grown now, on the step's stream: the halves' segments only read it
-        v4_step.entry_table(step, layer, layer_states(step, layer))
+        v4_step.entry_table(step, layer, step.states(layer))
     lanes = _lane_streams(step)
     carries: list[Carry] = [(streams[:cut],), (streams[cut:],)]
     for layer in layers:
@@ -153,8 +153,3 @@ def _variant(graphs: SegmentGraphs, lane: int) -> Iterator[None]:
         yield
     finally:
         graphs.use_variant(WHOLE)
-
-
-def layer_states(step: Step, layer: DeepseekV4DecoderLayer) -> list:
-    """The states of ``layer`` of the step's sequences."""
-    return [cache.layers[layer.layer] for cache in step.caches]

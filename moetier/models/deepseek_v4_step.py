@@ -116,6 +116,10 @@ class Step:
     def caches(self) -> list:
         return [s.cache for s in self.slices]
 
+    def states(self, layer: DeepseekV4DecoderLayer) -> list:
+        """``layer``'s state in each of the step's sequences."""
+        return [cache.layers[layer.layer] for cache in self.caches]
+
 
 def _layer_step(step: Step, layer: DeepseekV4DecoderLayer, ahead: DeepseekV4DecoderLayer | None, carry: Carry) -> Carry:
     """One layer (with ``ahead``, the layer it predicts, its hint) -> its carry: its segments, then its experts."""
@@ -128,8 +132,7 @@ def layer_segments(
     """A layer's segments -> their outputs. Contiguous states: the whole layer is one segment, its attention the
     fixed-shape step (:mod:`deepseek_v4_static_decode`); otherwise pre (graph), the attention core (eager), post
     (graph). The routed experts run inside the (last) segment with ``plan.experts_in_graphs``."""
-    index = layer.layer
-    states = [cache.layers[index] for cache in step.caches]
+    states = step.states(layer)
     if static_decode.supports(states):
         if step.plan.hints and step.plan.experts_in_graphs:  # reads ahead: the attention runs beside the copies
             return _static_layer_then_post(step, layer, ahead, carry, states)
@@ -178,9 +181,7 @@ def _static_layer(
 ) -> tuple:
     """The whole layer as one segment, keyed by the sequences (their states' fixed tensors) and the entry bucket
     -> post's outputs; the host's counts follow after."""
-    bucket = static_decode.entry_bucket(states)
-    table = entry_table(step, layer, states)
-    key = ("layer", layer.layer, len(states), bucket, step.serials, table)
+    key, bucket = _static_key("layer", step, layer, states)
     fn = partial(_whole_layer, layer, ahead, step.plan.experts_in_graphs, len(carry), states, bucket, step.rope)
     outputs = step.graphs.run(key, fn, *carry, *step.rope_tensors, step.rope.positions, step.ids, tags=step.serials)
     static_decode.advance(states)
@@ -196,9 +197,7 @@ def _static_layer_then_post(
     ahead start after the previous layer's call, so the attention runs while they copy (one segment would wait for
     them before the attention: an H100 step at 4 streams waited 0.82 ms a joined layer, every copy's whole time,
     results/h100-20261207-e7ce4cc-halves-first)."""
-    bucket = static_decode.entry_bucket(states)
-    table = entry_table(step, layer, states)
-    key = ("layer attention", layer.layer, len(states), bucket, step.serials, table)
+    key, bucket = _static_key("layer attention", step, layer, states)
     fn = partial(_attention, layer, len(carry), states, bucket, step.rope)
     tensors = (*carry, *step.rope_tensors, step.rope.positions)
     out, streams, post, comb = step.graphs.run(key, fn, *tensors, tags=step.serials)
@@ -207,6 +206,12 @@ def _static_layer_then_post(
     post_fn = partial(_post, layer, ahead, True)
     post_key = ("static post", layer.layer, len(states))
     return step.graphs.run(post_key, post_fn, out, streams, post, comb, step.ids, *step.rope_tensors)
+
+
+def _static_key(name: str, step: Step, layer: DeepseekV4DecoderLayer, states: list) -> tuple[tuple, int]:
+    """A fixed-shape segment's graph key (the sequences, their entry bucket and rotation table) and the bucket."""
+    bucket = static_decode.entry_bucket(states)
+    return (name, layer.layer, len(states), bucket, step.serials, entry_table(step, layer, states)), bucket
 
 
 def entry_table(step: Step, layer: DeepseekV4DecoderLayer, states: list) -> int:

@@ -31,7 +31,9 @@ Contract for callers:
 - A choice that changes what segment functions compute without changing their keys (e.g. whether they
   predict the next layer's experts) is declared with :meth:`SegmentGraphs.use_variant` before the step. Each
   variant keeps its own graphs in its own memory pool, so steps may switch between variants (a tiered
-  dispatcher's route changes from step to step) without capturing again.
+  dispatcher's route changes from step to step) without capturing again. A variant whose graphs have all been
+  dropped opens a new pool at its next capture (torch refuses a capture into a pool left with no graph while its
+  memory is still held), as it does after a failed capture.
 - At most ``max_graphs`` graphs are kept (``MOETIER_MAX_GRAPHS``, default :data:`DEFAULT_MAX_GRAPHS`): past it a
   capture drops the least recently run quarter (their outputs' memory returns to the pool; such a key warms up
   and captures again when it comes back). Keys whose caches outlive their sequences (V4's spare caches) would

@@ -29,8 +29,9 @@ DEFAULT_MAPPED_PREFETCH = 0
 # every 4th step it took 0.44-0.46 ms a step against 0.77-1.08, while tok/s moved no more than the lent host's spread
 # (results/h200-20261203-e8f8b43-bookkeeping): host time handed back to the server, admissions at most 3 steps later.
 DEFAULT_MAPPED_BOOKKEEPING_EVERY = 4
-# ... for calls of at least this many tokens. Measured on the H200 (fp4 V4-Flash widths, two experts ahead against
-# none, tok/s at 1 / 2 / 4 streams): 196 / 273 / 331 vs 233 / 290 / 289 (results/h200-20261202-1ebb01d-reads-ahead),
+# Reads ahead (mapped_prefetch > 0) only in steps of at least this many tokens a call. Measured on the H200 (fp4
+# V4-Flash widths, two experts ahead against none, tok/s at 1 / 2 / 4 streams): 196 / 273 / 331 vs 233 / 290 / 289
+# (results/h200-20261202-1ebb01d-reads-ahead),
 # 183 / 264 / 330 vs 234 / 324 / 340 (results/h200-20261202-289e636). Timed on the device, the call never waits for
 # the copies (0.002 ms for 0.62 ms of copies): what they cost at 1-2 streams is elsewhere (those steps' hit rate was
 # lower, 0.36 vs 0.42, and one or three experts ahead ran between: 195 / 168 tok/s at 1 stream). The H200 traces
