@@ -26,7 +26,8 @@
 # KV_LAYOUT_CHECK=1 adds two decode runs with fp8 KV, contiguous then paged (KV_LAYOUT_PROMPT: their prompt
 # length, default 64, e.g. 32768 for long-context decode; KV_LAYOUT_MODES, default resident,tiered; KV_LAYOUT_DTYPE;
 # KV_LAYOUT_LAYOUTS, default "contiguous paged"; KV_LAYOUT_ENV="VAR=A VAR=B": those runs once per setting, e.g.
-# "MOETIER_V4_ATTENTION=no-split MOETIER_V4_ATTENTION=auto" for the long-context A/B of the split attention).
+# "MOETIER_V4_ATTENTION=no-split MOETIER_V4_ATTENTION=auto" for the long-context A/B of the split attention;
+# KV_LAYOUT_STREAMS, default 1,4; KV_LAYOUT_TIMEOUT, seconds a run, default 300: a 131072-token prompt's prefills).
 # CPU_TIER=1 adds the C kernel's tests on this host's ISAs and `moetier bench cpu-tier` (torch vs the C kernel at CPU_TIER_THREADS, default 8,14,16, for the
 # expert formats in CPU_TIER_FORMATS, default bf16,fp8,fp4; CPU_TIER_ARGS: its extra flags, e.g. "--paths c --tokens 1,4").
 # GPU_EXPERTS=1 adds `moetier bench gpu-experts` (the device's routed-expert kernels alone, bf16/fp8/fp4,
@@ -292,7 +293,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
         for setting in ${KV_LAYOUT_ENV:-none}; do  # KV_LAYOUT_ENV="VAR=A VAR=B": the runs once per setting
             for layout in ${KV_LAYOUT_LAYOUTS:-contiguous paged}; do
                 [ "$setting" != none ] && export "${setting?}"  # not a subshell: bench folds its status in
-                bench decode 300 --streams 1,4 --repeats 2 --modes "${KV_LAYOUT_MODES:-resident,tiered}" \
+                bench decode "${KV_LAYOUT_TIMEOUT:-300}" --streams "${KV_LAYOUT_STREAMS:-1,4}" --repeats 2 \
+                    --modes "${KV_LAYOUT_MODES:-resident,tiered}" \
                     --kv-dtype "${KV_LAYOUT_DTYPE:-fp8}" --kv-layout "$layout" --prompt-len "${KV_LAYOUT_PROMPT:-64}"
                 [ "$setting" != none ] && unset "${setting%%=*}"
             done

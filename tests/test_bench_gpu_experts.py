@@ -257,10 +257,29 @@ def test_host_calls_beside_the_backbone_linears_report_both_alone_and_together()
     )  # fmt: skip
     receipt = gpu_experts.run_bench(cfg)
     (row,) = receipt["results"]
-    beside = row["beside"]
-    call, linears, together = (beside[k]["median"] for k in ("call_us", "beside_us", "together_us"))
-    assert beside["passes"] == 2 and min(call, linears) > 0
-    # Together takes at least the longer of the two (nothing runs faster beside other work) and at most about both.
-    assert 0.9 * max(call, linears) <= together <= 1.2 * (call + linears), beside
-    assert beside["hidden_share"] == pytest.approx((call + linears - together) / min(call, linears))
+    for key, high in (("beside", False), ("beside_high", True)):
+        beside = row[key]
+        call, linears, together = (beside[k]["median"] for k in ("call_us", "beside_us", "together_us"))
+        assert beside["passes"] == 2 and beside["high_priority"] is high and min(call, linears) > 0
+        # Together takes at least the longer of the two (nothing runs faster beside other work), at most about both.
+        assert 0.9 * max(call, linears) <= together <= 1.2 * (call + linears), beside
+        assert beside["hidden_share"] == pytest.approx((call + linears - together) / min(call, linears))
     assert "| fp4 | 1 | 8x16x1024 |" in gpu_experts.markdown_table(receipt).split("Beside:")[1]
+
+
+def test_the_beside_table_shows_the_high_priority_row_where_measured():
+    def timing(call: float, linears: float, together: float) -> dict:
+        share = (call + linears - together) / min(call, linears)
+        return {k: {"median": v} for k, v in (("call_us", call), ("beside_us", linears), ("together_us", together))} | {
+            "passes": 3,
+            "hidden_share": share,
+        }
+
+    both = {"format": "fp4", "tokens": 1, "fp4_blocks": None, "beside": timing(4000, 240, 4200)}
+    both["beside_high"] = timing(4000, 240, 4040)
+    older = {"format": "fp4", "tokens": 4, "fp4_blocks": "8x4x1024", "beside": timing(9000, 240, 9240)}
+    lines = gpu_experts._beside_lines([both, older, {"format": "fp4", "tokens": 2}])
+    assert "| fp4 | 1 | - | 4000 | 240 | 4200 | 0.17 | 4040 | 0.83 |" in lines
+    assert "| fp4 | 4 | 8x4x1024 | 9000 | 240 | 9240 | 0.00 | - | - |" in lines  # a receipt from before: no row
+    assert len([line for line in lines if line.startswith("| fp4 |")]) == 2
+    assert gpu_experts._beside_lines([{"format": "fp4", "tokens": 1}]) == []

@@ -15,7 +15,9 @@ each alone and both at once, every call queued behind a sleep kernel so that the
 sets the times. (Launched eagerly, the linears measured the host instead: ~560 us a pass of six on the H100 host,
 results/h100-20261207-1c973ca-beside-eager.)
 ``hidden_share`` is ``(call + beside - together) / min(call, beside)``: 1 when the shorter one hides entirely
-under the longer, 0 when they run one after the other.
+under the longer, 0 when they run one after the other. The bench measures the second stream at the default priority
+and at the device's highest (:func:`side_stream`): the block scheduler starts a higher-priority stream's programs
+before the queued programs of a lower one, so a call's thousands of short programs need not keep the linears out.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ def backbone_linears(tokens: int, passes: int, device: torch.device, seed: int =
                 fp8_linear.fp8_linear(x, values, scale, (128, 128), groups=groups)
 
     return run
+
+
+def side_stream(high: bool = False) -> torch.cuda.Stream:
+    """A second stream for the beside work: at the default priority, or (``high``) the device's highest. torch maps
+    any priority below the device's range to its highest."""
+    return torch.cuda.Stream(priority=-(1 << 10)) if high else torch.cuda.Stream()
 
 
 def graphed(work: Callable[[], None], stream: torch.cuda.Stream) -> Callable[[], None]:

@@ -305,18 +305,19 @@ def kernel_times(maker: CallMaker, tokens: int, calls: int = 10) -> dict[str, fl
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def beside_row(maker: CallMaker, tokens: int, passes: int, repeats: int = 9) -> dict[str, Any]:
+def beside_row(maker: CallMaker, tokens: int, passes: int, repeats: int = 9, high: bool = False) -> dict[str, Any]:
     """Host calls of ``tokens`` alone, ``passes`` passes of a layer's backbone linears alone on a second stream, and
-    both at once (:mod:`moetier.bench.beside_work`)."""
+    both at once (:mod:`moetier.bench.beside_work`); ``high``: the second stream at the device's highest priority,
+    so that the block scheduler starts the linears' programs before the call's queued ones."""
     calls = iter([maker.call(tokens) for _ in range(2 * repeats + 1)])
 
     def one_call() -> None:
         run_path("grouped", next(calls), maker.place)
 
-    side = torch.cuda.Stream()
+    side = beside_work.side_stream(high)
     work = beside_work.graphed(beside_work.backbone_linears(tokens, passes, maker.device, maker.cfg.seed), side)
     one_call()  # compiled
-    return {"passes": passes, **beside_work.time_beside(one_call, work, repeats, side)}
+    return {"passes": passes, "high_priority": high, **beside_work.time_beside(one_call, work, repeats, side)}
 
 
 def _best_copy_seconds(dst: torch.Tensor, src: torch.Tensor, copies: int = 6) -> float:
@@ -389,6 +390,7 @@ def bench_format(cfg: GpuExpertsBenchConfig, fmt: str, device: torch.device) -> 
                         row["rel_vs_default"] = relative_rms(grouped_output(checks[t], maker.place), refs[t])
                         if cfg.beside and maker.place.where == "host":
                             row["beside"] = beside_row(maker, t, cfg.beside)
+                            row["beside_high"] = beside_row(maker, t, cfg.beside, high=True)
                     rows.append(row)
     expert_bytes = makers[0].expert_bytes
     info: dict[str, Any] = {"expert_bytes": expert_bytes, "all_experts_bytes": cfg.experts * expert_bytes}
@@ -475,16 +477,19 @@ def _beside_lines(results: list[dict[str, Any]]) -> list[str]:
         "",
         f"Beside: each host call on one stream, {rows[0]['beside']['passes']} pass(es) of a V4-Flash layer's six fp8"
         " backbone linears at its tokens on a second, alone and together (device us, medians). Hidden share: of the"
-        " shorter under the longer (1: fully, 0: one after the other).",
+        " shorter under the longer (1: fully, 0: one after the other). High: the linears' stream at the device's"
+        " highest priority.",
         "",
-        "| format | tokens | fp4 blocks | call us | linears us | together us | hidden share |",
-        "|---|---|---|---|---|---|---|",
+        "| format | tokens | fp4 blocks | call us | linears us | together us | hidden share "
+        "| high: together us | high: hidden share |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        b = r["beside"]
+        b, high = r["beside"], r.get("beside_high")
+        tail = "| - | - |" if high is None else f"| {high['together_us']['median']:.0f} | {high['hidden_share']:.2f} |"
         lines.append(
             f"| {r['format']} | {r['tokens']} | {r['fp4_blocks'] or '-'} | {b['call_us']['median']:.0f} "
-            f"| {b['beside_us']['median']:.0f} | {b['together_us']['median']:.0f} | {b['hidden_share']:.2f} |"
+            f"| {b['beside_us']['median']:.0f} | {b['together_us']['median']:.0f} | {b['hidden_share']:.2f} {tail}"
         )
     return lines
 
