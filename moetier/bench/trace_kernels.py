@@ -1,9 +1,12 @@
 """What a decode step's kernels are, from a decode trace (``bench decode --trace``): per step, how many kernels ran,
 their summed time, the span from the step's first kernel to its end, and the kernels grouped by name.
 
-A 1-stream decode step ends with the LM head, the one GEMM of the step longer than :data:`STEP_END_US` at the
-bench shapes (~235 us for V4's 129k x 4096 head on the H200; a layer's other kernels are a few to ~50 us), so steps
-are cut after each kernel that long. The first step (warm-up of the profiler) is left out of the averages.
+A 1-stream decode step ends with the LM head, a GEMM longer than :data:`STEP_END_US` at the bench shapes (~235 us
+for V4's 129k x 4096 head on the H200, ~355 us on the H100; a layer's backbone kernels are a few to ~50 us). A tiered
+step's mapped expert kernels can be as long, but not every time (a layer whose experts were cached reads little)
+and more often (once per MoE layer), so the steps are cut after each long kernel of :func:`step_end_name`'s name. ``idle_us`` is the step's span that no
+kernel covered (the device waiting for the host, the CPU tier or a copy). The first step (warm-up of the profiler)
+is left out of the averages.
 This is how the backbone's kernel count and time were read off the traces of earlier sessions; comparing two trees'
 traces (``ALT_TRACE=1`` in ``bench/gpu_suite.sh``) shows what a change did to the step.
 
@@ -43,6 +46,7 @@ class StepKernels:
     busy_us: float
     span_us: float
     groups: list[KernelGroup] = field(default_factory=list)
+    idle_us: float = 0.0  # the span no kernel covered (kernels on two streams at once count once)
 
 
 _OPERATION = re.compile(r"(\w+?(?:_kernel\w*|Functor\w*|Ops|_functor))\b")
@@ -74,15 +78,35 @@ def short_name(name: str) -> str:
 
 
 def steps(trace: dict, step_end_us: float = STEP_END_US) -> list[StepKernels]:
-    """The trace's kernels cut into steps after each kernel of at least ``step_end_us``."""
-    kernels = [e for e in device_events(trace) if e.get("cat") == "kernel"]
+    """The trace's kernels cut into steps after each kernel of at least ``step_end_us`` whose name is the step end's
+    (:func:`step_end_name`)."""
+    kernels = sorted((e for e in device_events(trace) if e.get("cat") == "kernel"), key=lambda e: float(e["ts"]))
+    end = step_end_name(kernels, step_end_us)
     found, current = [], []
     for event in kernels:
         current.append(event)
-        if float(event.get("dur", 0.0)) >= step_end_us:
+        if float(event.get("dur", 0.0)) >= step_end_us and short_name(event["name"]) == end:
             found.append(_step(current))
             current = []
     return found
+
+
+def step_end_name(kernels: list[dict], step_end_us: float = STEP_END_US) -> str | None:
+    """The short name of the kernel that ends a step: among names with runs of at least ``step_end_us``, the one whose
+    runs are all (or most often) that long, then the one that ran fewest times; ties go to the name seen last. The
+    LM head is always long and runs once a step; a mapped expert kernel runs once per MoE layer and is short where
+    the layer's experts were cached. None without long kernels."""
+    runs: dict[str, list[int]] = {}
+    for event in kernels:
+        name = short_name(event["name"])
+        long = int(float(event.get("dur", 0.0)) >= step_end_us)
+        counts = runs.pop(name, [0, 0])  # re-inserted: the last seen comes last
+        runs[name] = [counts[0] + long, counts[1] + 1]
+    candidates = [(name, long, total) for name, (long, total) in runs.items() if long]
+    if not candidates:
+        return None
+    best = max(reversed(candidates), key=lambda c: (c[1] / c[2], -c[2]))
+    return best[0]
 
 
 def _step(events: list[dict]) -> StepKernels:
@@ -96,7 +120,18 @@ def _step(events: list[dict]) -> StepKernels:
     first, last = events[0], events[-1]
     span = float(last["ts"]) + float(last.get("dur", 0.0)) - float(first["ts"])
     busy = sum(float(e.get("dur", 0.0)) for e in events)
-    return StepKernels(len(events), busy, span, sorted(groups.values(), key=lambda g: -g.us))
+    idle = span - _covered_us(events)
+    return StepKernels(len(events), busy, span, sorted(groups.values(), key=lambda g: -g.us), idle)
+
+
+def _covered_us(events: list[dict]) -> float:
+    """Microseconds during which at least one of ``events`` (sorted by start) ran."""
+    covered, end = 0.0, float("-inf")
+    for event in events:
+        start, stop = float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0))
+        covered += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return covered
 
 
 def heaviest_kernels(trace: dict, top: int = 12) -> list[dict]:
@@ -116,6 +151,7 @@ def summary(found: list[StepKernels], top: int = 25) -> dict:
         "kernels": median(s.count for s in measured),
         "busy_us": median(s.busy_us for s in measured),
         "span_us": median(s.span_us for s in measured),
+        "idle_us": median(s.idle_us for s in measured),
         "heaviest": [asdict(g) for g in measured[-1].groups[:top]],
     }
 
@@ -132,10 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=1))
         return 0
     for i, step in enumerate(found):
-        print(f"step {i}: {step.count} kernels, {step.busy_us:.1f} us busy, {step.span_us:.1f} us span")
+        print(f"step {i}: {step.count} kernels, {step.busy_us:.1f} us busy, {step.span_us:.1f} us span, "
+              f"{step.idle_us:.1f} us idle")  # fmt: skip
     if result["steps"]:
         print(f"median of {result['steps']}: {result['kernels']:.1f} kernels, {result['busy_us']:.1f} us busy, "
-              f"{result['span_us']:.1f} us span")  # fmt: skip
+              f"{result['span_us']:.1f} us span, {result['idle_us']:.1f} us idle")  # fmt: skip
         for group in result["heaviest"]:
             print(f"{group['us']:9.1f} us {group['count']:4d}x {group['name']}")
     return 0
