@@ -178,15 +178,20 @@ def test_a_calls_split_cuts_experts_in_parts_the_cpu_kernel_reads_from():
 
 @pytest.mark.gpu
 @needs_kernel
-@pytest.mark.parametrize("split", ["static", "whole", "balanced"])
-@pytest.mark.parametrize("queued", [False, True])
-def test_fed_steps_enqueued_ahead_of_the_host_match_resident_on_cuda(queued, split, monkeypatch):
+@pytest.mark.parametrize(
+    ("queued", "split", "sums"),
+    [(q, s, "copy") for q in (False, True) for s in ("static", "whole", "balanced")]
+    + [(False, "balanced", "kernel"), (True, "balanced", "kernel")],
+)
+def test_fed_steps_enqueued_ahead_of_the_host_match_resident_on_cuda(queued, split, sums, monkeypatch):
     """Steps launched back to back with no host read in between: the worker holds several fed jobs queued before
     their inputs exist, each starts when the device stores its word, and the stream waits for each one's sums.
     ``balanced`` cuts an expert of most calls in two (512 rows: parts of 128), ``whole`` never does. ``queued``:
     each step inside the dispatcher's ``decode_step``, every layer's job queued before its calls (as
-    for calls replayed from CUDA graphs), batch sizes alternating."""
+    for calls replayed from CUDA graphs), batch sizes alternating. ``sums``: how the device adds the CPU's sums
+    (``MOETIER_FED_SUMS``; ``kernel`` reads the inbox every layer rewrites, so a stale read would show)."""
     monkeypatch.setenv("MOETIER_FED_SPLIT", split)
+    monkeypatch.setenv("MOETIER_FED_SUMS", sums)
     layout = ExpertLayout((0, 1, 2), num_experts=32, hidden_size=1024, intermediate_size=512, top_k=4, swiglu_limit=7.0)
     home, device_store = _pinned_and_device_stores(layout, torch.bfloat16)
     resident = ResidentDispatcher(device_store)

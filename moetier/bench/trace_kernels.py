@@ -4,9 +4,9 @@ their summed time, the span from the step's first kernel to its end, and the ker
 A 1-stream decode step ends with the LM head, a GEMM longer than :data:`STEP_END_US` at the bench shapes (~235 us
 for V4's 129k x 4096 head on the H200, ~355 us on the H100; a layer's backbone kernels are a few to ~50 us). A tiered
 step's mapped expert kernels can be as long, but not every time (a layer whose experts were cached reads little)
-and more often (once per MoE layer), so the steps are cut after each long kernel of :func:`step_end_name`'s name. ``idle_us`` is the step's span that no
-kernel covered (the device waiting for the host, the CPU tier or a copy). The first step (warm-up of the profiler)
-is left out of the averages.
+and more often (once per MoE layer), so the steps are cut after each long kernel of :func:`step_end_name`'s name.
+``idle_us`` is the step's span that no kernel covered (the device waiting for the host, the CPU tier or a copy).
+The first step (warm-up of the profiler) is left out of the averages.
 This is how the backbone's kernel count and time were read off the traces of earlier sessions; comparing two trees'
 traces (``ALT_TRACE=1`` in ``bench/gpu_suite.sh``) shows what a change did to the step.
 

@@ -53,6 +53,7 @@ from moetier.errors import ConfigError
 from moetier.kernels.cpu_experts import CheckedExperts
 from moetier.kernels.cpu_worker import ABANDONED, FedInbox, NativeJob, NativeWorker, fed_ids
 from moetier.kernels.device_clock import launch_stamp, stamps_usable
+from moetier.kernels.host_sums import add_host_sums, fed_sums_mode, host_sums_usable
 from moetier.kernels.routing_table import CallSplit, FeedTarget, split_priorities
 from moetier.tiers.cpu_tier import CpuExpertTier
 from moetier.tiers.experts import ExpertStore
@@ -242,7 +243,8 @@ class FedCpuShare:
         self.adaptive, self.picks_version = adaptive, 0
         self.store, self.tier, self.metrics, self.share = store, tier, metrics, share
         self.layers, self.top_k, self.hidden_size = layers, layout.top_k, layout.hidden_size
-        mode, stamps = fed_split_mode(), fed_stamps_enabled()  # both read (and validated) on every machine
+        mode, stamps = fed_split_mode(), fed_stamps_enabled()  # all three read (and validated) on every machine
+        self._sums_kernel = fed_sums_mode() == "kernel"
         self.balanced = mode != "static"
         experts = layout.num_experts
         self.picks = [True] * (len(layers) * experts) if self.balanced else cpu_picks(len(layers), experts, share)
@@ -483,7 +485,10 @@ class FedCpuShare:
         if self._done is not None and self._done.wait_on(stream, 1, self._row[call.layer]):
             if self._queued is not None and self._stamps is not None:
                 self._stamp(call, 2, stream)
-            out.add_(call.inbox.out.to(out.device, non_blocking=True))
+            if self._sums_kernel and host_sums_usable(out, call.inbox.out):
+                add_host_sums(out, call.inbox.out)  # read over PCIe in place: no copy node between two kernels
+            else:
+                out.add_(call.inbox.out.to(out.device, non_blocking=True))
         else:
             call.job.wait()
             out.add_(call.inbox.out.to(out.device))
