@@ -71,9 +71,9 @@ def test_host_sums_add_on_cuda_from_pinned_memory_and_a_graph():
 
 def test_the_sums_mode_is_read_and_refused_when_unknown(monkeypatch):
     monkeypatch.delenv("MOETIER_FED_SUMS", raising=False)
-    assert fed_sums_mode() == "copy"
-    monkeypatch.setenv("MOETIER_FED_SUMS", " Kernel ")
     assert fed_sums_mode() == "kernel"
+    monkeypatch.setenv("MOETIER_FED_SUMS", " Copy ")
+    assert fed_sums_mode() == "copy"
     monkeypatch.setenv("MOETIER_FED_SUMS", "dma")
     with pytest.raises(ConfigError, match="MOETIER_FED_SUMS='dma': use one of kernel, copy"):
         fed_sums_mode()

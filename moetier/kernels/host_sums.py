@@ -30,9 +30,9 @@ SUMS_MODES = ("kernel", "copy")
 
 
 def fed_sums_mode() -> str:
-    """``MOETIER_FED_SUMS``: how the device adds the CPU's sums, ``copy`` (copied to the device, then added: the
-    default) or ``kernel`` (:func:`add_host_sums`)."""
-    mode = os.environ.get("MOETIER_FED_SUMS", "copy").strip().lower()
+    """``MOETIER_FED_SUMS``: how the device adds the CPU's sums, ``kernel`` (:func:`add_host_sums`, the default where
+    :func:`host_sums_usable`) or ``copy`` (copied to the device, then added: the way before, kept for A/B runs)."""
+    mode = os.environ.get("MOETIER_FED_SUMS", "kernel").strip().lower()
     if mode not in SUMS_MODES:
         raise ConfigError(f"MOETIER_FED_SUMS={mode!r}: use one of {', '.join(SUMS_MODES)}")
     return mode
