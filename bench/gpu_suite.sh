@@ -51,7 +51,8 @@
 # share of each call's uncached experts, to a part of an expert), static again: with the main run, balanced / static /
 # balanced / static. FED_SPLIT_AB="whole balanced whole" runs those MOETIER_FED_SPLIT values in that order instead.
 # ENV_AB="MOETIER_FED_STAMPS=0 MOETIER_FED_STAMPS=1" adds a decode run of ENV_AB_MODES (default tiered,mapped-cpu) per
-# VAR=VALUE named (that variable set for the run), in order (name one twice for an ABA).
+# VAR=VALUE named (that variable set for the run), in order (name one twice for an ABA); ENV_AB_TRACE=modes also
+# traces those modes' 1-stream steps in each run, whose receipt and traces then go to env-trace-N/ (N from 1).
 # CPU_THREADS_AB="10 12" adds a decode run of CPU_THREADS_AB_MODES (default tiered,mapped-cpu) per CPU-tier thread
 # count named (--cpu-threads), then one at the default count again.
 # TIERED_AB="mapped_bookkeeping_every=1 mapped_bookkeeping_every=4" adds a decode run of TIERED_AB_MODES (default
@@ -224,11 +225,18 @@ if [ -z "${SKIP_BENCH:-}" ]; then
         done
     fi
     if [ -n "${ENV_AB:-}" ]; then  # one environment variable's values, run by run
+        run=0
         for setting in $ENV_AB; do
             echo "=== decode with $setting" >> "$LOG"
             export "$setting"  # bench is a function of this shell: exported for its run, unset after it
+            run=$((run + 1)) main_out=$OUT env_trace=()
+            if [ -n "${ENV_AB_TRACE:-}" ]; then  # each run's receipt and traces in a folder of its own
+                OUT=$main_out/env-trace-$run && mkdir -p "$OUT" && echo "$setting" > "$OUT/setting.txt"
+                env_trace=(--trace "$ENV_AB_TRACE")
+            fi
             bench decode 300 --streams "${ENV_AB_STREAMS:-1,2,4}" --cache-fraction 0.05 --policy lfu \
-                --modes "${ENV_AB_MODES:-tiered,mapped-cpu}" --profile
+                --modes "${ENV_AB_MODES:-tiered,mapped-cpu}" --profile "${env_trace[@]}"
+            OUT=$main_out
             unset "${setting%%=*}"
         done
     fi
@@ -278,7 +286,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
             && OUT=$alt_out bench decode 300 --streams 1,2,4 --cache-fraction 0.05 \
             --policy lfu --modes "${ALT_MODES:-resident,tiered}" "${alt_trace[@]}")
     fi
-    for trace_file in "$OUT"/decode-trace-*.json.gz "$OUT"/alt-trace/decode-trace-*.json.gz; do  # kernels a step
+    for trace_file in "$OUT"/decode-trace-*.json.gz "$OUT"/{alt-trace,env-trace-*}/decode-trace-*.json.gz; do
         [ -f "$trace_file" ] || continue
         echo "=== kernels per decode step: $trace_file" >> "$LOG"
         python3 -m moetier.bench.trace_kernels "$trace_file" --top 30 2>&1 | tail -32 | tee -a "$LOG"
