@@ -48,7 +48,8 @@ wrong = [k.host_sums_usable(torch.zeros(2, 3, device=device), torch.zeros(3, 2, 
          k.host_sums_usable(torch.zeros(2, 6, device=device)[:, ::2], torch.zeros(2, 3, pin_memory=cuda))]
 if cuda:
     wrong.append(k.host_sums_usable(torch.zeros(2, 3, device=device), torch.zeros(2, 3)))  # pageable: not addressable
-print(json.dumps([{"results": results, "wrong": wrong}]))
+ready = k.host_sums_ready(torch.device(device))  # CUDA only: off it the fed share copies and adds
+print(json.dumps([{"results": results, "wrong": wrong, "ready": ready}]))
 """
 
 
@@ -57,6 +58,7 @@ def _check(device: str) -> None:
     assert all(r["usable"] for r in report["results"]), report
     assert all(r["max_err"] < 1e-5 for r in report["results"]), report  # float32 adds, the same order
     assert not any(report["wrong"]), report
+    assert report["ready"] is (device == "cuda"), report
 
 
 def test_host_sums_add_interpreted():

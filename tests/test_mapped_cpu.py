@@ -135,6 +135,7 @@ def test_mapped_with_a_fed_cpu_share_matches_resident_in_bf16(tokens, split, mon
     assert totals["cpu_jobs_marked"] <= totals["cpu_threads_joined"] <= threads * totals["cpu_jobs_marked"]
     assert totals["cpu_team_start_seconds"] <= totals["cpu_seconds"]
     assert tiered.mapped.cpu is not None and alone.mapped.cpu is None
+    assert tiered.mapped.cpu.sums == "copy"  # off CUDA the host adds the sums, whatever MOETIER_FED_SUMS says
 
 
 def test_the_fed_share_is_off_where_the_kernel_cannot_run_it_and_validated():
@@ -212,6 +213,7 @@ def test_fed_steps_enqueued_ahead_of_the_host_match_resident_on_cuda(queued, spl
     totals = tiered.metrics.snapshot()["totals"]
     tiered.close()
     assert tiered.mapped.cpu is not None and tiered.mapped.cpu._start is not None  # the device stored the words
+    assert tiered.mapped.cpu.sums == sums  # the kernel's probe passed where it was asked for
     assert worst < 5e-3
     assert totals["cpu_pairs"] > 0 and totals["mapped_pairs"] > 0 and totals["uses_hit"] > 0
     assert totals["uses_miss"] == totals["cpu_pairs"] + totals["mapped_pairs"]  # the device counted the CPU's

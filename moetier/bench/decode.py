@@ -291,6 +291,7 @@ def _traffic(dispatcher: ExpertDispatcher, block_bytes: int, steps: int, streams
         # How those calls were timed (graphed ones by device-clock stamps, or eager timed steps), and the CPU's
         # hand-off per call the stamps measured (tiers.fed_clock.Handoff).
         "fed_timing": getattr(_fed(dispatcher), "timing", None),
+        "fed_sums": getattr(_fed(dispatcher), "sums", None),
         "fed_handoff_ms": _fed_handoff_ms(dispatcher),
         "timed_steps": steps,
     }

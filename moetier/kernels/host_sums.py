@@ -13,6 +13,7 @@ launched after the stream waited for the done word, which the worker stores afte
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -24,6 +25,8 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs add with torch
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
+
+log = logging.getLogger(__name__)
 
 _BLOCK = 1024
 SUMS_MODES = ("kernel", "copy")
@@ -70,3 +73,23 @@ def add_host_sums(out: torch.Tensor, sums: torch.Tensor) -> None:
         return
     offset = sums.data_ptr() - out.data_ptr()
     _add_host_kernel[(triton.cdiv(numel, _BLOCK),)](out, offset, numel, BLOCK=_BLOCK)
+
+
+def host_sums_ready(device: torch.device) -> bool:
+    """Whether the kernel adds pinned sums correctly on ``device`` (CUDA): a first add, which also compiles it (so
+    that no CUDA graph capture ever does), checked against torch; False (logged) otherwise."""
+    if device.type != "cuda" or triton is None:
+        return False
+    try:
+        sums = torch.arange(6, dtype=torch.float32).reshape(2, 3).pin_memory()
+        out = torch.ones(2, 3, device=device)
+        if not host_sums_usable(out, sums):
+            return False
+        add_host_sums(out, sums)
+        good = torch.equal(out.cpu(), sums + 1)
+    except Exception as error:  # noqa: BLE001 - any failure means the copy and add, never a failed start-up
+        log.warning("the CPU tier's sums are copied and added (the host-sums kernel failed: %s)", error)
+        return False
+    if not good:
+        log.warning("the CPU tier's sums are copied and added (the host-sums kernel's probe added wrongly)")
+    return good

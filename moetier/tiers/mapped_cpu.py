@@ -53,7 +53,7 @@ from moetier.errors import ConfigError
 from moetier.kernels.cpu_experts import CheckedExperts
 from moetier.kernels.cpu_worker import ABANDONED, FedInbox, NativeJob, NativeWorker, fed_ids
 from moetier.kernels.device_clock import launch_stamp, stamps_usable
-from moetier.kernels.host_sums import add_host_sums, fed_sums_mode, host_sums_usable
+from moetier.kernels.host_sums import add_host_sums, fed_sums_mode, host_sums_ready, host_sums_usable
 from moetier.kernels.routing_table import CallSplit, FeedTarget, split_priorities
 from moetier.tiers.cpu_tier import CpuExpertTier
 from moetier.tiers.experts import ExpertStore
@@ -305,7 +305,14 @@ class FedCpuShare:
             self._words = (self._start.tensor, self._done.tensor)
             if self.adaptive and stamps and stamps_usable(device):
                 self._stamps = torch.zeros((len(self.layers), len(STAMPS)), dtype=torch.int64, device=device)
+            self._sums_kernel = self._sums_kernel and host_sums_ready(device)
         return True
+
+    @property
+    def sums(self) -> str:
+        """How the device adds the CPU's sums: ``kernel`` (:func:`~moetier.kernels.host_sums.add_host_sums`, on CUDA
+        where its probe passed) or ``copy`` (copied to the device, then added; off CUDA the host adds them)."""
+        return "kernel" if self._sums_kernel and self.cuda else "copy"
 
     @property
     def timing(self) -> str:
