@@ -19,6 +19,7 @@ import os
 import torch
 
 from moetier.errors import ConfigError
+from moetier.kernels.rmsnorm import triton_usable
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs add with torch.
     import triton
@@ -57,10 +58,10 @@ if triton is not None:
 
 
 def host_sums_usable(out: torch.Tensor, sums: torch.Tensor) -> bool:
-    """Whether :func:`add_host_sums` can add ``sums`` into ``out``: Triton (on CUDA, or its interpreter), both
-    float32, contiguous, of one shape, ``sums`` in pinned host memory where ``out`` is on CUDA."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if triton is None or not (out.is_cuda or interpreted):
+    """Whether :func:`add_host_sums` can add ``sums`` into ``out``: Triton usable for ``out``
+    (:func:`~moetier.kernels.rmsnorm.triton_usable`), both float32, contiguous, of one shape, ``sums`` in pinned
+    host memory where ``out`` is on CUDA."""
+    if not triton_usable(out):  # Triton on CUDA or its interpreter, not switched off (MOETIER_TRITON=0)
         return False
     alike = out.dtype == sums.dtype == torch.float32 and out.shape == sums.shape
     return alike and out.is_contiguous() and sums.is_contiguous() and (not out.is_cuda or sums.is_pinned())
