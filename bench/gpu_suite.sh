@@ -289,7 +289,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     for trace_file in "$OUT"/decode-trace-*.json.gz "$OUT"/{alt-trace,env-trace-*}/decode-trace-*.json.gz; do
         [ -f "$trace_file" ] || continue
         echo "=== kernels per decode step: $trace_file" >> "$LOG"
-        python3 -m moetier.bench.trace_kernels "$trace_file" --top 30 2>&1 | tail -32 | tee -a "$LOG"
+        python3 -m moetier.bench.trace_kernels "$trace_file" --top 30 --gaps 10 2>&1 | tail -42 | tee -a "$LOG"
     done
     if [ -n "${GRAPHS_CHECK:-}" ]; then  # decode CUDA graphs off, then on (Qwen3 / V3 graphs are opt-in)
         for graphs in 0 1; do

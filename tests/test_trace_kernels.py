@@ -5,7 +5,9 @@ from __future__ import annotations
 import gzip
 import json
 
-from moetier.bench.trace_kernels import main, short_name, step_end_name, steps, summary
+import pytest
+
+from moetier.bench.trace_kernels import idle_between, main, short_name, step_end_name, steps, summary
 
 _ADD = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul> >"
 _MASK = "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::(anonymous namespace)::masked_fill_kernel(at::TensorIterator&)> >(int)"  # noqa: E501
@@ -98,8 +100,29 @@ def test_the_step_end_is_the_name_that_is_always_long_then_the_rarest():
 
 def test_a_missing_trace_is_refused_with_a_one_line_error(tmp_path, capsys):
     """The command line reads its trace through trace_phases.read_trace_argument (tested there for broken files)."""
-    import pytest
-
     with pytest.raises(SystemExit):
         main([str(tmp_path / "missing.json.gz")])
     assert "is not a file" in capsys.readouterr().err
+
+
+def test_idle_gaps_are_named_by_the_events_either_side_per_measured_step(tmp_path, capsys):
+    copy = {"name": "Memcpy HtoD (Pinned -> Device)", "ts": 0.0, "dur": 3.0, "cat": "gpu_memcpy"}
+    trace = {"traceEvents": []}
+    for start in (0, 1000, 2000, 3000):  # four steps: the three after the first are measured
+        trace["traceEvents"] += _tiered_step(start) + [dict(copy, ts=start + 316.0)]  # in the 310-320 gap
+    gaps = {(g["before"], g["after"]): g["us"] for g in idle_between(trace)}
+    # Each step: 6 us after the expert kernel (copy at 316), 1 us after the copy (to 320), 5 us after each norm, ...
+    assert gaps[("_gate_up_quant_kernel", "Memcpy HtoD")] == pytest.approx(6.0)
+    assert gaps[("Memcpy HtoD", "_rms_norm_kernel")] == pytest.approx(1.0)
+    assert gaps[("_rms_norm_kernel", "_gate_up_quant_kernel")] == pytest.approx(10.0)
+    assert gaps[("_gate_up_quant_kernel", "nvjet_sm90_lm_head")] == pytest.approx(10.0)
+    assert gaps[("nvjet_sm90_lm_head", "_rms_norm_kernel")] == pytest.approx(110.0)  # the host between steps
+    assert idle_between({"traceEvents": _tiered_step(0) + _tiered_step(1000)}) == []  # too few steps to measure
+    path = tmp_path / "decode-trace-tiered.json.gz"
+    with gzip.open(path, "wt") as dst:
+        json.dump(trace, dst)
+    assert main([str(path), "--top", "0", "--gaps", "2"]) == 0
+    assert "110.0 us idle between nvjet_sm90_lm_head and _rms_norm_kernel" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(path), "--gaps", "-1"])
+    assert "--gaps must be >= 0" in capsys.readouterr().err

@@ -10,7 +10,8 @@ The first step (warm-up of the profiler) is left out of the averages.
 This is how the backbone's kernel count and time were read off the traces of earlier sessions; comparing two trees'
 traces (``ALT_TRACE=1`` in ``bench/gpu_suite.sh``) shows what a change did to the step.
 
-``python -m moetier.bench.trace_kernels TRACE.json.gz [--top N] [--json]`` prints the steps and the heaviest names.
+``python -m moetier.bench.trace_kernels TRACE.json.gz [--top N] [--gaps N] [--json]`` prints the steps, the heaviest
+names and (``--gaps``) where the device idles, by the events either side (:func:`idle_between`).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def steps(trace: dict, step_end_us: float = STEP_END_US) -> list[StepKernels]:
     found, current = [], []
     for event in kernels:
         current.append(event)
-        if float(event.get("dur", 0.0)) >= step_end_us and short_name(event["name"]) == end:
+        if _ends_step(event, end, step_end_us):
             found.append(_step(current))
             current = []
     return found
@@ -134,6 +135,34 @@ def _covered_us(events: list[dict]) -> float:
     return covered
 
 
+def idle_between(trace: dict, step_end_us: float = STEP_END_US, top: int = 12) -> list[dict]:
+    """Where the device idles: per step, the microseconds between two device events (kernels, copies, sets) that
+    nothing covered, by the short names of the events either side (``before``: the one that ended last, ``after``:
+    the next to start), heaviest first. The
+    steps measured are those after the first (as in :func:`summary`); empty with fewer than three step ends."""
+    events = device_events(trace)
+    end = step_end_name([e for e in events if e.get("cat") == "kernel"], step_end_us)
+    ends = [float(e["ts"]) for e in events if _ends_step(e, end, step_end_us)]
+    if len(ends) < 3:
+        return []
+    idle: dict[tuple[str, str], float] = defaultdict(float)
+    last, reach = None, float("-inf")  # the event that ended last so far, and its end
+    for event in events:
+        start, stop = float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0))
+        if ends[1] < start <= ends[-1] and last is not None and start > reach:
+            idle[(short_name(last["name"]), short_name(event["name"]))] += start - reach
+        if stop > reach:
+            last, reach = event, stop
+    measured = len(ends) - 2
+    ranked = sorted(idle.items(), key=lambda kv: -kv[1])[:top]
+    return [{"before": before, "after": after, "us": us / measured} for (before, after), us in ranked]
+
+
+def _ends_step(event: dict, end: str | None, step_end_us: float) -> bool:
+    long = event.get("cat") == "kernel" and float(event.get("dur", 0.0)) >= step_end_us
+    return long and short_name(event["name"]) == end
+
+
 def heaviest_kernels(trace: dict, top: int = 12) -> list[dict]:
     """The whole trace's kernels grouped by :func:`short_name`, the ``top`` heaviest (name, count, us)."""
     kernels = [e for e in device_events(trace) if e.get("cat") == "kernel"]
@@ -161,9 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace", type=Path)
     parser.add_argument("--top", type=int, default=25, help="kernel names listed, heaviest first")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--gaps", type=int, default=0, help="also the N largest idle gaps a step, by neighbours")
     args = parser.parse_args(argv)
-    found = steps(read_trace_argument(parser, args.trace))
+    if args.gaps < 0:
+        parser.error(f"--gaps must be >= 0, got {args.gaps}")
+    trace = read_trace_argument(parser, args.trace)
+    found = steps(trace)
     result = summary(found, args.top)
+    if args.gaps:
+        result["idle_between"] = idle_between(trace, top=args.gaps)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
@@ -175,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{result['span_us']:.1f} us span, {result['idle_us']:.1f} us idle")  # fmt: skip
         for group in result["heaviest"]:
             print(f"{group['us']:9.1f} us {group['count']:4d}x {group['name']}")
+    for gap in result.get("idle_between", []):
+        print(f"{gap['us']:9.1f} us idle between {gap['before']} and {gap['after']}")
     return 0
 
 
