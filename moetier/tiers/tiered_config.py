@@ -21,7 +21,8 @@ DEFAULT_LEND_SLOTS = 128
 # Experts a mapped decode step reads ahead per MoE layer: none. Two fp4 V4-Flash experts (~26 MB) cross PCIe in
 # about the time one layer's attention takes at a few streams, but with the bench model's ~58% precise predictions
 # two ahead lost at 4 streams on an H100 in 4 runs of 4, even with the copies beside the attention: 464 / 469 / 454 /
-# 499 tok/s against 505 / 523 / 470 / 539 without (results/h100-20261207-463e837-reads-ahead-ab). A model whose
+# 499 tok/s against 505 / 523 / 470 / 539 without (results/h100-20261207-463e837-reads-ahead-ab); one ahead at 1 stream
+# gained nothing on an H200 (315.3 against 314.5, results/h200-20261207-10ea80a-priority-sums-longctx). A model whose
 # predictions are better may pass mapped_prefetch=2.
 DEFAULT_MAPPED_PREFETCH = 0
 # Mapped decode steps per round of the host's bookkeeping (counts taken in, admissions, the table brought up to date):
