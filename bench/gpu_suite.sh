@@ -19,6 +19,9 @@
 # and runs decode/prefill with --expert-format fp8 (half the miss bytes); FP4_EXPERTS=1 the same with packed
 # FP4 e2m1 + ue8m0 scales (DeepSeek-V4's release format, --expert-format fp4: 0.27x the miss bytes of bf16 with
 # the default e8m0 scale bytes, 0.31x with MOETIER_FP4_SCALES=float32).
+# DECODE_INPUTS=forced feeds every decode run's steps tokens drawn from the seed, not their own outputs (bench decode
+# --inputs forced): each run, mode and process then times the same inputs after the same context, so that an A/B's
+# runs route alike (with greedy inputs the hit rate moved 0.30-0.40 between processes, more than small effects).
 # FP8_BACKBONE=1 writes the bench model's attention and shared-expert linears as fp8 + 128x128 tile scales, as
 # DeepSeek's releases do (moetier keeps them fp8 in VRAM by default); BACKBONE_AB="dense fp8 dense" adds a decode run
 # of BACKBONE_AB_MODES (default resident,tiered) at BACKBONE_AB_STREAMS (default 1,4) per --backbone-format named, in
@@ -111,6 +114,9 @@ bench() {  # bench KIND SECONDS ARGS...: one benchmark, its log appended, its st
     fi
     if [ -n "${FP4_EXPERTS:-}" ] && { [ "$kind" = decode ] || [ "$kind" = prefill ]; }; then
         set -- "$@" --expert-format fp4
+    fi
+    if [ -n "${DECODE_INPUTS:-}" ] && [ "$kind" = decode ]; then  # e.g. forced: every run times the same tokens
+        set -- "$@" --inputs "$DECODE_INPUTS"
     fi
     echo "=== bench $kind" >> "$LOG"
     timeout "$seconds" python3 -m moetier.cli bench "$kind" --model "$model" "$@" --out "$OUT" 2>&1 \

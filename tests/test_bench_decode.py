@@ -1,6 +1,7 @@
 """``moetier bench decode`` on a tiny real-layout checkpoint: a complete receipt whose ratios come from one run."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -198,7 +199,7 @@ def test_long_prompts_are_prefilled_in_chunks_with_the_same_greedy_tokens(bench_
         assert all(c.length == 20 for c in run.caches)
         tokens[chunk] = (
             first.tolist(),
-            _time_decode(_DecodeRun(loaded.model, 2, cfg, vocab), loaded.model.dispatcher)[1],
+            _time_decode(partial(_DecodeRun, loaded.model, 2, cfg, vocab), loaded.model.dispatcher)[1],
         )
         assert torch.is_tensor(first)
     assert tokens[64] == tokens[7]
@@ -221,9 +222,61 @@ def test_warm_up_waits_for_the_split_trial_within_the_caches_room(bench_model):
             self.asked += 1
             return False
 
-    run = decode._DecodeRun(loaded.model, 1, cfg, loaded.model.config.vocab_size)
+    def run():
+        return decode._DecodeRun(loaded.model, 1, cfg, loaded.model.config.vocab_size)
+
     seconds, tokens, trial_steps = decode._time_decode(run, Unsettled())
     assert trial_steps == decode._TRIAL_STEPS_CAP and len(tokens) == 2 and len(seconds) == 1
+
+
+def test_forced_inputs_time_the_same_tokens_after_the_same_context_whatever_the_trial(bench_model):
+    """``inputs="forced"``: each step is fed tokens drawn from the seed, not its own output, and the timed steps run
+    on a fresh run once the split chooser settled: however many trial steps a dispatcher took, the timed window's
+    inputs and context are the same, so its outputs are too."""
+    from moetier.bench import decode
+    from moetier.bench.common import load_checkpoint
+
+    loaded, _, _ = load_checkpoint(bench_model, "fp32", "cpu")
+    vocab = loaded.model.config.vocab_size
+    cfg = DecodeBenchConfig(
+        model=bench_model, streams=[2], steps=3, repeats=2, warmup=2, prompt_len=8, dtype="fp32", inputs="forced"
+    )
+
+    class SettlesAfter:
+        def __init__(self, steps: int) -> None:
+            self.left = steps
+
+        def split_settled(self, tokens: int) -> bool:
+            self.left -= 1
+            return self.left < 0
+
+    fed = []
+    real_step = decode._DecodeRun.step
+
+    def recording_step(self, tokens):
+        fed.append(tokens.tolist())
+        return real_step(self, tokens)
+
+    outputs = {}
+    decode._DecodeRun.step = recording_step
+    try:
+        for trial in (0, 5):
+            fed.clear()
+            seconds, tokens, steps = decode._time_decode(
+                lambda: decode._DecodeRun(loaded.model, 2, cfg, vocab), SettlesAfter(trial)
+            )
+            assert steps == trial and len(seconds) == 2 and len(tokens) == 6
+            outputs[trial] = (tokens, fed[-6:])
+    finally:
+        decode._DecodeRun.step = real_step
+    assert outputs[0] == outputs[5]  # the same timed inputs, and the same outputs from them
+    timed_inputs = outputs[0][1]
+    assert len({tuple(t) for t in timed_inputs}) > 1  # drawn, not one token over and over
+    greedy = decode._DecodeRun(loaded.model, 2, DecodeBenchConfig(model=bench_model, prompt_len=8), vocab)
+    produced = greedy.step(greedy.prefill())
+    assert torch.equal(produced, greedy.outputs)  # greedy runs feed back what they produced
+    with pytest.raises(ConfigError, match="--inputs must be one of greedy, forced"):
+        DecodeBenchConfig(model=bench_model, inputs="sampled")
 
 
 def test_mapped_modes_with_fixed_reads_ahead_compute_the_same_tokens(bench_model):

@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,7 @@ MODES = (
     *("mapped-cpu-ahead1", "mapped-cpu-ahead2", "mapped-cpu-ahead3", "mapped-cpu-ahead4"),
 )
 DEFAULT_MODES = MODES[:5]
+DECODE_INPUTS = ("greedy", "forced")  # what each decode step is fed (DecodeBenchConfig.inputs)
 DEFAULT_WARMUP_STEPS = 32
 
 
@@ -106,6 +109,10 @@ class DecodeBenchConfig:
     device: str | None = None
     cpu_threads: int | None = None
     seed: int = 0
+    # "greedy": each step's input is the token the last step produced; "forced": tokens drawn from the seed, the
+    # same in every mode and process (the timed window's from a draw of their own), so that an A/B's runs route
+    # alike and its tok/s differ by the change, not by which tokens each run's numerics produced.
+    inputs: str = "greedy"
     quick_bounds: bool = False
     profile: bool = False  # add a torch.profiler summary of a few 1-stream decode steps per mode
     host_steps: int = 16  # steps of the clocked pass (host ms per phase) after each timed run, and of the cProfile
@@ -139,6 +146,8 @@ class DecodeBenchConfig:
         TieredConfig(**{"cache_slots": 0, **self.tiered_options})  # the values' checks, before the model loads
         if self.kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.inputs not in DECODE_INPUTS:
+            raise ConfigError(f"--inputs must be one of {', '.join(DECODE_INPUTS)}, got {self.inputs!r}")
         if self.kv_dtype not in (None, "bf16", "fp8"):
             raise ConfigError(f"--kv-dtype must be bf16 or fp8 (default: the model dtype), got {self.kv_dtype!r}")
         if min(self.prompt_len, self.prefill_chunk, self.steps, self.repeats, self.host_steps) < 1 or self.warmup < 0:
@@ -148,10 +157,14 @@ class DecodeBenchConfig:
 
 
 class _DecodeRun:
-    """Prefill ``streams`` random prompts together, then time greedy decode steps of all streams at once."""
+    """Prefill ``streams`` random prompts together, then time greedy decode steps of all streams at once.
+
+    ``prefill()`` and ``step(tokens)`` return the next step's inputs: the greedy tokens they produced (kept as
+    ``outputs`` either way) or, with ``cfg.inputs == "forced"``, the next draw of tokens from the seed (every run
+    draws the same)."""
 
     def __init__(self, model: CausalLM, streams: int, cfg: DecodeBenchConfig, vocab: int) -> None:
-        self.model, self.streams, self.cfg = model, streams, cfg
+        self.model, self.streams, self.cfg, self.vocab = model, streams, cfg, vocab
         self.prompts = hf_baseline.bench_prompts(cfg.seed, streams, cfg.prompt_len, vocab)
         # Room for the timed steps, or for the clocked / profiled passes' steps (each on a fresh run).
         steps = max(cfg.steps * cfg.repeats, cfg.host_steps, PROFILED_STEPS)
@@ -159,6 +172,14 @@ class _DecodeRun:
         space = PagedKVSpace(model.device) if cfg.kv_layout == "paged" else None
         with paged_kv(space):
             self.caches = [model.new_cache(capacity, kv_dtype=cfg.kv_dtype) for _ in range(streams)]
+        self.outputs: torch.Tensor | None = None
+        self._forced = _forced_tokens(cfg.seed + 1, streams, vocab)
+
+    def _next(self, produced: torch.Tensor) -> torch.Tensor:
+        self.outputs = produced
+        if self.cfg.inputs == "greedy":
+            return produced
+        return next(self._forced).to(produced.device)
 
     @torch.inference_mode()
     def prefill(self) -> torch.Tensor:
@@ -168,19 +189,27 @@ class _DecodeRun:
         if length <= chunk:
             ids = torch.cat(self.prompts).to(self.model.device)
             hidden = self.model(ids, self.caches, [length] * self.streams)
-            return greedy_tokens(self.model.compute_logits(hidden.view(self.streams, length, -1)[:, -1]))
+            return self._next(greedy_tokens(self.model.compute_logits(hidden.view(self.streams, length, -1)[:, -1])))
         last = []
         for prompt, cache in zip(self.prompts, self.caches, strict=True):
             for start in range(0, length, chunk):
                 part = prompt[start : start + chunk].to(self.model.device)
                 hidden = self.model(part, [cache], [part.shape[0]])
             last.append(hidden[-1])
-        return greedy_tokens(self.model.compute_logits(torch.stack(last)))
+        return self._next(greedy_tokens(self.model.compute_logits(torch.stack(last))))
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         hidden = self.model(tokens, self.caches, [1] * self.streams)
-        return greedy_tokens(self.model.compute_logits(hidden))
+        return self._next(greedy_tokens(self.model.compute_logits(hidden)))
+
+
+def _forced_tokens(seed: int, streams: int, vocab: int) -> Iterator[torch.Tensor]:
+    """An endless draw of ``[streams]`` token ids, uniform over the vocabulary, from ``seed`` (on the host: the
+    same ids on every device)."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randint(vocab, (streams,), generator=generator, dtype=torch.long)
 
 
 # Warm-up steps a decode run may add while the split chooser decides: its trial (3 routes x 2 rounds x 4 steps
@@ -189,35 +218,48 @@ class _DecodeRun:
 _TRIAL_STEPS_CAP = 160
 
 
-def _time_decode(run: _DecodeRun, dispatcher: ExpertDispatcher) -> tuple[list[float], list[int], int]:
+def _time_decode(
+    make_run: Callable[[], _DecodeRun], dispatcher: ExpertDispatcher
+) -> tuple[list[float], list[int], int]:
     """Seconds per repeat of ``steps`` decode steps (after warm-up), the first stream's tokens from the same
     position in every mode, and the warm-up steps that waited for the dispatcher's split chooser to decide (the
-    steady state is measured: the trial's steps, a few dozen of every 256 in serving, are not)."""
-    device = run.model.device
+    steady state is measured: the trial's steps, a few dozen of every 256 in serving, are not).
+
+    With forced inputs the timed steps run on a fresh run once the chooser has decided (the same prompts, then the
+    warm-up steps): every mode and process then times the same inputs after the same context, and the first
+    stream's tokens are its outputs at those steps (a teacher-forced comparison of the modes)."""
+    run = make_run()
+    cfg, device = run.cfg, run.model.device
     tokens = run.prefill()
-    for _ in range(run.cfg.warmup):
+    for _ in range(cfg.warmup):
         tokens = run.step(tokens)
     settled, trial_steps, first_stream = getattr(dispatcher, "split_settled", lambda tokens: True), 0, []
     while not settled(run.streams) and trial_steps < _TRIAL_STEPS_CAP:
         tokens = run.step(tokens)
-        first_stream.append(tokens[0])  # compared at their positions with the modes that warm up less
+        first_stream.append(run.outputs[0])  # compared at their positions with the modes that warm up less
         trial_steps += 1
+    if cfg.inputs == "forced":
+        del run, tokens  # its caches go before the fresh run's are made
+        run, first_stream = make_run(), []
+        tokens = run.prefill()
+        for _ in range(cfg.warmup):
+            tokens = run.step(tokens)
     metrics = getattr(dispatcher, "metrics", None)
     flush = getattr(dispatcher, "flush_metrics", lambda: None)  # counts the device still holds (mapped route)
     if metrics is not None:
         flush()
         metrics.reset()
     seconds = []
-    for _ in range(run.cfg.repeats):
+    for _ in range(cfg.repeats):
         sync_device(device)
         start = time.perf_counter()
-        for _ in range(run.cfg.steps):
+        for _ in range(cfg.steps):
             tokens = run.step(tokens)
-            first_stream.append(tokens[0])
+            first_stream.append(run.outputs[0])
         sync_device(device)
         seconds.append(time.perf_counter() - start)
     flush()
-    return seconds, [int(t) for t in first_stream[: run.cfg.steps * run.cfg.repeats]], trial_steps
+    return seconds, [int(t) for t in first_stream[: cfg.steps * cfg.repeats]], trial_steps
 
 
 def _dispatcher(mode: str, store: ExpertStore, cfg: DecodeBenchConfig, device: torch.device, slots: int):
@@ -382,7 +424,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
         for streams in cfg.streams:
             if replay is not None:
                 replay.rewind()  # every mode and stream count replays the trace from its first row
-            seconds, tokens, trial_steps = _time_decode(_DecodeRun(model, streams, cfg, vocab), dispatcher)
+            seconds, tokens, trial_steps = _time_decode(partial(_DecodeRun, model, streams, cfg, vocab), dispatcher)
             traffic = _traffic(dispatcher, block_bytes, cfg.steps * cfg.repeats, streams)
             traffic["split_trial_warmup_steps"] = trial_steps
             if replay is not None:
@@ -552,6 +594,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace", default="", help="comma-separated modes whose profiled 1-stream steps are saved as a Chrome trace"
     )
+    parser.add_argument(
+        "--inputs",
+        default="greedy",
+        choices=DECODE_INPUTS,
+        help="each step's input: the token the step before produced, or tokens drawn from the seed (forced: the "
+        "same in every mode and process, for A/B runs)",
+    )
     parser.add_argument("--kv-layout", default="contiguous", choices=KV_LAYOUTS, help="the streams' KV caches")
     parser.add_argument("--kv-dtype", default=None, choices=["bf16", "fp8"], help="KV storage (default: model dtype)")
     parser.add_argument(
@@ -581,6 +630,7 @@ def run(args: argparse.Namespace) -> int:
         trace_dir=args.out,
         kv_layout=args.kv_layout,
         kv_dtype=args.kv_dtype,
+        inputs=args.inputs,
         tiered_options=dict(args.tiered),
         **hf_baseline.decode_options(args),
     )
