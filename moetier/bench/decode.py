@@ -37,6 +37,9 @@ With ``hf_baseline``, transformers + accelerate ``device_map="auto"`` under the 
 (in a subprocess, see :mod:`moetier.bench.hf_baseline`) and every result gets ``ratio_to_hf``.
 With ``routing_trace``, every measured dispatcher routes from that recorded trace instead of the
 checkpoint's router (:mod:`moetier.bench.trace_routing`), rewound at the start of each run.
+With ``inputs="forced"`` each step is fed tokens drawn from the seed rather than its own greedy output, and the timed
+steps run on a fresh run after the split chooser settled: the same inputs after the same context in every mode and
+process, for A/B runs whose effect is smaller than the spread that greedy runs' own token streams give.
 """
 
 from __future__ import annotations
