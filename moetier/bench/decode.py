@@ -113,8 +113,8 @@ class DecodeBenchConfig:
     cpu_threads: int | None = None
     seed: int = 0
     # "greedy": each step's input is the token the last step produced; "forced": tokens drawn from the seed, the
-    # same in every mode and process (the timed window's from a draw of their own), so that an A/B's runs route
-    # alike and its tok/s differ by the change, not by which tokens each run's numerics produced.
+    # same in every mode and process (the timed steps on a fresh run once the split chooser settled), so that an
+    # A/B's runs route alike and its tok/s differ by the change, not by which tokens each run's numerics produced.
     inputs: str = "greedy"
     quick_bounds: bool = False
     profile: bool = False  # add a torch.profiler summary of a few 1-stream decode steps per mode
