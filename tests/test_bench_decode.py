@@ -1,5 +1,6 @@
 """``moetier bench decode`` on a tiny real-layout checkpoint: a complete receipt whose ratios come from one run."""
 
+import argparse
 import json
 from functools import partial
 
@@ -229,7 +230,7 @@ def test_warm_up_waits_for_the_split_trial_within_the_caches_room(bench_model):
     assert trial_steps == decode._TRIAL_STEPS_CAP and len(tokens) == 2 and len(seconds) == 1
 
 
-def test_forced_inputs_time_the_same_tokens_after_the_same_context_whatever_the_trial(bench_model):
+def test_forced_inputs_time_the_same_tokens_after_the_same_context_whatever_the_trial(bench_model, monkeypatch):
     """``inputs="forced"``: each step is fed tokens drawn from the seed, not its own output, and the timed steps run
     on a fresh run once the split chooser settled: however many trial steps a dispatcher took, the timed window's
     inputs and context are the same, so its outputs are too."""
@@ -258,25 +259,29 @@ def test_forced_inputs_time_the_same_tokens_after_the_same_context_whatever_the_
         return real_step(self, tokens)
 
     outputs = {}
-    decode._DecodeRun.step = recording_step
-    try:
-        for trial in (0, 5):
-            fed.clear()
-            seconds, tokens, steps = decode._time_decode(
-                lambda: decode._DecodeRun(loaded.model, 2, cfg, vocab), SettlesAfter(trial)
-            )
-            assert steps == trial and len(seconds) == 2 and len(tokens) == 6
-            outputs[trial] = (tokens, fed[-6:])
-    finally:
-        decode._DecodeRun.step = real_step
+    monkeypatch.setattr(decode._DecodeRun, "step", recording_step)
+    for trial in (0, 5):
+        fed.clear()
+        seconds, tokens, steps = decode._time_decode(
+            partial(decode._DecodeRun, loaded.model, 2, cfg, vocab), SettlesAfter(trial)
+        )
+        assert steps == trial and len(seconds) == 2 and len(tokens) == 6
+        outputs[trial] = (tokens, fed[-6:])
+    monkeypatch.undo()
     assert outputs[0] == outputs[5]  # the same timed inputs, and the same outputs from them
     timed_inputs = outputs[0][1]
     assert len({tuple(t) for t in timed_inputs}) > 1  # drawn, not one token over and over
     greedy = decode._DecodeRun(loaded.model, 2, DecodeBenchConfig(model=bench_model, prompt_len=8), vocab)
     produced = greedy.step(greedy.prefill())
     assert torch.equal(produced, greedy.outputs)  # greedy runs feed back what they produced
+    first_stream_fed = [row[0] for row in timed_inputs]
+    assert first_stream_fed[1:] != outputs[0][0][:-1]  # not its outputs fed back, as greedy runs do
     with pytest.raises(ConfigError, match="--inputs must be one of greedy, forced"):
         DecodeBenchConfig(model=bench_model, inputs="sampled")
+    parser = argparse.ArgumentParser()
+    decode.configure_parser(parser)
+    args = parser.parse_args(["--model", str(bench_model), "--inputs", "forced"])
+    assert args.inputs == "forced"
 
 
 def test_mapped_modes_with_fixed_reads_ahead_compute_the_same_tokens(bench_model):
