@@ -71,6 +71,11 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
             step = streams / resident + streams / r["bound_dram_tok_s"]  # seconds: the two one after the other
             assert r["bound_serial_tok_s"] == pytest.approx(streams / step) and r["bound_serial_tok_s"] < resident
             assert r["ratio_to_serial_bound"] == pytest.approx(r["tok_s"]["median"] / r["bound_serial_tok_s"])
+            if mode != "naive":  # the x naive a split would reach at either bound
+                naive = by_key["naive", streams]["tok_s"]["median"]
+                assert r["naive_ratio_at_dram_bound"] == pytest.approx(r["bound_dram_tok_s"] / naive)
+                assert r["naive_ratio_at_serial_bound"] == pytest.approx(r["bound_serial_tok_s"] / naive)
+                assert r["naive_ratio_at_serial_bound"] < r["naive_ratio_at_dram_bound"]
     assert by_key["naive", 1]["hit_rate"] == 0.0  # no cache at all
     assert by_key["naive", 1]["copy_bytes_per_token"] > 0 and by_key["cpu", 1]["cpu_pairs_per_token"] > 0
     # fp32: every placement computes the same tokens.

@@ -382,8 +382,20 @@ def _add_ratios(results: list[dict[str, Any]]) -> None:
         if resident and r.get("bound_dram_tok_s") and r["mode"] != "resident":
             r["bound_serial_tok_s"] = serial_bound(resident, r["bound_dram_tok_s"])
             r["ratio_to_serial_bound"] = r["tok_s"]["median"] / r["bound_serial_tok_s"]
+        _add_naive_ceilings(r, by_key.get(("naive", r["streams"])))
         if ("tiered", 1) in by_key and r["mode"] == "tiered":
             r["ratio_to_tiered_1_stream"] = r["tok_s"]["median"] / by_key[("tiered", 1)]
+
+
+def _add_naive_ceilings(result: dict[str, Any], naive_tok_s: float | None) -> None:
+    """The x naive a run would reach at its DRAM bound and at its serial bound: the ceilings this host's links and
+    this run's hit rate put on x naive (a target above the DRAM one cannot be met by any split of the misses, only
+    by fewer misses or a faster host)."""
+    if not naive_tok_s or result["mode"] == "naive":
+        return
+    for bound in ("dram", "serial"):
+        if result.get(f"bound_{bound}_tok_s"):
+            result[f"naive_ratio_at_{bound}_bound"] = result[f"bound_{bound}_tok_s"] / naive_tok_s
 
 
 def serial_bound(resident_tok_s: float, dram_bound_tok_s: float) -> float:
@@ -527,8 +539,9 @@ def markdown_table(receipt: dict[str, Any]) -> str:
         f"({receipt['config'].get('backbone_format', 'dense')}), git {receipt['environment']['git_sha']}",
         "",
         "| mode | streams | tok/s (median [min-max]) | x naive | x resident | x hf | hit rate | DRAM bound tok/s "
-        "| x bound | x serial bound | prefetched used / wasted per step | hint precision / recall |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| x bound | x serial bound | x naive at DRAM / serial bound | prefetched used / wasted per step "
+        "| hint precision / recall |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in receipt["results"]:
         t = r["tok_s"]
@@ -538,6 +551,7 @@ def markdown_table(receipt: dict[str, Any]) -> str:
             f"| {fmt(r.get('hit_rate'))} "
             f"| {fmt(r.get('bound_dram_tok_s'), 1)} | {fmt(r.get('ratio_to_dram_bound'))} "
             f"| {fmt(r.get('ratio_to_serial_bound'))} "
+            f"| {_pair(r, 'naive_ratio_at_dram_bound', 'naive_ratio_at_serial_bound', 2)} "
             f"| {_pair(r, 'prefetch_used_per_step', 'prefetch_wasted_per_step', 1)} "
             f"| {_pair(r, 'hint_precision', 'hint_recall', 2)} |"
         )
