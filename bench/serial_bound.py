@@ -8,7 +8,8 @@ layer's expert phase, bound by the host's DRAM serving the CPU tier and the mapp
 overlaps the two. So its bound is the resident step followed by the misses at the DRAM rate
 (:func:`moetier.bench.decode.serial_bound`). Receipts written since the serial bound was added carry it
 (``ratio_to_serial_bound``); this computes it for any receipt with both runs, older ones included, and prints one
-Markdown row per (receipt, streams): tiered and resident tok/s, both bounds and tiered's ratio to each.
+Markdown row per (receipt, streams): tiered and resident tok/s, both bounds and tiered's ratio to each, and (with
+a naive run) x naive and the x naive each bound would give: the ceilings on x naive a split of the misses cannot pass.
 """
 
 from __future__ import annotations
@@ -34,12 +35,21 @@ def rows(path: Path) -> list[str]:
             continue
         tok_s, dram = result["tok_s"]["median"], result["bound_dram_tok_s"]
         serial = serial_bound(resident["tok_s"]["median"], dram)
+        naive = _naive_cells(by_key.get(("naive", streams)), tok_s, dram, serial)
         out.append(
             f"| {path.parent.name}/{path.name} | {streams} | {tok_s:.1f} | {resident['tok_s']['median']:.1f} "
             f"| {receipt['bounds']['host_read_gbps']:.1f} | {dram:.1f} | {serial:.1f} | {tok_s / dram:.2f} "
-            f"| {tok_s / serial:.2f} | {serial / dram:.2f} |"
+            f"| {tok_s / serial:.2f} | {serial / dram:.2f} | {naive} |"
         )
     return out
+
+
+def _naive_cells(naive: dict | None, tok_s: float, dram: float, serial: float) -> str:
+    """x naive, and the x naive the tiered run would reach at its DRAM and serial bounds (``-`` without a naive run)."""
+    if naive is None:
+        return "- | -"
+    base = naive["tok_s"]["median"]
+    return f"{tok_s / base:.2f} | {dram / base:.2f} / {serial / base:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         "| receipt | streams | tiered tok/s | resident tok/s | host read GB/s | DRAM bound | serial bound "
-        "| x DRAM bound | x serial bound | serial / DRAM |"
+        "| x DRAM bound | x serial bound | serial / DRAM | x naive | x naive at DRAM / serial bound |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(table))
     return 0
 
