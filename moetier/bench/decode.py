@@ -388,9 +388,10 @@ def _add_ratios(results: list[dict[str, Any]]) -> None:
 
 
 def _add_naive_ceilings(result: dict[str, Any], naive_tok_s: float | None) -> None:
-    """The x naive a run would reach at its DRAM bound and at its serial bound: the ceilings this host's links and
-    this run's hit rate put on x naive (a target above the DRAM one cannot be met by any split of the misses, only
-    by fewer misses or a faster host)."""
+    """The x naive a run would reach at its DRAM bound and at its serial bound: the ceilings that the host's DRAM and
+    this run's hit rate put on x naive. A target above the DRAM one needs fewer misses or a faster host, not a
+    better split. The bound takes the host-read figure measured at start (the CPU's own read). The two links
+    together have drawn up to ~1.1x that figure, so treat the ceiling as that good and no better."""
     if not naive_tok_s or result["mode"] == "naive":
         return
     for bound in ("dram", "serial"):
