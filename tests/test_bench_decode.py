@@ -318,3 +318,25 @@ def test_the_cpu_tiers_team_gets_a_note_where_its_jobs_were_marked():
         "cpu: CPU-tier jobs' team start and threads joined, by streams: 1: 0.002 ms, 14.0 threads"
     )
     assert _cpu_team_note("naive", [{"mode": "naive", "streams": 1}]) is None  # no CPU tier, no note
+
+
+def test_x_naive_ceilings_without_a_resident_run_have_no_serial_one_and_the_table_says_so():
+    """A receipt of naive and tiered alone (e.g. beside the transformers baseline) has DRAM bounds but no serial
+    ones: the tiered row gets its DRAM ceiling, and the table prints ``-`` for the serial one."""
+    row = {"tok_s": {"min": 90.0, "median": 100.0, "max": 110.0}, "hit_rate": 0.4}
+    results = [
+        {"mode": "naive", "streams": 1, **row, "tok_s": {"min": 20.0, "median": 25.0, "max": 30.0}},
+        {"mode": "tiered", "streams": 1, **row, "bound_dram_tok_s": 150.0, "ratio_to_dram_bound": 100.0 / 150.0},
+    ]
+    decode_bench._add_ratios(results)
+    tiered = results[1]
+    assert tiered["naive_ratio_at_dram_bound"] == pytest.approx(6.0) and "naive_ratio_at_serial_bound" not in tiered
+    assert "naive_ratio_at_dram_bound" not in results[0]  # naive has no ceiling of its own
+    receipt = {
+        "plan": {"moe_layers": 3, "experts_per_layer": 16, "routed_expert_bytes_total": 1e9, "cache_slots": 4,
+                 "cache_share_of_experts": 0.08},
+        "bounds": {"host_read_gbps": 100.0, "h2d_pinned_gbps": None},
+        "config": {}, "environment": {"git_sha": "abc"}, "results": results, "notes": [],
+    }  # fmt: skip
+    line = next(x for x in markdown_table(receipt).splitlines() if x.startswith("| tiered | 1 |"))
+    assert "| 6.00 / - |" in line

@@ -512,9 +512,11 @@ def _agreement(tokens_by_mode: dict[int, dict[str, list[int]]]) -> dict[str, flo
 
 
 def _pair(result: dict[str, Any], first: str, second: str, digits: int) -> str:
+    """``first / second`` (``-`` for either one the result lacks: a run without a resident one has no serial bound),
+    or ``-`` alone without ``first``."""
     if first not in result:
         return "-"
-    return f"{fmt(result[first], digits)} / {fmt(result[second], digits)}"
+    return f"{fmt(result[first], digits)} / {fmt(result.get(second), digits)}"
 
 
 def _cpu_team_note(mode: str, results: list[dict[str, Any]]) -> str | None:
