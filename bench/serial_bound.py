@@ -19,7 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-from moetier.bench.decode import serial_bound
+from moetier.bench.common import fmt
+from moetier.bench.decode import add_ratios
 
 
 def rows(path: Path) -> list[str]:
@@ -27,29 +28,21 @@ def rows(path: Path) -> list[str]:
     receipt = json.loads(path.read_text())
     if receipt.get("kind") != "decode":
         return []
+    add_ratios(receipt["results"])  # the serial bound and x naive's ceilings, for receipts older than them too
     by_key = {(r["mode"], r["streams"]): r for r in receipt["results"]}
     out = []
     for (mode, streams), result in sorted(by_key.items()):
         resident = by_key.get(("resident", streams))
         if mode != "tiered" or resident is None or not result.get("bound_dram_tok_s"):
             continue
-        tok_s, dram = result["tok_s"]["median"], result["bound_dram_tok_s"]
-        serial = serial_bound(resident["tok_s"]["median"], dram)
-        naive = _naive_cells(by_key.get(("naive", streams)), tok_s, dram, serial)
+        tok_s, dram, serial = result["tok_s"]["median"], result["bound_dram_tok_s"], result["bound_serial_tok_s"]
         out.append(
             f"| {path.parent.name}/{path.name} | {streams} | {tok_s:.1f} | {resident['tok_s']['median']:.1f} "
             f"| {receipt['bounds']['host_read_gbps']:.1f} | {dram:.1f} | {serial:.1f} | {tok_s / dram:.2f} "
-            f"| {tok_s / serial:.2f} | {serial / dram:.2f} | {naive} |"
+            f"| {tok_s / serial:.2f} | {serial / dram:.2f} | {fmt(result.get('ratio_to_naive'))} "
+            f"| {fmt(result.get('naive_ratio_at_dram_bound'))} / {fmt(result.get('naive_ratio_at_serial_bound'))} |"
         )
     return out
-
-
-def _naive_cells(naive: dict | None, tok_s: float, dram: float, serial: float) -> str:
-    """x naive, and the x naive the tiered run would reach at its DRAM and serial bounds (``-`` without a naive run)."""
-    if naive is None:
-        return "- | -"
-    base = naive["tok_s"]["median"]
-    return f"{tok_s / base:.2f} | {dram / base:.2f} / {serial / base:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -328,7 +328,7 @@ def test_x_naive_ceilings_without_a_resident_run_have_no_serial_one_and_the_tabl
         {"mode": "naive", "streams": 1, **row, "tok_s": {"min": 20.0, "median": 25.0, "max": 30.0}},
         {"mode": "tiered", "streams": 1, **row, "bound_dram_tok_s": 150.0, "ratio_to_dram_bound": 100.0 / 150.0},
     ]
-    decode_bench._add_ratios(results)
+    decode_bench.add_ratios(results)
     tiered = results[1]
     assert tiered["naive_ratio_at_dram_bound"] == pytest.approx(6.0) and "naive_ratio_at_serial_bound" not in tiered
     assert "naive_ratio_at_dram_bound" not in results[0]  # naive has no ceiling of its own

@@ -167,7 +167,7 @@ class _DecodeRun:
     draws the same)."""
 
     def __init__(self, model: CausalLM, streams: int, cfg: DecodeBenchConfig, vocab: int) -> None:
-        self.model, self.streams, self.cfg, self.vocab = model, streams, cfg, vocab
+        self.model, self.streams, self.cfg = model, streams, cfg
         self.prompts = hf_baseline.bench_prompts(cfg.seed, streams, cfg.prompt_len, vocab)
         # Room for the timed steps, or for the clocked / profiled passes' steps (each on a fresh run).
         steps = max(cfg.steps * cfg.repeats, cfg.host_steps, PROFILED_STEPS)
@@ -372,7 +372,9 @@ def _result(mode, streams, seconds, traffic, cfg, bounds) -> dict[str, Any]:
     return result
 
 
-def _add_ratios(results: list[dict[str, Any]]) -> None:
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    """Each result's ratios to naive and resident at its stream count, its serial bound and x naive's ceilings
+    (:func:`_add_naive_ceilings`), from the medians of the same receipt (older receipts' results too)."""
     by_key = {(r["mode"], r["streams"]): r["tok_s"]["median"] for r in results}
     for r in results:
         for base in ("naive", "resident"):
@@ -468,7 +470,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     hf_baseline.merge_into_decode(results, notes, hf)
-    _add_ratios(results)
+    add_ratios(results)
     hf_baseline.add_hf_ratios(results)
     return {
         "kind": "decode",
