@@ -58,6 +58,8 @@ def test_receipt_is_complete_and_ratios_come_from_the_same_run(bench_model, tmp_
     receipt = run_decode_bench(cfg)
     assert {r["mode"] for r in receipt["results"]} == set(DEFAULT_MODES)
     assert receipt["environment"]["versions"]["torch"] and receipt["bounds"]["host_read_gbps"] > 0
+    assert receipt["bounds"]["host_read_source"] == "cpu"  # off CUDA there is no DMA read beside the CPU's
+    assert "(the CPU's read alone: no DMA engine to read beside it)" in markdown_table(receipt).splitlines()[0]
     assert receipt["plan"]["cache_slots"] == round(0.1 * 3 * 16)
     by_key = {(r["mode"], r["streams"]): r for r in receipt["results"]}
     for (mode, streams), r in by_key.items():
@@ -340,3 +342,13 @@ def test_x_naive_ceilings_without_a_resident_run_have_no_serial_one_and_the_tabl
     }  # fmt: skip
     line = next(x for x in markdown_table(receipt).splitlines() if x.startswith("| tiered | 1 |"))
     assert "| 6.00 / - |" in line
+
+
+def test_the_table_names_the_dram_rate_the_bounds_use():
+    header = decode_bench._host_read
+    beside = {"cpu": 60.0, "dma": 50.0, "total": 110.0}
+    both = {"host_read_gbps": 110.0, "host_read_cpu_gbps": 92.0, "host_read_beside_dma": beside}
+    assert header(both) == "110.0 GB/s (the larger of: CPU alone 92.0; CPU 60.0 + DMA 50.0 at once = 110.0)"
+    alone = {"host_read_gbps": 92.0, "host_read_cpu_gbps": 92.0, "host_read_beside_dma": None}
+    assert header(alone) == "92.0 GB/s (the CPU's read alone: no DMA engine to read beside it)"
+    assert header({"host_read_gbps": 92.0, "h2d_pinned_gbps": 55.0}) == "92.0 GB/s"  # a receipt from before the pair

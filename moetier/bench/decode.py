@@ -31,7 +31,8 @@ The same loaded model (one pinned home copy of the experts) is measured with eac
 
 Each result carries its expert coverage (distinct experts touched per layer), its traffic, and
 ratios to the naive baseline, to the resident run and to the bound ``streams * DRAM_bw / missed
-bytes per step`` computed from bandwidths measured in the same process; with a resident run, also to the
+bytes per step`` computed from bandwidths measured in the same process (``DRAM_bw``: the larger of the CPU's read
+alone and the CPU's and the DMA engine's reads at once, :func:`measure_bounds`); with a resident run, also to the
 serial bound (:func:`serial_bound`: the resident step plus the misses at that DRAM rate, one after the other).
 With ``hf_baseline``, transformers + accelerate ``device_map="auto"`` under the ``gpu_memory`` budget is measured first
 (in a subprocess, see :mod:`moetier.bench.hf_baseline`) and every result gets ``ratio_to_hf``.
@@ -533,13 +534,27 @@ def _cpu_team_note(mode: str, results: list[dict[str, Any]]) -> str | None:
     return f"{mode}: CPU-tier jobs' team start and threads joined, by streams: {'; '.join(parts)}"
 
 
+def _host_read(bounds: dict[str, Any]) -> str:
+    """The DRAM rate the bounds use, and what it was measured as (receipts before the DMA pair carry neither)."""
+    text = f"{bounds['host_read_gbps']:.1f} GB/s"
+    beside = bounds.get("host_read_beside_dma")
+    if "host_read_cpu_gbps" not in bounds:
+        return text
+    if not beside:
+        return text + " (the CPU's read alone: no DMA engine to read beside it)"
+    return text + (
+        f" (the larger of: CPU alone {bounds['host_read_cpu_gbps']:.1f}; CPU {beside['cpu']:.1f} + DMA "
+        f"{beside['dma']:.1f} at once = {beside['total']:.1f})"
+    )
+
+
 def markdown_table(receipt: dict[str, Any]) -> str:
     """A Markdown summary of a decode receipt."""
     plan, bounds = receipt["plan"], receipt["bounds"]
     lines = [
         f"Decode, {plan['moe_layers']} MoE layers x {plan['experts_per_layer']} experts "
         f"({plan['routed_expert_bytes_total'] / 1e9:.1f} GB routed), cache {plan['cache_slots']} slots "
-        f"({100 * plan['cache_share_of_experts']:.1f}% of experts), host read {bounds['host_read_gbps']:.1f} GB/s, "
+        f"({100 * plan['cache_share_of_experts']:.1f}% of experts), host read {_host_read(bounds)}, "
         f"H2D {bounds['h2d_pinned_gbps'] or 0:.1f} GB/s, backbone {plan.get('backbone_bytes', 0) / 1e9:.2f} GB "
         f"({receipt['config'].get('backbone_format', 'dense')}), git {receipt['environment']['git_sha']}",
         "",

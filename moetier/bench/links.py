@@ -11,13 +11,15 @@ each alone and together, on this host:
 - ``mapped``: calls of ``gpu_experts`` experts x ``tokens`` rows through the mapped route's launch
   (:func:`run_routed` over pinned blocks, the host-read fp4 blocks), kept queued ahead on the device;
 - ``dma``: pinned -> device copies of ``gpu_experts`` blocks a call into staging slots, kept queued ahead;
-- ``read``: :func:`host_read_gbps`'s sum over a buffer far past the caches (what the DRAM bound is priced at).
+- ``read``: :func:`host_read_gbps`'s sum over a buffer far past the caches (the CPU-alone half of the DRAM bound's
+  rate: :func:`measure_bounds` takes the larger of it and the sum beside DMA copies).
 
 Each runner reads experts of its own (as the links read different misses), cycling so that every call reads
 DRAM. A combination (``cpu+mapped``) runs its runners in threads released together for ``seconds``; each
 reports bytes as stored per second over its own busy span. Reported per combination: every runner's GB/s, the
-sum, and the sum against ``read`` alone: the ceiling the split decode can reach on this host, which the decode
-bench's DRAM bound assumes to be 1.0. Off CUDA only ``cpu`` and ``read`` run.
+sum, and the sum against ``read`` alone: the ceiling the split decode can reach on this host. The decode bench's
+DRAM bound prices misses at the larger of ``read`` and ``read+dma``'s sum (measured again in its own process).
+Off CUDA only ``cpu`` and ``read`` run.
 """
 
 from __future__ import annotations
@@ -390,7 +392,7 @@ def markdown_table(receipt: dict[str, Any]) -> str:
         f"{cfg['seconds']} s a combination, git {receipt['environment']['git_sha']}",
         "",
         "GB/s: expert bytes as stored per second, each runner over its own span while the combination ran; x read:"
-        " the sum against the host read alone (what the decode bench's DRAM bound prices misses at).",
+        " the sum against the host read alone (the decode bench's DRAM bound takes the larger of it and read+dma).",
         "",
         "| combination | " + " | ".join(RUNNERS) + " | sum GB/s | x read |",
         "|---|" + "---|" * (len(RUNNERS) + 2),
