@@ -20,7 +20,8 @@ def test_concurrent_readers_report_their_own_rates_over_the_same_window():
     # Sleeping readers stand in for links of known rates: 1 MB a 10 ms call is 0.1 GB/s, 4 MB a 20 ms call 0.2.
     rates = bandwidth.concurrent_gbps({"slow": _sleeper(10**6, 0.01), "fast": _sleeper(4 * 10**6, 0.02)}, 0.3)
     assert list(rates) == ["slow", "fast"]
-    assert rates["slow"] == pytest.approx(0.1, rel=0.25) and rates["fast"] == pytest.approx(0.2, rel=0.25)
+    # A sleep never ends early but may end late on a busy machine: a reader is at most its rate, and not far below.
+    assert 0.05 < rates["slow"] <= 0.1 * 1.01 and 0.1 < rates["fast"] <= 0.2 * 1.01
 
 
 def test_a_reader_that_fails_raises_in_the_caller():
@@ -33,7 +34,7 @@ def test_a_reader_that_fails_raises_in_the_caller():
 
 def test_a_reader_makes_one_call_even_past_a_zero_window():
     rates = bandwidth.concurrent_gbps({"one": _sleeper(10**6, 0.01)}, 0.0)
-    assert rates["one"] == pytest.approx(0.1, rel=0.5)
+    assert 0.02 < rates["one"] <= 0.1 * 1.01
 
 
 def test_the_slice_reader_reads_a_slice_a_call(monkeypatch):
