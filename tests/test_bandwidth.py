@@ -8,39 +8,29 @@ import torch
 from moetier.bench import bandwidth
 
 
-def _sleeper(nbytes: int, seconds: float):
-    def read(call: int) -> int:
-        time.sleep(seconds)
-        return nbytes
+class _Sleeper(bandwidth.Runner):
+    """A link of a known rate: ``nbytes`` a step of ``step_s`` seconds."""
 
-    return read
+    def __init__(self, name: str, nbytes: int, step_s: float) -> None:
+        self.name, self.nbytes, self.step_s = name, nbytes, step_s
 
-
-def test_concurrent_readers_report_their_own_rates_over_the_same_window():
-    # Sleeping readers stand in for links of known rates: 1 MB a 10 ms call is 0.1 GB/s, 4 MB a 20 ms call 0.2.
-    rates = bandwidth.concurrent_gbps({"slow": _sleeper(10**6, 0.01), "fast": _sleeper(4 * 10**6, 0.02)}, 0.3)
-    assert list(rates) == ["slow", "fast"]
-    # A sleep never ends early but may end late on a busy machine: a reader is at most its rate, and not far below.
-    assert 0.05 < rates["slow"] <= 0.1 * 1.01 and 0.1 < rates["fast"] <= 0.2 * 1.01
+    def step(self) -> int:
+        time.sleep(self.step_s)
+        return self.nbytes
 
 
-def test_a_reader_that_fails_raises_in_the_caller():
-    def broken(call: int) -> int:
-        raise RuntimeError("the copy failed")
-
-    with pytest.raises(RuntimeError, match="the copy failed"):
-        bandwidth.concurrent_gbps({"ok": _sleeper(1, 0.001), "broken": broken}, 0.05)
-
-
-def test_a_reader_makes_one_call_even_past_a_zero_window():
-    rates = bandwidth.concurrent_gbps({"one": _sleeper(10**6, 0.01)}, 0.0)
-    assert 0.02 < rates["one"] <= 0.1 * 1.01
+def test_a_window_rates_each_runner_over_its_own_span():
+    # 1 MB a 10 ms step is 0.1 GB/s, 4 MB a 20 ms step 0.2.
+    slow, fast = bandwidth.run_window([_Sleeper("slow", 10**6, 0.01), _Sleeper("fast", 4 * 10**6, 0.02)], 0.3)
+    rates = [w.bytes / w.seconds / 1e9 for w in (slow, fast)]
+    # A sleep never ends early but may end late on a busy machine: a runner is at most its rate, and not far below.
+    assert 0.05 < rates[0] <= 0.1 * 1.01 and 0.1 < rates[1] <= 0.2 * 1.01
+    assert min(slow.seconds, fast.seconds) >= 0.3
 
 
-def test_the_slice_reader_reads_a_slice_a_call(monkeypatch):
-    monkeypatch.setattr(bandwidth, "_SLICE_BYTES", 1 << 20)
-    read = bandwidth._cpu_slice_reader(3 << 20)
-    assert [read(call) for call in range(4)] == [1 << 20] * 4
+def test_the_host_sum_reads_its_whole_buffer_a_step():
+    runner = bandwidth.HostSumRunner(3 << 20)
+    assert runner.step() == 3 << 20 and bandwidth.host_read_gbps(3 << 20) > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only shape of the bounds")

@@ -1,10 +1,16 @@
-"""The bounds every benchmark is reported against, measured by the benchmark itself at start."""
+"""The bounds every benchmark is reported against, measured by the benchmark itself at start.
+
+Also the window that runs reading links at once (:class:`Runner`, :func:`run_window`): the bounds run the CPU's
+sum beside the DMA engine's copies in it, and ``bench links`` (:mod:`moetier.bench.links`) every link of the
+split decode."""
 
 from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,7 +18,7 @@ import torch
 GiB = 1 << 30
 
 
-def _best_seconds(fn: Callable[[], None], repeats: int = 5) -> float:
+def _best_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
     fn()  # warm-up: first touch, lazy initialisation
     best = float("inf")
     for _ in range(repeats):
@@ -22,10 +28,107 @@ def _best_seconds(fn: Callable[[], None], repeats: int = 5) -> float:
     return best
 
 
+class Runner(ABC):
+    """One link's reads, a unit at a time (the bounds' pair here, every link in ``bench links``).
+
+    Contract: ``start`` runs in the runner's thread before the window (it may queue device work ahead);
+    ``step`` blocks until one more unit of work has completed and returns the bytes it read as stored;
+    ``finish`` waits for anything still queued and returns its bytes. The window's rate is (bytes of every
+    step + finish) / (finish's end - start's call)."""
+
+    name: str
+
+    def start(self) -> None:  # noqa: B027 - optional: only the device links queue work ahead
+        """Begin (queue work ahead where the link allows it)."""
+
+    @abstractmethod
+    def step(self) -> int: ...
+
+    def finish(self) -> int:
+        return 0
+
+
+class HostSumRunner(Runner):
+    """The CPU's read: a multi-threaded sum over a buffer of ``nbytes``, far past the caches."""
+
+    name = "read"
+
+    def __init__(self, nbytes: int) -> None:
+        self.data = torch.ones(nbytes // 4, dtype=torch.float32)
+        self.nbytes = self.data.numel() * 4
+        self.data.sum().item()  # first touch
+
+    def step(self) -> int:
+        self.data.sum().item()
+        return self.nbytes
+
+
+class PinnedCopyRunner(Runner):
+    """The DMA engine's read: a pinned buffer of ``nbytes`` copied to the device, each copy waited for."""
+
+    name = "dma"
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.stream = torch.cuda.Stream()
+        self.step()  # first touch, and the copy engine's start
+
+    def step(self) -> int:
+        with torch.cuda.stream(self.stream):
+            self.dst.copy_(self.src, non_blocking=True)
+        self.stream.synchronize()
+        return self.src.numel()
+
+
+@dataclass
+class Window:
+    """What one runner did in a window: its bytes, steps and seconds (its own span), or the error it raised."""
+
+    bytes: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    error: BaseException | None = None
+
+
+def run_window(runners: list[Runner], seconds: float) -> list[Window]:
+    """Run ``runners`` together, each in a thread, released by one barrier and stopped at one deadline."""
+    windows = [Window() for _ in runners]
+    barrier = threading.Barrier(len(runners))
+
+    def loop(runner: Runner, window: Window) -> None:
+        try:
+            barrier.wait()
+            deadline = time.perf_counter() + seconds
+            began = time.perf_counter()
+            runner.start()
+            while time.perf_counter() < deadline:
+                window.bytes += runner.step()
+                window.steps += 1
+            window.bytes += runner.finish()
+            window.seconds = time.perf_counter() - began
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller, in its thread
+            window.error = exc
+            barrier.abort()
+
+    threads = [
+        threading.Thread(target=loop, args=(runner, window), name=f"window-{runner.name}")
+        for runner, window in zip(runners, windows, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for window in windows:
+        if window.error is not None and not isinstance(window.error, threading.BrokenBarrierError):
+            raise window.error
+    return windows
+
+
 def host_read_gbps(nbytes: int = 2 * GiB) -> float:
-    """Host DRAM read bandwidth: a multi-threaded sum over a buffer far larger than the caches."""
-    data = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / _best_seconds(lambda: data.sum().item()) / 1e9
+    """Host DRAM read bandwidth by the CPU alone: :class:`HostSumRunner`'s sum, the best of a few."""
+    runner = HostSumRunner(nbytes)
+    return runner.nbytes / _best_seconds(runner.step) / 1e9
 
 
 def h2d_gbps(nbytes: int = GiB, pinned: bool = True) -> float | None:
@@ -42,77 +145,6 @@ def h2d_gbps(nbytes: int = GiB, pinned: bool = True) -> float | None:
     return nbytes / _best_seconds(copy) / 1e9
 
 
-# A slice the concurrent runners read a call: far past the last-level cache, and short (a few ms) beside the
-# window, so that a runner's last call past the window's end barely runs alone.
-_SLICE_BYTES = 256 << 20
-
-
-def concurrent_gbps(readers: dict[str, Callable[[int], int]], seconds: float) -> dict[str, float]:
-    """Run ``readers`` at once, each in its own thread released together, until ``seconds`` have passed.
-
-    A reader takes its call's index and returns the bytes it read. Each reader's GB/s (1e9 bytes) is its bytes
-    over its own span (its first call's start to its last call's end), as the runners overlap for the whole
-    window but the last. Contract: every reader makes at least one call.
-    """
-    release = threading.Barrier(len(readers))
-    rates: dict[str, float] = {}
-    failures: list[Exception] = []
-
-    def loop(name: str, read: Callable[[int], int]) -> None:
-        try:
-            release.wait()
-            start = time.perf_counter()
-            deadline, total, calls = start + seconds, 0, 0
-            while calls == 0 or time.perf_counter() < deadline:
-                total += read(calls)
-                calls += 1
-            rates[name] = total / (time.perf_counter() - start) / 1e9
-        except Exception as exc:  # re-raised in the caller's thread below
-            failures.append(exc)  # before the abort: the others' broken-barrier errors come after it
-            release.abort()
-
-    threads = [threading.Thread(target=loop, args=item, daemon=True) for item in readers.items()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if failures:
-        raise failures[0]
-    return {name: rates[name] for name in readers}
-
-
-def _cpu_slice_reader(nbytes: int) -> Callable[[int], int]:
-    """Sums over consecutive slices of a host buffer of ``nbytes``, so that every call reads DRAM."""
-    data = torch.ones(nbytes // 4, dtype=torch.float32)
-    slices = data.split(_SLICE_BYTES // 4)
-
-    def read(call: int) -> int:
-        part = slices[call % len(slices)]
-        part.sum().item()
-        return part.numel() * 4
-
-    read(0)  # first touch
-    return read
-
-
-def _dma_slice_reader(nbytes: int) -> Callable[[int], int]:
-    """Pinned -> device copies of consecutive slices of ``nbytes``, each waited for, on a stream of its own."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    pairs = list(zip(src.split(_SLICE_BYTES), dst.split(_SLICE_BYTES), strict=True))
-    stream = torch.cuda.Stream()
-
-    def read(call: int) -> int:
-        host, device = pairs[call % len(pairs)]
-        with torch.cuda.stream(stream):
-            device.copy_(host, non_blocking=True)
-        stream.synchronize()
-        return host.numel()
-
-    read(0)
-    return read
-
-
 def host_read_beside_dma_gbps(cpu_bytes: int, dma_bytes: int, seconds: float) -> dict[str, float] | None:
     """Host DRAM read by the CPU's sum and the DMA engine's copies at once; None without CUDA.
 
@@ -121,9 +153,9 @@ def host_read_beside_dma_gbps(cpu_bytes: int, dma_bytes: int, seconds: float) ->
     """
     if not torch.cuda.is_available():
         return None
-    readers = {"cpu": _cpu_slice_reader(cpu_bytes), "dma": _dma_slice_reader(dma_bytes)}
-    rates = concurrent_gbps(readers, seconds)
-    return rates | {"total": sum(rates.values())}
+    pair = [HostSumRunner(cpu_bytes), PinnedCopyRunner(dma_bytes)]
+    rates = {runner.name: w.bytes / w.seconds / 1e9 for runner, w in zip(pair, run_window(pair, seconds), strict=True)}
+    return {"cpu": rates["read"], "dma": rates["dma"], "total": sum(rates.values())}
 
 
 def measure_bounds(quick: bool = False) -> dict[str, Any]:

@@ -393,8 +393,9 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
 def _add_naive_ceilings(result: dict[str, Any], naive_tok_s: float | None) -> None:
     """The x naive a run would reach at its DRAM bound and at its serial bound: the ceilings that the host's DRAM and
     this run's hit rate put on x naive. A target above the DRAM one needs fewer misses or a faster host, not a
-    better split. The bound takes the host-read figure measured at start (the CPU's own read). The two links
-    together have drawn up to ~1.1x that figure, so treat the ceiling as that good and no better."""
+    better split. The bound takes the host-read figure measured at start (:func:`measure_bounds`: the larger of
+    the CPU's read alone and beside the DMA engine's copies), so the ceiling is as good as that figure. Receipts
+    from before the pair priced misses at the CPU's read alone, which the two links together went past."""
     if not naive_tok_s or result["mode"] == "naive":
         return
     for bound in ("dram", "serial"):
@@ -537,9 +538,9 @@ def _cpu_team_note(mode: str, results: list[dict[str, Any]]) -> str | None:
 def _host_read(bounds: dict[str, Any]) -> str:
     """The DRAM rate the bounds use, and what it was measured as (receipts before the DMA pair carry neither)."""
     text = f"{bounds['host_read_gbps']:.1f} GB/s"
-    beside = bounds.get("host_read_beside_dma")
     if "host_read_cpu_gbps" not in bounds:
         return text
+    beside = bounds["host_read_beside_dma"]
     if not beside:
         return text + " (the CPU's read alone: no DMA engine to read beside it)"
     return text + (

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
-import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from moetier.bench.bandwidth import HostSumRunner, Runner, run_window
 from moetier.bench.common import add_expert_shape_arguments, expert_shape_options, parse_names, write_receipt_files
 from moetier.bench.cpu_tier import FORMATS, CpuTierBenchConfig, JobMaker, any_kernel_build, make_experts
 from moetier.bench.environment import environment
@@ -91,26 +90,6 @@ class LinksBenchConfig:
             names = combo.split("+")
             if any(name not in RUNNERS for name in names) or len(set(names)) < len(names):
                 raise ConfigError(f"--combos: {combo!r} must join distinct runners of {', '.join(RUNNERS)} with +")
-
-
-class Runner(ABC):
-    """One link's work, a unit at a time.
-
-    Contract: ``start`` runs in the runner's thread before the window (it may queue device work ahead);
-    ``step`` blocks until one more unit of work has completed and returns the bytes it read as stored;
-    ``finish`` waits for anything still queued and returns its bytes. The window's rate is (bytes of every
-    step + finish) / (finish's end - start's call)."""
-
-    name: str
-
-    def start(self) -> None:  # noqa: B027 - optional: only the device links queue work ahead
-        """Begin (queue work ahead where the link allows it)."""
-
-    @abstractmethod
-    def step(self) -> int: ...
-
-    def finish(self) -> int:
-        return 0
 
 
 class CpuRunner(Runner):
@@ -240,64 +219,14 @@ class DmaRunner(_DeviceRunner):
         return nbytes
 
 
-class ReadRunner(Runner):
-    """The DRAM bound's own measurement: a multi-threaded sum over a buffer far past the caches."""
-
-    name = "read"
+class ReadRunner(HostSumRunner):
+    """The CPU-alone half of the DRAM bound's own measurement (:class:`HostSumRunner`) over ``cfg.read_bytes``."""
 
     def __init__(self, cfg: LinksBenchConfig) -> None:
-        self.data = torch.ones(cfg.read_bytes // 4, dtype=torch.float32)
-        self.nbytes = self.data.numel() * 4
-        self.data.sum().item()  # first touch
-
-    def step(self) -> int:
-        self.data.sum().item()
-        return self.nbytes
+        super().__init__(cfg.read_bytes)
 
 
 RUNNER_TYPES: dict[str, type[Runner]] = {"cpu": CpuRunner, "mapped": MappedRunner, "dma": DmaRunner, "read": ReadRunner}
-
-
-@dataclass
-class _Window:
-    bytes: int = 0
-    steps: int = 0
-    seconds: float = 0.0
-    error: BaseException | None = None
-
-
-def run_window(runners: list[Runner], seconds: float) -> list[_Window]:
-    """Run ``runners`` together, each in a thread, released by one barrier and stopped at one deadline."""
-    windows = [_Window() for _ in runners]
-    barrier = threading.Barrier(len(runners))
-
-    def loop(runner: Runner, window: _Window) -> None:
-        try:
-            barrier.wait()
-            deadline = time.perf_counter() + seconds
-            began = time.perf_counter()
-            runner.start()
-            while time.perf_counter() < deadline:
-                window.bytes += runner.step()
-                window.steps += 1
-            window.bytes += runner.finish()
-            window.seconds = time.perf_counter() - began
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller, in its thread
-            window.error = exc
-            barrier.abort()
-
-    threads = [
-        threading.Thread(target=loop, args=(runner, window), name=f"links-{runner.name}")
-        for runner, window in zip(runners, windows, strict=True)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for window in windows:
-        if window.error is not None and not isinstance(window.error, threading.BrokenBarrierError):
-            raise window.error
-    return windows
 
 
 def measure_combo(combo: str, runners: dict[str, Runner], seconds: float) -> dict[str, Any]:
